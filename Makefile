@@ -1,0 +1,43 @@
+# tokenfeed developer commands. `make demo` and `make test` are the README's quick start.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is pinned to the CPU build that installs from the local wheel cache here;
+# any torch >= 2.1 works for users (the `torch` extra).
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-slow test-all protos lint deploy-check bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev,torch]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tokenfeed demo
+
+test: $(STAMP)
+	$(BIN)/pytest -m "not slow" -q
+
+test-slow: $(STAMP)
+	$(BIN)/pytest -m slow -q
+
+test-all: $(STAMP)
+	$(BIN)/pytest -q
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache build dist

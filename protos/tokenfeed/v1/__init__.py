@@ -1,0 +1,1 @@
+"""Generated gRPC modules of tokenfeed.v1 (see feeder.proto; regenerate with `make protos`)."""

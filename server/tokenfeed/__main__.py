@@ -1,0 +1,5 @@
+import sys
+
+from tokenfeed.cli import main
+
+sys.exit(main())

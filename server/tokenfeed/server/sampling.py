@@ -1,0 +1,399 @@
+"""The sampling engine: which token windows each rank receives at each step.
+
+Pure functions of the request (no I/O, no gRPC), so any replica computes the same
+order and a stream resumes exactly at an offset. design.md "Sampling semantics" is
+the contract; in short, for a store of N tokens T:
+
+* split: train is T[0 : floor(N * split_rate)], validation the rest;
+* window k of a split starts at k * stride, for every k with
+  k * stride + seq_len + max_shift <= split length (windows cross chunks freely);
+* a sample is T[start : start + seq_len + shift], input = [:seq_len], labels = [shift:];
+* the epoch order P permutes window indices; global step s covers positions
+  [o_s, o_s + B*W) of P and rank r takes [o_s + r*B, o_s + (r+1)*B).
+
+Shuffling is a *block shuffle*. Windows are grouped in blocks of consecutive windows
+(about `block_tokens`, one chunk, of tokens each); the block order is permuted per
+epoch; runs of `shuffle_blocks` consecutive blocks of that order form a group whose
+windows are permuted together. While a group is consumed the server reads only its
+blocks, so the cache working set is about `shuffle_blocks` + 1 chunks, and
+`shuffle_blocks` trades randomness (how far apart two neighbouring samples come from)
+against cache memory. The default, 8, mixes 8 chunks' worth of windows (8 x 32 MiB
+with default chunks) and keeps a few hundred MiB hot; `shuffle_blocks >= blocks`
+is a full shuffle.
+
+Every permutation is a keyed bijection (a Feistel network with cycle walking) keyed
+by (seed, epoch, block/group): any position of P maps to its window in O(1) time and
+memory, without generating what precedes it or storing a permutation. Nothing here
+grows with N.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cached_property
+
+import numpy as np
+
+from tokenfeed.server.errors import FailedPrecondition, InvalidArgument
+
+SPLITS = ("train", "validation")
+DEFAULT_SHUFFLE_BLOCKS = 8
+DEFAULT_BLOCK_TOKENS = 1 << 24
+# Bounds that keep every product of the math inside int64 with room to spare.
+MAX_PARAM = 1 << 40
+MAX_TOKENS = 1 << 62
+
+_MASK64 = (1 << 64) - 1
+_ROUNDS = 6
+_POSITIONS_PER_ROUND = 1024
+# Domain tags for the key derivation: one RNG stream per purpose.
+_BLOCKS, _GROUP, _SHIFT = 1, 2, 3
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic, no warnings)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _mix_int(x: int) -> int:
+    """splitmix64 finaliser on a Python int (scalars: faster than numpy here)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _key(*parts: int) -> int:
+    """A 64-bit key from integers (seed, epoch, tag, index...): a counter-based RNG."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = _mix_int(h ^ (p & _MASK64))
+    return h
+
+
+class _Permutation:
+    """A keyed bijection of range(n), evaluated pointwise.
+
+    A Feistel network over the smallest number of bits covering n permutes
+    [0, 2**bits) (the halves differ by at most one bit and swap widths every round;
+    an even number of rounds restores them); cycle walking (re-applying it until the
+    value lands below n) restricts it to [0, n). The domain is under 2n, so a point
+    walks twice on average. O(1) memory, O(len(x)) time.
+    """
+
+    def __init__(self, n: int, key: int) -> None:
+        self.n = n
+        bits = max(1, (n - 1).bit_length())
+        self._widths = (bits - bits // 2, bits // 2)  # (left, right) at the start
+        self._keys = [np.uint64(_key(key, r)) for r in range(_ROUNDS)]
+
+    @staticmethod
+    def _f(x: np.ndarray, k: np.uint64, width: int) -> np.ndarray:
+        return _mix(x ^ k) & np.uint64((1 << width) - 1)
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        wl, wr = self._widths
+        left, right = x >> np.uint64(wr), x & np.uint64((1 << wr) - 1)
+        for k in self._keys:
+            left, right = right, left ^ self._f(right, k, wl)
+            wl, wr = wr, wl
+        return (left << np.uint64(wr)) | right
+
+    def _decrypt(self, x: np.ndarray) -> np.ndarray:
+        wl, wr = self._widths  # an even number of rounds: the widths at the end too
+        left, right = x >> np.uint64(wr), x & np.uint64((1 << wr) - 1)
+        for k in reversed(self._keys):
+            left, right = right ^ self._f(left, k, wr), left
+            wl, wr = wr, wl
+        return (left << np.uint64(wr)) | right
+
+    def _walk(self, x: np.ndarray, step) -> np.ndarray:  # type: ignore[no-untyped-def]
+        if self.n <= 1:
+            return np.zeros_like(x, dtype=np.int64)
+        out = step(np.asarray(x, dtype=np.uint64))
+        outside = out >= np.uint64(self.n)
+        while outside.any():
+            out[outside] = step(out[outside])
+            outside = out >= np.uint64(self.n)
+        return out.astype(np.int64)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self._walk(x, self._encrypt)
+
+    def inverse(self, y: np.ndarray) -> np.ndarray:
+        return self._walk(y, self._decrypt)
+
+
+# ------------------------------------------------------------------------ the math
+
+
+def split_bounds(total_tokens: int, split: str, split_rate: float) -> tuple[int, int]:
+    """[begin, end) of a split in the token array; the cut is exact (no float rounding)."""
+    cut = math.floor(Fraction(split_rate) * total_tokens)
+    return (0, cut) if split == "train" else (cut, total_tokens)
+
+
+def window_count(split_tokens: int, seq_len: int, stride: int, max_shift: int) -> int:
+    """Windows k with k*stride + seq_len + max_shift <= split_tokens."""
+    if stride <= 0:
+        raise InvalidArgument(f"stride must be positive, got {stride}")
+    room = split_tokens - seq_len - max_shift
+    return 0 if room < 0 else room // stride + 1
+
+
+def proper_divisors(n: int) -> list[int]:
+    """Divisors d of n with 1 < d < n, ascending (the shifts `auto` draws from)."""
+    small = [d for d in range(2, math.isqrt(n) + 1) if n % d == 0]
+    large = [n // d for d in reversed(small) if n // d != d]
+    return small + large
+
+
+def steps_per_epoch(
+    num_windows: int, batch_size: int, world_size: int, rank: int, split: str, offset: int = 0
+) -> int:
+    """Steps `rank` receives from `offset` to the end of the epoch.
+
+    Train drops a final global batch of fewer than B*W windows; validation delivers
+    every window, so a rank whose share of the short last step is empty has one step
+    fewer.
+    """
+    global_batch = batch_size * world_size
+    full, rest = divmod(max(num_windows - offset, 0), global_batch)
+    if split == "train":
+        return full
+    return full + (1 if rest > rank * batch_size else 0)
+
+
+class EpochOrder:
+    """Position in the epoch order -> window index, for one (seed, epoch)."""
+
+    def __init__(
+        self,
+        num_windows: int,
+        windows_per_block: int,
+        shuffle_blocks: int,
+        seed: int,
+        epoch: int,
+        shuffle: bool,
+    ) -> None:
+        self.n = num_windows
+        self.shuffle = shuffle
+        if not shuffle:
+            return
+        self.seed, self.epoch = seed, epoch
+        self.wpb = wpb = min(windows_per_block, num_windows)
+        self.num_blocks = nb = -(-num_windows // wpb)
+        # Only the last block may be short; `deficit` is how many windows it lacks.
+        self.deficit = nb * wpb - num_windows
+        self.blocks_per_group = min(shuffle_blocks, nb)
+        self.group_windows = self.blocks_per_group * wpb
+        self._blocks = _Permutation(nb, _key(seed, epoch, _BLOCKS))
+        # Where the short block lands in the permuted block order.
+        self._short_at = int(self._blocks.inverse(np.array([nb - 1]))[0])
+
+    def _group_start(self, g: np.ndarray) -> np.ndarray:
+        short_group = self._short_at // self.blocks_per_group
+        return g * self.group_windows - self.deficit * (g > short_group)
+
+    def windows(self, positions: np.ndarray) -> np.ndarray:
+        """Window indices at `positions` (int64 array, each in [0, num_windows))."""
+        p = np.asarray(positions, dtype=np.int64)
+        if not self.shuffle:
+            return p.copy()
+        S, wpb = self.blocks_per_group, self.wpb
+        g = p // self.group_windows
+        g = g + (p >= self._group_start(g + 1))
+        within = p - self._group_start(g)
+        out = np.empty_like(p)
+        for group in np.unique(g):
+            sel = g == group
+            first_block = int(group) * S
+            n_blocks = min(S, self.num_blocks - first_block)
+            short = self._short_at - first_block  # its index in the group, if in it
+            has_short = 0 <= short < n_blocks
+            size = n_blocks * wpb - (self.deficit if has_short else 0)
+            u = _Permutation(size, _key(self.seed, self.epoch, _GROUP, int(group)))(within[sel])
+            # u indexes the concatenation of the group's blocks, in permuted order.
+            j = u // wpb
+            if has_short:
+                j = j + (u >= (j + 1) * wpb - self.deficit * (j + 1 > short))
+            block_start = j * wpb - (self.deficit * (j > short) if has_short else 0)
+            block = self._blocks(first_block + j)
+            out[sel] = block * self.wpb + (u - block_start)
+        return out
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One rank's batch of one global step: rows are T[s : s + seq_len + shift]."""
+
+    epoch: int
+    step: int
+    offset: int
+    shift: int
+    starts: np.ndarray  # int64 absolute token offsets in the store
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything that defines one epoch order; identical on every rank of a job."""
+
+    total_tokens: int
+    split: str
+    split_rate: float
+    seq_len: int
+    stride: int
+    batch_size: int
+    world_size: int
+    shift: int | str = 1
+    seed: int = 0
+    shuffle: bool = False
+    shuffle_blocks: int = DEFAULT_SHUFFLE_BLOCKS
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise InvalidArgument(f"unknown split {self.split!r}; expected one of {SPLITS}")
+        if not (isinstance(self.split_rate, (int, float)) and 0.0 <= self.split_rate <= 1.0):
+            raise InvalidArgument(f"split_rate must be in [0, 1], got {self.split_rate}")
+        for name in ("seq_len", "stride", "batch_size", "world_size", "shuffle_blocks",
+                     "block_tokens"):
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_PARAM:
+                raise InvalidArgument(f"{name} must be in [1, 2**40], got {value}")
+        if not 0 <= self.total_tokens <= MAX_TOKENS:
+            raise InvalidArgument(f"total_tokens out of range: {self.total_tokens}")
+        if not 0 <= self.seed <= _MASK64:
+            raise InvalidArgument(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.shift == "auto":
+            if not self.divisors:
+                raise InvalidArgument(
+                    f"shift='auto' draws from the proper divisors of seq_len, and "
+                    f"seq_len={self.seq_len} has none; use a composite seq_len or a fixed shift"
+                )
+        elif isinstance(self.shift, str) or not isinstance(self.shift, int):
+            raise InvalidArgument(f"shift must be a positive integer or 'auto', got {self.shift!r}")
+        elif not 1 <= self.shift <= self.seq_len or self.seq_len % self.shift:
+            raise InvalidArgument(
+                f"shift={self.shift} must divide seq_len={self.seq_len} (the grouped "
+                f"[seq_len//shift, shift] layout needs it); try one of "
+                f"{[1, *proper_divisors(self.seq_len)][:8]}"
+            )
+        length = self.split_end - self.split_begin
+        if self.num_windows == 0:
+            raise FailedPrecondition(
+                f"the {self.split} split has {length} tokens, too short for one window of "
+                f"seq_len {self.seq_len} + shift {self.max_shift}"
+            )
+        global_batch = self.batch_size * self.world_size
+        if self.split == "train" and self.num_windows < global_batch:
+            raise FailedPrecondition(
+                f"the train split has {self.num_windows} windows, fewer than one global batch "
+                f"of batch_size {self.batch_size} x world_size {self.world_size} = {global_batch}"
+            )
+
+    @cached_property
+    def _bounds(self) -> tuple[int, int]:
+        return split_bounds(self.total_tokens, self.split, self.split_rate)
+
+    @property
+    def split_begin(self) -> int:
+        return self._bounds[0]
+
+    @property
+    def split_end(self) -> int:
+        return self._bounds[1]
+
+    @cached_property
+    def divisors(self) -> list[int]:
+        return proper_divisors(self.seq_len)
+
+    @cached_property
+    def max_shift(self) -> int:
+        """The largest shift any step can use; windows leave room for it."""
+        return self.divisors[-1] if self.shift == "auto" else int(self.shift)
+
+    @cached_property
+    def num_windows(self) -> int:
+        return window_count(
+            self.split_end - self.split_begin, self.seq_len, self.stride, self.max_shift
+        )
+
+    @property
+    def windows_per_block(self) -> int:
+        return max(1, self.block_tokens // self.stride)
+
+    def order(self, epoch: int) -> EpochOrder:
+        return EpochOrder(
+            self.num_windows, self.windows_per_block, self.shuffle_blocks,
+            self.seed, epoch, self.shuffle,
+        )
+
+    def shift_at(self, epoch: int, offset: int) -> int:
+        """The shift of the global step starting at `offset`: the same on every rank."""
+        if self.shift != "auto":
+            return int(self.shift)
+        divisors = self.divisors
+        return divisors[_key(self.seed, epoch, _SHIFT, offset) % len(divisors)]
+
+    def _check(self, epoch: int, rank: int, offset: int, step: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise InvalidArgument(f"rank must be in [0, world_size={self.world_size}), got {rank}")
+        if not 0 <= offset <= self.num_windows:
+            raise InvalidArgument(
+                f"offset {offset} is outside the epoch of {self.num_windows} windows"
+            )
+        if not 0 <= epoch <= MAX_PARAM or not 0 <= step <= MAX_TOKENS:
+            raise InvalidArgument(f"epoch and step must be non-negative, got {epoch}, {step}")
+
+    def steps(self, rank: int, offset: int = 0) -> int:
+        """Steps left for `rank` from `offset` (len() of a client's epoch)."""
+        self._check(0, rank, offset, 0)
+        return steps_per_epoch(
+            self.num_windows, self.batch_size, self.world_size, rank, self.split, offset
+        )
+
+    def batches(
+        self, epoch: int, rank: int, offset: int = 0, step: int = 0
+    ) -> Iterator[BatchPlan]:
+        """`rank`'s batches of `epoch`, from position `offset` of the epoch order.
+
+        `step` is the number of the first step (it continues across resumes).
+        """
+        self._check(epoch, rank, offset, step)
+        order = self.order(epoch)
+        n, B = self.num_windows, self.batch_size
+        global_batch = B * self.world_size
+        # Train stops before a short final global batch; validation delivers every window.
+        end = n if self.split != "train" else offset + (n - offset) // global_batch * global_batch
+        # Map several steps' positions per call: numpy's per-call overhead, not the
+        # arithmetic, dominates at small B, so this amortises it. Rounds start at one
+        # step and double, so the first batch of a (resumed) stream comes at once.
+        max_round = max(1, _POSITIONS_PER_ROUND // B)
+        k = 1
+        o = offset
+        while o < end:
+            k = min(k, max_round, -(-(end - o) // global_batch))
+            offsets = o + global_batch * np.arange(k, dtype=np.int64)
+            first = offsets + rank * B
+            positions = first[:, None] + np.arange(B, dtype=np.int64)
+            windows = order.windows(np.minimum(positions, end - 1).ravel()).reshape(k, B)
+            starts = self.split_begin + windows * self.stride
+            for i in range(k):
+                rows = min(B, end - int(first[i]))
+                if rows <= 0:  # validation: this rank's share of the short last step is empty
+                    return
+                off = int(offsets[i])
+                yield BatchPlan(epoch, step, off, self.shift_at(epoch, off), starts[i, :rows])
+                step += 1
+            o += k * global_batch
+            k *= 2

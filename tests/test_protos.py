@@ -1,0 +1,32 @@
+"""The committed generated modules are exactly what `make protos` produces."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_code_is_in_sync(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), str(tmp_path)], check=True,
+        capture_output=True,
+    )
+    fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*_pb2*.py*"))
+    committed = sorted(
+        p.relative_to(ROOT / "protos") for p in (ROOT / "protos").rglob("*_pb2*.py*")
+    )
+    assert fresh == committed and fresh, "run `make protos` and commit the result"
+    for rel in fresh:
+        assert (tmp_path / rel).read_bytes() == (ROOT / "protos" / rel).read_bytes(), (
+            f"{rel} is stale: run `make protos`"
+        )
+
+
+def test_generated_imports_use_the_package_path() -> None:
+    from tokenfeed.v1 import feeder_pb2, feeder_pb2_grpc
+
+    assert feeder_pb2.DESCRIPTOR.package == "tokenfeed.v1"
+    assert hasattr(feeder_pb2_grpc, "FeederStub")
