@@ -1,0 +1,228 @@
+"""Feeder throughput vs the bare gRPC ceiling, side by side in one run on loopback.
+
+    python benchmarks/serve_throughput.py [--seconds 3] [--tokens 32M]
+
+Rows of 16 x (1024 + 1) uint16 tokens, shuffled. Each configuration runs a server in
+its own process and 1 or 4 client processes, each draining one stream for
+`--seconds`:
+
+* tokenfeed: `python -m tokenfeed.server.cli` over a random store;
+* bare: a minimal grpc.aio server (uvloop, same method name) that streams one
+  pre-built, pre-serialized response of exactly the same size over and over: the
+  ceiling of gRPC itself for that message size on this machine.
+
+Reported: total tokens/s, messages/s, server CPU seconds per 10^9 tokens, and the
+ratio to the bare ceiling at the same message size (batches per message). Clients
+only count bytes (no numpy decode), so the client side costs the same in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SEQ_LEN, BATCH, STRIDE = 1024, 16, 256
+METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
+
+
+def request(per_message: int, epoch: int):  # type: ignore[no-untyped-def]
+    from tokenfeed.v1 import feeder_pb2 as pb
+
+    params = pb.SamplingParams(
+        dataset="bench", split="train", split_rate=1.0, seq_len=SEQ_LEN, stride=STRIDE,
+        batch_size=BATCH, world_size=1, shift=1, seed=1, shuffle=True,
+    )
+    return pb.StreamBatchesRequest(params=params, epoch=epoch, batches_per_message=per_message)
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def run_client(address: str, seconds: float, per_message: int) -> None:
+    """One stream (epoch after epoch) for `seconds`; prints {"tokens", "messages", "seconds"}."""
+    import grpc
+
+    from tokenfeed.v1 import feeder_pb2 as pb
+
+    opts = [("grpc.max_receive_message_length", -1)]
+    with grpc.insecure_channel(address, options=opts) as ch:
+        call = ch.unary_stream(METHOD, request_serializer=pb.StreamBatchesRequest.SerializeToString,
+                               response_deserializer=pb.StreamBatchesResponse.FromString)
+        grpc.channel_ready_future(ch).result(timeout=60)
+        tokens = messages = 0
+        t0 = time.perf_counter()
+        end = t0 + seconds
+        epoch = 0
+        while time.perf_counter() < end:
+            stream = call(request(per_message, epoch), wait_for_ready=True)
+            for msg in stream:
+                for b in msg.batches:
+                    tokens += b.rows * b.cols
+                messages += 1
+                if time.perf_counter() >= end:
+                    stream.cancel()
+                    break
+            epoch += 1
+        elapsed = time.perf_counter() - t0
+    print(json.dumps({"tokens": tokens, "messages": messages, "seconds": elapsed}), flush=True)
+
+
+def run_bare(port_file: str, per_message: int) -> None:
+    """The ceiling: stream one pre-serialized message of the same size forever."""
+    import grpc
+    import numpy as np
+
+    from tokenfeed.server.app import new_event_loop
+    from tokenfeed.v1 import feeder_pb2 as pb
+
+    rng = np.random.default_rng(0)
+    resp = pb.StreamBatchesResponse()
+    for i in range(per_message):
+        resp.batches.add(
+            epoch=0, step=i, offset=i * BATCH, shift=1, rows=BATCH, cols=SEQ_LEN + 1,
+            dtype="uint16", starts=rng.integers(0, 1 << 25, BATCH).tolist(),
+            tokens=rng.integers(0, 1 << 16, BATCH * (SEQ_LEN + 1), dtype=np.uint16).tobytes(),
+        )
+    payload = resp.SerializeToString()
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        while True:
+            await context.write(payload)
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", -1)])
+        handler = grpc.method_handlers_generic_handler("tokenfeed.v1.Feeder", {
+            "StreamBatches": grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=bytes, response_serializer=bytes)})
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        Path(port_file).write_text(str(port))
+        await server.wait_for_termination()
+
+    new_event_loop().run_until_complete(main())
+
+
+# ------------------------------------------------------------------------- driver
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tuple:  # type: ignore[type-arg]
+    port_file = tmp / f"port-{kind}-{per_message}"
+    port_file.unlink(missing_ok=True)
+    if kind == "bare":
+        argv = [sys.executable, __file__, "--bare", str(port_file), "--per-message",
+                str(per_message)]
+    else:
+        argv = [sys.executable, "-m", "tokenfeed.server.cli", "--data-root", str(data_root),
+                "--port", "0", "--port-file", str(port_file), "--log-level", "WARNING"]
+    proc = subprocess.Popen(argv)
+    while not port_file.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"{kind} server failed to start")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+
+
+def measure(kind: str, streams: int, per_message: int, seconds: float, data_root: Path,
+            tmp: Path) -> dict:  # type: ignore[type-arg]
+    proc, address = start_server(kind, data_root, per_message, tmp)
+    try:
+        # warm up (cache fill, connection setup) outside the measurement
+        warm = [sys.executable, __file__, "--client", address, "--seconds", "0.5",
+                "--per-message", str(per_message)]
+        subprocess.run(warm, check=True, capture_output=True)
+        cpu0 = cpu_seconds(proc.pid)
+        argv = [sys.executable, __file__, "--client", address, "--seconds", str(seconds),
+                "--per-message", str(per_message)]
+        clients = [subprocess.Popen(argv, stdout=subprocess.PIPE) for _ in range(streams)]
+        results = [json.loads(c.communicate()[0]) for c in clients]
+        cpu = cpu_seconds(proc.pid) - cpu0
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    tokens = sum(r["tokens"] for r in results)
+    rate = sum(r["tokens"] / r["seconds"] for r in results)
+    msgs = sum(r["messages"] / r["seconds"] for r in results)
+    return {"kind": kind, "streams": streams, "per_message": per_message, "tokens_s": rate,
+            "msgs_s": msgs, "cpu_per_gtok": cpu / tokens * 1e9 if tokens else float("nan")}
+
+
+def make_store(root: Path, total: int) -> None:
+    import numpy as np
+
+    from tokenfeed.server.store import write_store
+
+    rng = np.random.default_rng(0)
+    write_store(root / "bench", rng.integers(0, 50_257, total, dtype=np.uint16), dtype="uint16",
+                tokens_per_chunk=1 << 20, vocab_size=50_257, eos_token_id=50_256)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--tokens", type=int, default=32 << 20)
+    ap.add_argument("--per-message", type=int, default=1)
+    ap.add_argument("--client", metavar="ADDRESS")
+    ap.add_argument("--bare", metavar="PORT_FILE")
+    ap.add_argument("--stretch", type=int, default=16, help="batches per message, stretch rows")
+    ap.add_argument("--only", help="comma-separated rows to run, e.g. tokenfeed:1:1 (debugging)")
+    args = ap.parse_args()
+    if args.client:
+        return run_client(args.client, args.seconds, args.per_message)
+    if args.bare:
+        return run_bare(args.bare, args.per_message)
+
+    with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as d:
+        tmp = Path(d)
+        make_store(tmp / "data", args.tokens)
+        k = args.stretch
+        plan = [("bare", 1, 1), ("tokenfeed", 1, 1), ("bare", 4, 1), ("tokenfeed", 4, 1),
+                ("bare", 1, k), ("tokenfeed", 1, k), ("tokenfeed", 4, k)]
+        if args.only:
+            plan = [(k_, int(s_), int(m_)) for k_, s_, m_ in
+                    (x.split(":") for x in args.only.split(","))]
+        rows = []
+        for kind, streams, per_message in plan:
+            rows.append(measure(kind, streams, per_message, args.seconds, tmp / "data", tmp))
+            r = rows[-1]
+            print(f"  measured {kind:9s} streams={streams} batches/msg={per_message}: "
+                  f"{r['tokens_s'] / 1e6:8.1f} M tokens/s", flush=True)
+
+    if args.only:
+        return
+    bare = {(r["streams"], r["per_message"]): r for r in rows if r["kind"] == "bare"}
+    print(f"\nserve_throughput: batch {BATCH} x {SEQ_LEN}+1 uint16, shuffled, "
+          f"{args.seconds:g} s per row, loopback, {os.cpu_count()} cpus\n")
+    print(f"{'server':10s} {'streams':>7s} {'batch/msg':>9s} {'Mtok/s':>9s} {'msg/s':>8s} "
+          f"{'cpu s/Gtok':>10s} {'vs bare':>8s}")
+    for r in rows:
+        ref = bare.get((r["streams"], r["per_message"])) or bare.get((1, r["per_message"]))
+        ratio = r["tokens_s"] / ref["tokens_s"] if ref and r["kind"] != "bare" else float("nan")
+        print(f"{r['kind']:10s} {r['streams']:7d} {r['per_message']:9d} "
+              f"{r['tokens_s'] / 1e6:9.1f} {r['msgs_s']:8.0f} {r['cpu_per_gtok']:10.2f} "
+              f"{ratio:8.2f}")
+    tf = {(r["streams"], r["per_message"]): r for r in rows if r["kind"] == "tokenfeed"}
+    print("\nratios:")
+    print(f"  1 stream / bare ceiling (1 batch/msg):        "
+          f"{tf[(1, 1)]['tokens_s'] / bare[(1, 1)]['tokens_s']:.2f}  (goal >= 0.70)")
+    print(f"  4 streams / 1 stream (1 batch/msg):           "
+          f"{tf[(4, 1)]['tokens_s'] / tf[(1, 1)]['tokens_s']:.2f}  (goal >= 1.00)")
+    print(f"  1 stream, {k} batches/msg / bare at that size: "
+          f"{tf[(1, k)]['tokens_s'] / bare[(1, k)]['tokens_s']:.2f}")
+    print(f"  1 stream, {k} batches/msg: {tf[(1, k)]['tokens_s'] / 1e6:.0f} M tokens/s "
+          "(stretch goal > 250)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Assemble and run the feeder: gRPC server, health, reflection, auth, TLS, metrics.
+
+`create_server(config)` builds everything without binding (tests pass `port=0` and
+their own registry); `FeederServer.start()` binds and serves; `drain()` is the
+graceful stop (health NOT_SERVING, no new streams, open ones get `grace_seconds`).
+`run(config)` is `tokenfeed serve`: uvloop when installed, SIGTERM/SIGINT drain,
+exit code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from tokenfeed.server.cache import ChunkCache
+from tokenfeed.server.config import ServerConfig
+from tokenfeed.server.datasets import DatasetRegistry
+from tokenfeed.server.metrics import ServerMetrics, serve_http
+from tokenfeed.server.service import SERVICE_NAME, FeederService
+from tokenfeed.v1 import feeder_pb2
+
+log = logging.getLogger("tokenfeed.server")
+
+HEALTH_SERVICE = "grpc.health.v1.Health"
+_REQUEST_LIMIT = 1 << 20  # requests are small; responses are bounded by --max-batch-bytes
+
+
+class BearerTokenAuth(grpc.aio.ServerInterceptor):
+    """Every call must carry `authorization: Bearer <token>` (compared in constant time).
+
+    The health service is exempt so orchestrator probes (Kubernetes gRPC probes send
+    no metadata) keep working; it reveals nothing but "serving".
+    """
+
+    def __init__(self, token: str, metrics: ServerMetrics) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._metrics = metrics
+
+    def _ok(self, details: grpc.HandlerCallDetails) -> bool:
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(f"/{HEALTH_SERVICE}/") or self._ok(details):
+            return handler
+        metrics = self._metrics
+
+        async def reject(request: Any, context: grpc.aio.ServicerContext) -> None:
+            metrics.errors.labels(code="UNAUTHENTICATED").inc()
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token: send metadata 'authorization: Bearer <token>' "
+                "with the token in the feeder's --auth-token-file",
+            )
+
+        kind = (handler.request_streaming, handler.response_streaming)
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[kind]
+        return make(
+            reject,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class FeederServer:
+    """One feeder: the gRPC server and everything it owns."""
+
+    def __init__(self, config: ServerConfig, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = ServerMetrics(self.registry)
+        self.cache = ChunkCache(config.cache_bytes, self.metrics)
+        self.datasets = DatasetRegistry(config.data_root)
+        self.executor = ThreadPoolExecutor(config.num_workers, thread_name_prefix="tokenfeed-batch")
+        self.service = FeederService(
+            self.datasets, self.cache, self.metrics, self.executor,
+            max_streams=config.max_streams, max_batch_bytes=config.max_batch_bytes,
+        )
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._http: Any = None
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        host = self.config.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind, serve, mark healthy; returns the bound port (useful with port 0)."""
+        cfg = self.config
+        interceptors = []
+        token = cfg.auth_token()
+        if token is not None:
+            interceptors.append(BearerTokenAuth(token, self.metrics))
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_send_message_length", cfg.max_batch_bytes + (1 << 20)),
+                ("grpc.max_receive_message_length", _REQUEST_LIMIT),
+                ("grpc.so_reuseport", 0),  # a second feeder on a busy port must fail
+                # Accept the clients' keepalive pings (every 20 s, also while a slow
+                # trainer's stream is paused by flow control) instead of a GOAWAY.
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
+        )
+        server.add_generic_rpc_handlers((self.service.handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                feeder_pb2.DESCRIPTOR.services_by_name["Feeder"].full_name,
+                HEALTH_SERVICE,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        bind = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
+        if cfg.tls:
+            creds = grpc.ssl_server_credentials(
+                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],  # type: ignore[arg-type]
+                root_certificates=(
+                    Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
+                ),
+                require_client_auth=cfg.tls_client_ca is not None,
+            )
+            port = server.add_secure_port(bind, creds)
+        else:
+            port = server.add_insecure_port(bind)
+        if port == 0:
+            raise OSError(f"could not bind {bind}")
+        await server.start()
+        self._server, self.port = server, port
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port:
+            self._http, self.metrics_port = serve_http(self.registry, cfg.host, cfg.metrics_port)
+        if cfg.port_file is not None:
+            _write_atomic(Path(cfg.port_file), f"{port}\n")
+        return port
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING, refuse new streams, give open ones `grace` seconds."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.grace_seconds if grace is None else grace
+        self.service.draining = True
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        self.close()
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.cache.close()
+
+    async def wait_for_termination(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+
+def create_server(config: ServerConfig, registry: CollectorRegistry | None = None) -> FeederServer:
+    """A feeder for `config`, not yet bound; `await server.start()` serves it."""
+    return FeederServer(config, registry)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop when uvloop is installed (the `server` extra), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+async def serve(config: ServerConfig) -> int:
+    server = create_server(config)
+    await server.start()
+    log.info(
+        "tokenfeed feeder serving %s on %s (tls=%s, auth=%s, cache %d bytes)%s",
+        config.data_root, server.address, config.tls, config.auth_token_file is not None,
+        config.cache_bytes,
+        f", metrics on :{server.metrics_port}" if server.metrics_port else "",
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining: no new streams, %.1f s for open ones", config.grace_seconds)
+    await server.drain()
+    log.info("stopped")
+    return 0
+
+
+def run(config: ServerConfig) -> int:
+    warning = config.insecure_warning()
+    if warning:
+        print("\n" + "!" * 78 + f"\n{warning}\n" + "!" * 78 + "\n", file=sys.stderr, flush=True)
+    loop = new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(serve(config))
+    finally:
+        # Drained: a repeated SIGTERM during the last teardown must not turn exit 0
+        # into "killed by signal".
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        asyncio.set_event_loop(None)
+        loop.close()

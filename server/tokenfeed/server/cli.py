@@ -1,0 +1,71 @@
+"""`tokenfeed serve`: flags here, defaults and validation in config.py.
+
+Every flag defaults to None so that `TOKENFEED_<NAME>` environment variables apply
+when it is not given (flags > environment > defaults). grpc is imported in `run` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--data-root", help="directory whose token stores are served, named by relative path "
+      "[TOKENFEED_DATA_ROOT]")
+    a("--host", help="address to bind (default 127.0.0.1) [TOKENFEED_HOST]")
+    a("--port", type=int, help="gRPC port (default 50051; 0 = any free port) [TOKENFEED_PORT]")
+    a("--port-file", help="write the bound port to this file once serving [TOKENFEED_PORT_FILE]")
+    a("--metrics-port", type=int,
+      help="Prometheus /metrics port (default 0 = off) [TOKENFEED_METRICS_PORT]")
+    a("--cache-bytes", help="chunk cache bound, e.g. 2G (default 2 GiB) [TOKENFEED_CACHE_BYTES]")
+    a("--max-streams", type=int, help="concurrent streams (default 256) [TOKENFEED_MAX_STREAMS]")
+    a("--max-batch-bytes",
+      help="largest response message, e.g. 64M (default 64 MiB) [TOKENFEED_MAX_BATCH_BYTES]")
+    a("--workers", type=int,
+      help="batch-assembly threads (default min(8, cpus)) [TOKENFEED_WORKERS]")
+    a("--tls-cert", help="PEM server certificate (with --tls-key) [TOKENFEED_TLS_CERT]")
+    a("--tls-key", help="PEM server private key [TOKENFEED_TLS_KEY]")
+    a("--tls-client-ca", help="PEM CA: require client certificates it signed "
+      "[TOKENFEED_TLS_CLIENT_CA]")
+    a("--auth-token-file", help="file holding a bearer token every call must send "
+      "[TOKENFEED_AUTH_TOKEN_FILE]")
+    a("--grace-seconds", type=float,
+      help="on SIGTERM, time open streams get to finish (default 10) [TOKENFEED_GRACE_SECONDS]")
+    a("--log-level", default=os.environ.get("TOKENFEED_LOG_LEVEL", "INFO"),
+      help="logging level (default INFO) [TOKENFEED_LOG_LEVEL]")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenfeed.server.app import run as run_server
+    from tokenfeed.server.config import ServerConfig
+
+    logging.basicConfig(
+        level=str(args.log_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = ServerConfig.from_sources(vars(args))
+    return run_server(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tokenfeed.server.cli` = `tokenfeed serve`, without loading the other
+    subcommands' modules (used by tests' FeederProcess and minimal server images)."""
+    import sys
+
+    from tokenfeed.server.errors import FeederError
+
+    parser = argparse.ArgumentParser(prog="tokenfeed serve", description="run the feeder")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except FeederError as e:
+        print(f"tokenfeed serve: error: {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

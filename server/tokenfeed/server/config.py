@@ -1,0 +1,148 @@
+"""Server configuration: one frozen dataclass, from `TOKENFEED_*` env overridden by flags.
+
+Every setting has a flag (`--cache-bytes`) and an environment variable
+(`TOKENFEED_CACHE_BYTES`); a flag given on the command line wins. Values are checked
+once, at start, in `__post_init__`, so a typo fails before the port is bound rather
+than at the first request.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tokenfeed.server.errors import InvalidArgument
+
+ENV_PREFIX = "TOKENFEED_"
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    data_root: Path
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 0  # 0 = no metrics endpoint
+    cache_bytes: int = 2 * GiB
+    max_streams: int = 256
+    max_batch_bytes: int = 64 * MiB  # bytes of one response message (all its batches)
+    workers: int = 0  # batch-assembly threads; 0 = min(8, cpus)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # require client certificates signed by this CA
+    auth_token_file: Path | None = None
+    grace_seconds: float = 10.0
+    port_file: Path | None = None  # written with the bound port once serving (tests, scripts)
+
+    def __post_init__(self) -> None:
+        root = Path(self.data_root)
+        if not root.is_dir():
+            raise InvalidArgument(f"--data-root {root} is not a directory")
+        for name, lo, hi in (
+            ("port", 0, 65535),
+            ("metrics_port", 0, 65535),
+            ("cache_bytes", 1, 1 << 50),
+            ("max_streams", 1, 1 << 20),
+            ("max_batch_bytes", 1, 2 * GiB - 1),  # gRPC messages are limited to 2 GiB
+            ("workers", 0, 1024),
+        ):
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                flag = "--" + name.replace("_", "-")
+                raise InvalidArgument(f"{flag} must be in [{lo}, {hi}], got {value}")
+        if not 0 <= self.grace_seconds <= 3600:
+            raise InvalidArgument(f"--grace-seconds must be in [0, 3600], got {self.grace_seconds}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgument("--tls-cert and --tls-key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise InvalidArgument(f"--{name.replace('_', '-')} {path}: no such file")
+        if self.auth_token_file is not None and not self.auth_token():
+            raise InvalidArgument(f"--auth-token-file {self.auth_token_file} is empty")
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers or min(8, os.cpu_count() or 1)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    def auth_token(self) -> str | None:
+        """The bearer token (surrounding whitespace stripped), or None when auth is off."""
+        if self.auth_token_file is None:
+            return None
+        return Path(self.auth_token_file).read_text().strip()
+
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def insecure_warning(self) -> str | None:
+        """A loud warning when the feeder is reachable from the network unprotected."""
+        if self.is_loopback() or self.tls or self.auth_token_file is not None:
+            return None
+        return (
+            f"WARNING: serving on {self.host}:{self.port} with neither TLS nor an auth "
+            "token: anyone who can reach this address can read every dataset under "
+            f"the data root. Use --tls-cert/--tls-key and/or --auth-token-file, or bind "
+            "127.0.0.1."
+        )
+
+    @classmethod
+    def from_sources(
+        cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> ServerConfig:
+        """Defaults < `TOKENFEED_<NAME>` environment < flags (those not None)."""
+        environ = os.environ if environ is None else environ
+        flags = flags or {}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw: Any = flags.get(f.name)
+            if raw is None:
+                raw = environ.get(ENV_PREFIX + f.name.upper())
+                if raw is None or raw == "":
+                    continue
+            values[f.name] = _convert(f.name, str(f.type), raw)
+        if "data_root" not in values:
+            raise InvalidArgument("no data root: pass --data-root or set TOKENFEED_DATA_ROOT")
+        return cls(**values)
+
+
+def _convert(name: str, type_name: str, raw: Any) -> Any:
+    """Parse an env/flag value by the field's annotation (a string under `annotations`)."""
+    flag = "--" + name.replace("_", "-")
+    try:
+        if type_name.startswith("Path"):
+            return Path(raw)
+        if type_name == "int":
+            return parse_size(raw) if isinstance(raw, str) else int(raw)
+        if type_name == "float":
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        env = ENV_PREFIX + name.upper()
+        raise InvalidArgument(f"{flag} (or {env}): bad value {raw!r}") from None
+
+
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """An integer, optionally with a binary unit: 512M, 2G, 2GiB, 1024 -> bytes/count."""
+    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if s and s[-1] in _UNITS:
+        return int(float(s[:-1]) * _UNITS[s[-1]])
+    return int(s)

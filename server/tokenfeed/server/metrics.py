@@ -1,0 +1,103 @@
+"""The feeder's Prometheus metrics: the one home of every server metric name.
+
+Dashboards and alert rules (deploy/) are built on these names, so they change only
+together with those. A registry is passed in (never the process-global one, which
+tests would fight over). Labels carry dataset names (paths relative to the data
+root) and split names only: no filesystem paths, no tokens, no client addresses.
+
+prometheus_client appends `_total` to counter names itself, so the counters below are
+declared without it and exported as `tokenfeed_server_batches_sent_total` and so on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Exported series (after prometheus_client's `_total` suffix), for docs and tests.
+SERIES = (
+    "tokenfeed_server_streams_active",
+    "tokenfeed_server_batches_sent_total",
+    "tokenfeed_server_tokens_sent_total",
+    "tokenfeed_server_bytes_sent_total",
+    "tokenfeed_server_errors_total",
+    "tokenfeed_cache_hits_total",
+    "tokenfeed_cache_misses_total",
+    "tokenfeed_cache_evictions_total",
+    "tokenfeed_cache_checksum_failures_total",
+    "tokenfeed_cache_resident_bytes",
+    "tokenfeed_cache_capacity_bytes",
+    "tokenfeed_chunk_load_seconds",
+    "tokenfeed_batch_build_seconds",
+)
+
+_LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_BUILD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.25, 1)
+
+
+class ServerMetrics:
+    """All server metrics, registered on `registry`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        ds = ("dataset", "split")
+        self.streams_active = Gauge(
+            "tokenfeed_server_streams_active", "StreamBatches calls in progress",
+            registry=registry,
+        )
+        self.batches_sent = Counter(
+            "tokenfeed_server_batches_sent", "Batches sent", ds, registry=registry
+        )
+        self.tokens_sent = Counter(
+            "tokenfeed_server_tokens_sent", "Tokens sent (rows x (seq_len + shift))", ds,
+            registry=registry,
+        )
+        self.bytes_sent = Counter(
+            "tokenfeed_server_bytes_sent", "Token payload bytes sent", ds, registry=registry
+        )
+        self.errors = Counter(
+            "tokenfeed_server_errors", "Calls ended with an error, by gRPC status code",
+            ("code",), registry=registry,
+        )
+        self.cache_hits = Counter(
+            "tokenfeed_cache_hits", "Chunk requests served from the cache", registry=registry
+        )
+        self.cache_misses = Counter(
+            "tokenfeed_cache_misses", "Chunk requests that had to load (or wait for) a chunk",
+            registry=registry,
+        )
+        self.cache_evictions = Counter(
+            "tokenfeed_cache_evictions", "Chunks evicted to make room", registry=registry
+        )
+        self.cache_checksum_failures = Counter(
+            "tokenfeed_cache_checksum_failures", "Chunk loads that failed (corrupt/short chunk)",
+            registry=registry,
+        )
+        self.cache_resident_bytes = Gauge(
+            "tokenfeed_cache_resident_bytes", "Bytes held (or being loaded) by the chunk cache",
+            registry=registry,
+        )
+        self.cache_capacity_bytes = Gauge(
+            "tokenfeed_cache_capacity_bytes", "Byte bound of the chunk cache (--cache-bytes)",
+            registry=registry,
+        )
+        self.chunk_load_seconds = Histogram(
+            "tokenfeed_chunk_load_seconds", "Time to read and verify one chunk",
+            buckets=_LOAD_BUCKETS, registry=registry,
+        )
+        self.batch_build_seconds = Histogram(
+            "tokenfeed_batch_build_seconds", "Time to assemble one batch from cached chunks",
+            buckets=_BUILD_BUCKETS, registry=registry,
+        )
+
+
+def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
+    """Export `registry` over HTTP (`/metrics`); returns (server, bound port).
+
+    Port 0 picks a free port (tests); call `server.shutdown()` to stop.
+    """
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, int(server.server_address[1])

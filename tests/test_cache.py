@@ -1,0 +1,176 @@
+"""The chunk cache on its own: single flight, byte bound, pins, failures, read-ahead."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tokenfeed.server.cache import ChunkCache
+from tokenfeed.server.errors import DataLoss, FailedPrecondition
+from tokenfeed.server.metrics import ServerMetrics
+
+
+def chunk(key: int, nbytes: int) -> np.ndarray:
+    return np.full(nbytes, key % 251, dtype=np.uint8)
+
+
+def test_hit_miss_and_lru_eviction() -> None:
+    metrics = ServerMetrics(CollectorRegistry())
+    cache = ChunkCache(300, metrics)
+    for k in (1, 2, 3):
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)) as data:
+            assert data[0] == k
+    with cache.pinned(1, 100, lambda: chunk(1, 100)):  # hit; 1 becomes most recent
+        pass
+    with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 2, the least recent
+        pass
+    assert 2 not in cache and 1 in cache and 3 in cache and 4 in cache
+    assert cache.stats.hits == 1 and cache.stats.misses == 4 and cache.stats.evictions == 1
+    assert cache.resident_bytes == 300
+    reg = metrics.registry
+    assert reg.get_sample_value("tokenfeed_cache_hits_total") == 1
+    assert reg.get_sample_value("tokenfeed_cache_evictions_total") == 1
+    assert reg.get_sample_value("tokenfeed_cache_resident_bytes") == 300
+    assert reg.get_sample_value("tokenfeed_cache_capacity_bytes") == 300
+    cache.close()
+
+
+def test_concurrent_requests_share_one_load() -> None:
+    cache = ChunkCache(1 << 20)
+    release = threading.Event()
+    loads = []
+
+    def load() -> np.ndarray:
+        loads.append(1)
+        release.wait(30)
+        return chunk(7, 1000)
+
+    seen = []
+
+    def reader() -> None:
+        with cache.pinned("k", 1000, load) as data:
+            seen.append(int(data[0]))
+
+    threads = [threading.Thread(target=reader) for _ in range(16)]
+    for t in threads:
+        t.start()
+    # every reader has asked (misses are counted before waiting) before the load ends
+    while cache.stats.misses + cache.stats.hits < 16:
+        threading.Event().wait(0.001)
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(loads) == 1 and seen == [7] * 16 and cache.stats.loads == 1
+    cache.close()
+
+
+def test_chunk_larger_than_cache_is_a_clear_error() -> None:
+    cache = ChunkCache(100)
+    with pytest.raises(FailedPrecondition, match="--cache-bytes"):
+        with cache.pinned(("ds", 0, 3), 101, lambda: chunk(3, 101)):
+            pass
+    cache.close()
+
+
+def test_failed_load_reaches_every_waiter_is_counted_and_not_cached() -> None:
+    metrics = ServerMetrics(CollectorRegistry())
+    cache = ChunkCache(1000, metrics)
+    release = threading.Event()
+
+    def bad() -> np.ndarray:
+        release.wait(30)
+        raise DataLoss("chunk 0 is corrupt (checksum ...)")
+
+    errors = []
+
+    def reader() -> None:
+        try:
+            with cache.pinned(0, 10, bad):
+                pass
+        except DataLoss as e:
+            errors.append(e.message)
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    while cache.stats.misses < 4:
+        threading.Event().wait(0.001)
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 4 and all("corrupt" in m for m in errors)
+    assert metrics.registry.get_sample_value("tokenfeed_cache_checksum_failures_total") == 1
+    assert cache.resident_bytes == 0
+    with cache.pinned(0, 10, lambda: chunk(0, 10)) as data:  # fixed on disk: loads again
+        assert data.nbytes == 10
+    cache.close()
+
+
+def test_pinned_chunk_is_not_evicted_a_loader_waits_for_it() -> None:
+    cache = ChunkCache(100)
+    got_b = threading.Event()
+    with cache.pinned("a", 100, lambda: chunk(1, 100)) as a:
+
+        def reader() -> None:
+            with cache.pinned("b", 100, lambda: chunk(2, 100)):
+                got_b.set()
+
+        t = threading.Thread(target=reader)
+        t.start()
+        assert not got_b.wait(0.2)  # no room while "a" is pinned
+        assert "a" in cache and int(a[0]) == 1
+        assert not cache.prefetch("c", 100, lambda: chunk(3, 100))  # read-ahead never waits
+    t.join(30)
+    assert got_b.is_set() and "a" not in cache and "b" in cache
+    cache.close()
+
+
+def test_prefetch_loads_in_background_and_counts_as_a_hit_later() -> None:
+    cache = ChunkCache(1000)
+    assert cache.prefetch("x", 10, lambda: chunk(5, 10))
+    assert not cache.prefetch("x", 10, lambda: chunk(5, 10))  # already there / in flight
+    with cache.pinned("x", 10, lambda: chunk(99, 10)) as data:  # waits for the read-ahead
+        assert int(data[0]) == 5
+    assert cache.stats.loads == 1
+    cache.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_byte_bound_holds_under_a_random_workload(seed: int) -> None:
+    capacity = 5_000
+    cache = ChunkCache(capacity)
+    sizes = {k: random.Random(k).randint(1, 2_000) for k in range(40)}
+    violations: list[int] = []
+    wrong: list[int] = []
+
+    def load(k: int) -> np.ndarray:
+        used = cache.resident_bytes
+        if used > capacity:
+            violations.append(used)
+        return chunk(k, sizes[k])
+
+    def worker(i: int) -> None:
+        rng = random.Random(seed * 100 + i)
+        for _ in range(300):
+            k = rng.randrange(40)
+            if rng.random() < 0.2:
+                cache.prefetch(k, sizes[k], lambda k=k: load(k))
+                continue
+            with cache.pinned(k, sizes[k], lambda k=k: load(k)) as data:
+                if data.nbytes != sizes[k] or int(data[0]) != k % 251:
+                    wrong.append(k)
+            if cache.resident_bytes > capacity:
+                violations.append(cache.resident_bytes)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    cache.close()
+    assert not violations and not wrong
+    assert cache.stats.evictions > 0  # the workload really was bigger than the cache
