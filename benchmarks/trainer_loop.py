@@ -1,0 +1,303 @@
+"""The trainer's side of data loading, side by side on the same windows.
+
+    python benchmarks/trainer_loop.py      # ~2 minutes; see --help
+
+One uint16 store, batches of 16 x 1024 in the feeder's shuffled (block-shuffle) epoch
+order, and five ways to feed a training loop:
+
+  feeder/numpy     FeederClient from a local feeder (a `tokenfeed serve` subprocess),
+                   device=None: uint16 numpy views, no torch
+  feeder/torch     the same with device="cpu": int64 torch tensors (widened in the
+                   client's reader thread)
+  dataloader/w0    torch DataLoader over a map-style sliding-window Dataset reading the
+                   same chunks with np.memmap, in the training process (num_workers=0)
+  dataloader/w2    the same with num_workers=2 worker processes
+  lru-chunks/w2    the original loader's style: each of 2 workers keeps an LRU of whole
+                   chunks (read with np.fromfile) and slices windows out of them
+
+For each, in a fresh process: tokens/s into a loop that does no work; CPU seconds of
+the trainer process(es) (workers included, the feeder not) per 10^9 tokens; p50/p99 of
+the time next() blocks; peak RSS of the trainer side (sum over its processes, sampled).
+Then loops that sleep --step-ms (1 and 5 ms) per batch like a training step: the
+data-stall fraction (time blocked in next() / wall time). The feeder's own CPU is shown apart.
+The numbers are from one run on a shared machine: read the ratios, not the digits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenfeed.client.bench import measure
+from tokenfeed.server.sampling import Plan
+from tokenfeed.server.store import TokenStore, write_store
+
+SEQ_LEN, BATCH, DATASET = 1024, 16, "bench"
+VARIANTS = ("feeder/numpy", "feeder/torch", "dataloader/w0", "dataloader/w2", "lru-chunks/w2")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------ the baselines
+
+
+def epoch_starts(store: TokenStore) -> np.ndarray:
+    """The window starts of epoch 0 in the feeder's order (world size 1)."""
+    plan = Plan(store.total_tokens, "train", 1.0, SEQ_LEN, SEQ_LEN, BATCH, 1, shift=1,
+                shuffle=True)
+    return np.concatenate([bp.starts for bp in plan.batches(0, 0)])
+
+
+class MemmapWindows:
+    """Map-style dataset: window i = T[s : s + seq_len + 1] via np.memmap of the chunks."""
+
+    def __init__(self, root: Path, starts: np.ndarray) -> None:
+        self.root, self.starts = root, starts
+        self._maps: list[np.ndarray] | None = None
+        store = TokenStore.open(root)
+        self.bounds = np.cumsum([0] + [c.tokens for c in store.meta.chunks])
+        self.paths = [store.chunk_path(i) for i in range(store.num_chunks)]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def chunk(self, i: int) -> np.ndarray:
+        if self._maps is None:  # opened in the process that reads (workers too)
+            self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
+        return self._maps[i]
+
+    def window(self, s: int) -> np.ndarray:
+        end = s + SEQ_LEN + 1
+        c = int(np.searchsorted(self.bounds, s, side="right")) - 1
+        parts = []
+        while s < end:
+            lo, hi = int(self.bounds[c]), int(self.bounds[c + 1])
+            take = min(end, hi)
+            parts.append(self.chunk(c)[s - lo:take - lo])
+            s, c = take, c + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        w = torch.from_numpy(self.window(int(self.starts[i])).astype(np.int64))
+        return {"input_ids": w[:-1], "labels": w[1:]}
+
+
+class LruChunkWindows(MemmapWindows):
+    """The original loader's style: an LRU of whole chunks per worker process."""
+
+    capacity = 8
+
+    def __init__(self, root: Path, starts: np.ndarray) -> None:
+        super().__init__(root, starts)
+        self._lru: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+
+    def chunk(self, i: int) -> np.ndarray:
+        if i in self._lru:
+            self._lru.move_to_end(i)
+            return self._lru[i]
+        data = np.fromfile(self.paths[i], dtype=np.uint16)
+        self._lru[i] = data
+        if len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+        return data
+
+
+# ------------------------------------------------------------- measuring a process
+
+
+def _proc(pid: int) -> tuple[int, float]:
+    """(RSS bytes, CPU seconds) of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[21]) * PAGE, (int(fields[11]) + int(fields[12])) / TICK
+
+
+class TrainerSide:
+    """Samples RSS of this process and its worker children; sums the workers' CPU."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _pids(self) -> list[int]:
+        import multiprocessing
+
+        return [os.getpid()] + [p.pid for p in multiprocessing.active_children() if p.pid]
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            total = 0
+            for pid in self._pids():
+                try:
+                    total += _proc(pid)[0]
+                except OSError:
+                    pass
+            self.peak = max(self.peak, total)
+
+    def worker_cpu(self) -> float:
+        cpu = 0.0
+        for pid in self._pids()[1:]:
+            try:
+                cpu += _proc(pid)[1]
+            except OSError:
+                pass
+        return cpu
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def child(args: argparse.Namespace) -> None:
+    """One variant in this (fresh) process; prints a JSON line."""
+    side = TrainerSide()
+    root = Path(args.root) / DATASET
+    starts = np.load(Path(args.root) / "starts.npy")
+    if args.child.startswith("feeder/"):
+        from tokenfeed.client import FeederClient
+
+        loader: Any = FeederClient(
+            args.address, dataset=DATASET, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True,
+            rank=0, world_size=1, device="cpu" if args.child == "feeder/torch" else None)
+
+        epoch = [0]
+
+        def batches() -> Any:
+            # Each epoch is a permutation of the same windows as the baselines' pass;
+            # the next epoch streams ahead while this one ends, as in training.
+            loader.set_epoch(epoch[0])
+            epoch[0] += 1
+            return loader
+    else:
+        import torch
+        from torch.utils.data import DataLoader
+
+        torch.set_num_threads(1)
+        cls = LruChunkWindows if args.child.startswith("lru") else MemmapWindows
+        workers = int(args.child[-1])
+        loader = DataLoader(cls(root, starts), batch_size=BATCH, shuffle=False,
+                            num_workers=workers, persistent_workers=workers > 0,
+                            prefetch_factor=2 if workers else None)
+
+        def batches() -> Any:
+            return loader
+
+    empty = measure(batches, args.seconds, 0.0, extra_cpu=side.worker_cpu)
+    train = [measure(batches, args.seconds, float(ms) / 1e3, extra_cpu=side.worker_cpu)
+             for ms in args.step_ms.split(",")]
+    if hasattr(loader, "close"):
+        loader.close()
+    print(json.dumps({"variant": args.child, "empty": empty, "train": train,
+                      "peak_rss_mb": side.stop() / 2**20}), flush=True)
+
+
+# ------------------------------------------------------------------------ parent
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=float, default=32e6, help="store size (default 32M)")
+    p.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    p.add_argument("--step-ms", default="1,5",
+                   help="simulated training step(s) in ms, comma-separated (default 1,5)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--address", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+
+    with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as tmp:
+        root = Path(tmp)
+        n = int(args.tokens)
+        tokens = (np.arange(n, dtype=np.int64) * 7919 % 50257).astype(np.uint16)
+        write_store(root / DATASET, tokens, dtype="uint16", tokens_per_chunk=1 << 21,
+                    eos_token_id=50256, vocab_size=50257, tokenizer="synthetic",
+                    source={"kind": "benchmark"})
+        del tokens
+        np.save(root / "starts.npy", epoch_starts(TokenStore.open(root / DATASET)))
+        port_file = root / "port"
+        feeder = subprocess.Popen(
+            [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(root),
+             "--port", "0", "--port-file", str(port_file)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            while not port_file.exists():
+                if feeder.poll() is not None:
+                    raise SystemExit("the feeder did not start")
+                time.sleep(0.05)
+            address = f"127.0.0.1:{int(port_file.read_text())}"
+            print(f"store: {n / 1e6:.0f}M uint16 tokens in {n // (1 << 21)} chunks; batches "
+                  f"{BATCH} x {SEQ_LEN}, shuffled; {args.seconds:g} s per measurement; "
+                  f"simulated steps {args.step_ms} ms; {os.cpu_count()} CPUs", flush=True)
+            results = []
+            for variant in args.variants.split(","):
+                feeder_cpu0 = _proc(feeder.pid)[1]
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", variant, "--root", str(root),
+                     "--address", address, "--seconds", str(args.seconds),
+                     "--step-ms", args.step_ms],
+                    check=True, capture_output=True, text=True)
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                moved = r["empty"]["tokens"] + sum(t["tokens"] for t in r["train"])
+                r["feeder_cpu"] = ((_proc(feeder.pid)[1] - feeder_cpu0) / moved * 1e9
+                                   if variant.startswith("feeder") else None)
+                results.append(r)
+                print(f"  done {variant}", file=sys.stderr, flush=True)
+        finally:
+            feeder.terminate()
+            feeder.wait(30)
+    report(results, args.step_ms)
+
+
+def report(results: list[dict[str, Any]], step_ms: str) -> None:
+    steps = step_ms.split(",")
+    sim = " | ".join(f"{f'{ms} ms step':^16}" for ms in steps)
+    head = (f"{'loader':<15} {'Mtok/s':>8} {'CPU s/1e9':>10} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'RSS MB':>7} | " + " | ".join(f"{'stall %':>7} {'p99 ms':>8}" for _ in steps)
+            + f" | {'feeder CPU s/1e9':>16}")
+    print()
+    print(f"{'':<15} {'empty loop':^46} | {sim} |")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        e = r["empty"]
+        fc = "" if r["feeder_cpu"] is None else f"{r['feeder_cpu']:.1f}"
+        sims = " | ".join(f"{t['stall_fraction'] * 100:>7.2f} {t['wait_p99_ms']:>8.3f}"
+                          for t in r["train"])
+        print(f"{r['variant']:<15} {e['tokens_per_s'] / 1e6:>8.1f} "
+              f"{e['cpu_s_per_1e9_tokens']:>10.1f} {e['wait_p50_ms']:>8.3f} "
+              f"{e['wait_p99_ms']:>8.3f} {r['peak_rss_mb']:>7.0f} | {sims} | {fc:>16}")
+    by = {r["variant"]: r["empty"] for r in results}
+    print()
+    for name in ("feeder/numpy", "feeder/torch"):
+        if name not in by:
+            continue
+        f = by[name]
+        for base in ("dataloader/w0", "dataloader/w2", "lru-chunks/w2"):
+            if base in by:
+                b = by[base]
+                print(f"{name} vs {base}: {f['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, "
+                      f"{f['cpu_s_per_1e9_tokens'] / b['cpu_s_per_1e9_tokens']:.2f}x trainer CPU "
+                      f"per token")
+
+
+if __name__ == "__main__":
+    main()

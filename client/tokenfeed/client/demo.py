@@ -1,0 +1,251 @@
+"""`tokenfeed demo` (`make demo`): a feeder and two trainer ranks on the demo corpus.
+
+    tokenfeed demo                          # build ./.demo/demo if missing, serve, train
+    tokenfeed demo --epochs 2 --device cpu
+    tokenfeed demo --address feeder:50051 --epochs 0 --metrics-port 9100
+                                            # an existing feeder; run until stopped
+
+The parent builds the demo store if it is missing, starts `tokenfeed serve` on a free
+loopback port, and runs two rank processes (RANK / WORLD_SIZE / LOCAL_RANK set as
+torchrun would) that stream their share of each epoch with `FeederClient`, showing
+tokens/s and the data-stall fraction while a fixed sleep stands in for the training
+step. It then prints a summary and stops everything, on Ctrl-C too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+WORLD_SIZE = 2
+DATASET = "demo"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-root", default="./.demo",
+                   help="where the demo store lives (built if missing; default %(default)s)")
+    p.add_argument("--address", default=None,
+                   help="use this running feeder instead of starting one")
+    p.add_argument("--dataset", default=DATASET, help="dataset name on the feeder")
+    p.add_argument("--epochs", type=int, default=1, help="epochs to stream (0: until stopped)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--step-time", type=float, default=0.005,
+                   help="seconds of simulated training per step (default %(default)s)")
+    p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: numpy, no torch)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="rank r exports Prometheus metrics on this port + r")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics exporters bind (0.0.0.0 in a container)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        return _worker(args)
+    feeder: subprocess.Popen[bytes] | None = None
+    ranks: list[subprocess.Popen[str]] = []
+    workdir = Path(tempfile.mkdtemp(prefix="tokenfeed-demo-"))
+    try:
+        address = args.address
+        if address is None:
+            feeder, address = _start_feeder(Path(args.data_root), workdir)
+        print(f"demo: feeder {address}, dataset {args.dataset!r}, {WORLD_SIZE} ranks, "
+              f"batch {args.batch_size} x {args.seq_len}", file=sys.stderr, flush=True)
+        argv = [sys.executable, "-m", "tokenfeed", "demo", "--worker", "--address", address]
+        for name in ("dataset", "epochs", "batch_size", "seq_len", "step_time", "device",
+                     "metrics_port", "metrics_host"):
+            value = getattr(args, name)
+            if value is not None:
+                argv += ["--" + name.replace("_", "-"), str(value)]
+        argv.append("--shuffle" if args.shuffle else "--no-shuffle")
+        for rank in range(WORLD_SIZE):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE),
+                   "LOCAL_RANK": str(rank)}
+            ranks.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
+        results = []
+        for proc in ranks:
+            out, _ = proc.communicate()
+            if proc.returncode == 130:
+                raise KeyboardInterrupt
+            if proc.returncode != 0:
+                print(f"demo: a rank failed (exit {proc.returncode})", file=sys.stderr)
+                return proc.returncode or 1
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        _summary(results)
+        return 0
+    finally:
+        for proc in ranks:  # on Ctrl-C they got SIGINT too and are closing already
+            _stop(proc, signal.SIGTERM, patience=10.0)
+        if feeder is not None:
+            _stop(feeder, signal.SIGTERM)
+        for f in workdir.iterdir():
+            f.unlink()
+        workdir.rmdir()
+
+
+def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    store = data_root / DATASET
+    from tokenfeed.server.store import is_complete
+
+    if not is_complete(store):
+        from tokenfeed.prepare.demo import build_demo_store
+
+        print(f"demo: building the demo store in {store} (once)", file=sys.stderr, flush=True)
+        build_demo_store(store)
+    port_file, log = workdir / "port", workdir / "feeder.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(data_root),
+             "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)],
+            stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc, signal.SIGTERM)
+            raise RuntimeError(f"the feeder did not start:\n{log.read_text(errors='replace')}")
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+
+
+def _stop(proc: subprocess.Popen[Any], sig: int, timeout: float = 15.0,
+          patience: float = 0.0) -> None:
+    """Give `proc` `patience` seconds to exit on its own, then `sig`, then SIGKILL."""
+    try:
+        proc.wait(patience)
+    except subprocess.TimeoutExpired:
+        pass
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _summary(results: list[dict[str, Any]]) -> None:
+    print(f"{'rank':>4} {'epochs':>6} {'steps':>7} {'windows':>8} {'Mtok/s':>8} "
+          f"{'stall %':>8} {'reconnects':>10}")
+    for r in results:
+        print(f"{r['rank']:>4} {r['epochs']:>6} {r['steps']:>7} {r['windows']:>8} "
+              f"{r['tokens_per_s'] / 1e6:>8.2f} {r['stall'] * 100:>8.2f} {r['reconnects']:>10}")
+    first = [s for r in results for s in r["epoch0_starts"]]
+    print(f"demo: epoch 0 delivered {len(first)} windows to {len(results)} ranks, "
+          f"{'each exactly once' if len(set(first)) == len(first) else 'SOME TWICE'}; "
+          f"{sum(r['tokens_per_s'] for r in results) / 1e6:.2f} M tokens/s in total")
+
+
+# ---------------------------------------------------------------------- one rank
+
+
+class _Progress:
+    """tqdm on a terminal, a plain line every few seconds elsewhere (logs)."""
+
+    def __init__(self, rank: int, total: int, epoch: int) -> None:
+        self.rank, self.total, self.epoch = rank, total, epoch
+        self.bar = None
+        self._last = 0.0
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, position=rank, leave=True, unit="step",
+                                desc=f"rank {rank} epoch {epoch}", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, step: int, tok_s: float, stall: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{tok_s / 1e6:.2f} Mtok/s, stall {stall * 100:.1f}%",
+                                     refresh=False)
+            return
+        now = time.monotonic()
+        if now - self._last >= 2.0 or step + 1 == self.total:
+            self._last = now
+            print(f"rank {self.rank} epoch {self.epoch}: step {step + 1}/{self.total} "
+                  f"{tok_s / 1e6:.2f} Mtok/s stall {stall * 100:.1f}%", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _interrupt_once() -> None:
+    """SIGINT or SIGTERM raise KeyboardInterrupt once; later ones are ignored, so the
+    client's close() (stream, thread, channel) is not itself interrupted."""
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from tokenfeed.client import FeederClient
+
+    rank = int(os.environ.get("RANK", "0"))
+    port = None if args.metrics_port is None else args.metrics_port + rank
+    _interrupt_once()
+    steps = windows = tokens = 0
+    epoch0: list[int] = []
+    waited = 0.0
+    start = time.perf_counter()
+    epoch = 0
+    try:
+        with FeederClient(args.address, dataset=args.dataset, seq_len=args.seq_len,
+                          batch_size=args.batch_size, shuffle=args.shuffle, seed=0,
+                          device=args.device, metrics_port=port,
+                          metrics_addr=args.metrics_host) as loader:
+            while args.epochs == 0 or epoch < args.epochs:
+                loader.set_epoch(epoch)
+                progress = _Progress(rank, len(loader), epoch)
+                seen: set[int] = set()
+                t_epoch, waited_epoch = time.perf_counter(), 0.0
+                it = iter(loader)
+                try:
+                    for i in range(len(loader) + 1):
+                        t0 = time.perf_counter()
+                        batch = next(it, None)
+                        waited_epoch += time.perf_counter() - t0
+                        if batch is None:
+                            break
+                        rows = int(batch["input_ids"].shape[0])
+                        tokens += rows * args.seq_len
+                        windows += rows
+                        steps += 1
+                        seen.update(batch["starts"].tolist())
+                        time.sleep(args.step_time)  # the "training step"
+                        wall = time.perf_counter() - t_epoch
+                        progress.update(i, (i + 1) * rows * args.seq_len / wall,
+                                        waited_epoch / wall)
+                finally:
+                    progress.close()
+                if epoch == 0:
+                    epoch0 = sorted(seen)
+                waited += waited_epoch
+                epoch += 1
+            reconnects = loader.reconnects
+    except KeyboardInterrupt:
+        return 130
+    wall = time.perf_counter() - start
+    print(json.dumps({"rank": rank, "epochs": epoch, "steps": steps, "windows": windows,
+                      "epoch0_starts": epoch0, "tokens_per_s": tokens / wall,
+                      "stall": waited / wall, "reconnects": reconnects}), flush=True)
+    return 0

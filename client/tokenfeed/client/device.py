@@ -1,0 +1,83 @@
+"""Batches to a torch device: the ONLY client module that imports torch, and only when
+a device is asked for (`import tokenfeed.client` and `device=None` never load it).
+
+The narrow store dtype (uint16/uint32) is what travels: over the network, into the
+host buffer and, on CUDA, over PCIe; it is widened to int64 as late as possible, on
+the device. On CUDA the reader thread copies each batch into a pinned slot of a
+`HostRing`, issues the host-to-device copy and the widening on a side stream with
+`non_blocking=True`, and records an event; the training loop's stream waits on that
+event (a GPU-side wait, the CPU does not block) when it takes the batch, so copying
+batch n+1 overlaps computing on batch n. On CPU the widening happens in the reader
+thread, which overlaps it with the loop's compute just the same.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tokenfeed.client.buffers import HostRing
+
+
+def resolve_device(device: Any, environ: Mapping[str, str] | None = None) -> str | None:
+    """None stays None; "cuda" becomes "cuda:<LOCAL_RANK>" under torchrun."""
+    if device is None:
+        return None
+    name = str(device)
+    env = os.environ if environ is None else environ
+    if name == "cuda" and env.get("LOCAL_RANK", "").strip():
+        return f"cuda:{int(env['LOCAL_RANK'])}"
+    return name
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(
+            "FeederClient(device=...) needs PyTorch: pip install 'tokenfeed[torch]' "
+            "(or use device=None for numpy arrays)") from None
+    return torch
+
+
+class TorchStager:
+    """[rows, cols] narrow numpy batch -> int64 tensor on `device` (+ a ready event)."""
+
+    def __init__(self, device: str, slots: int) -> None:
+        torch = self.torch = _import_torch()
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+            self.ring = HostRing(
+                slots, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+
+    def stage(self, arr: np.ndarray) -> tuple[Any, Any]:
+        """Called in the reader thread. Returns (int64 tensor, event or None)."""
+        torch = self.torch
+        if not self.cuda:
+            # astype makes a fresh writable int64 array: torch shares it, no second copy.
+            return torch.from_numpy(arr.astype(np.int64)).to(self.device), None
+        index, slot = self.ring.acquire(arr.nbytes)
+        np.copyto(slot.numpy(), arr.reshape(-1).view(np.uint8))
+        signed = torch.int16 if arr.dtype.itemsize == 2 else torch.int32
+        mask = (1 << (8 * arr.dtype.itemsize)) - 1
+        with torch.cuda.stream(self.stream):
+            narrow = slot.to(self.device, non_blocking=True).view(signed).view(arr.shape)
+            # Reinterpret as signed (every torch has int16/int32), widen, undo the sign.
+            wide = narrow.to(torch.int64).bitwise_and_(mask)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.ring.release_after(index, event.synchronize)
+        return wide, event
+
+    def ready(self, tensor: Any, event: Any) -> None:
+        """Called in the training loop: its stream waits for the copy (on the GPU)."""
+        if event is None:
+            return
+        current = self.torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        tensor.record_stream(current)  # the allocator must not reuse it early

@@ -1,0 +1,541 @@
+"""FeederClient: pieces on their own, then against a real feeder on loopback."""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FEEDER_DATASET, make_positional_store, running_feeder
+from prometheus_client import CollectorRegistry
+
+import tokenfeed.client
+from tokenfeed.client import Backoff, FeederClient, FeederUnavailable
+from tokenfeed.client.buffers import HostRing, batch_array, views
+from tokenfeed.client.device import resolve_device
+from tokenfeed.client.metrics import ClientMetrics, StallWindow
+from tokenfeed.client.transport import expand, split_addresses
+from tokenfeed.server.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unauthenticated,
+)
+from tokenfeed.server.store import TokenStore
+from tokenfeed.v1 import feeder_pb2
+
+# ---------------------------------------------------------------------------- surface
+
+
+def test_public_surface_is_small_and_importable() -> None:
+    assert sorted(tokenfeed.client.__all__) == [
+        "Backoff", "FeederClient", "FeederUnavailable", "PermissionDenied", "Timeouts"]
+    for name in tokenfeed.client.__all__:
+        assert getattr(tokenfeed.client, name) is not None
+
+
+def test_numpy_path_never_imports_torch(feeder_root: Path) -> None:
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import running_feeder
+from tokenfeed.client import FeederClient
+with running_feeder({str(feeder_root)!r}) as f:
+    with FeederClient(f.address, dataset="positions", seq_len=16, batch_size=4) as c:
+        n = sum(1 for _ in c)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in {{"torch", "transformers", "datasets"}})
+print(n, heavy)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split(maxsplit=1)
+    assert int(out[0]) == 10_000 // 16 // 4 and out[1].strip() == "[]"
+
+
+# ----------------------------------------------------------------------------- backoff
+
+
+def test_backoff_grows_is_capped_and_jittered() -> None:
+    b = Backoff(initial=0.1, maximum=1.0, multiplier=2.0, jitter=0.5, deadline=10)
+    rng = random.Random(0)
+    for attempt, top in enumerate([0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]):
+        delays = [b.delay(attempt, rng) for _ in range(200)]
+        assert all(top / 2 <= d <= top for d in delays)
+        assert max(delays) - min(delays) > top / 4  # really spread out
+    assert Backoff(jitter=0.0, initial=0.3, maximum=0.3, deadline=1).delay(5) == 0.3
+
+
+def test_backoff_is_bounded() -> None:
+    b = Backoff(max_retries=3, deadline=None)
+    assert not b.exhausted(3, 1e9) and b.exhausted(4, 0)
+    d = Backoff(max_retries=None, deadline=5.0)
+    assert not d.exhausted(10**6, 4.9) and d.exhausted(1, 5.1)
+    with pytest.raises(ValueError, match="bounded"):
+        Backoff(max_retries=None, deadline=None)
+    with pytest.raises(ValueError):
+        Backoff(initial=2.0, maximum=1.0)
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+def test_addresses_from_string_list_and_commas() -> None:
+    assert split_addresses("a:1") == ["a:1"]
+    assert split_addresses(" a:1, b:2 ,") == ["a:1", "b:2"]
+    assert split_addresses(["a:1", "[::1]:3"]) == ["a:1", "[::1]:3"]
+    for bad in ("", "nohost", "a:b", [","]):
+        with pytest.raises(ValueError):
+            split_addresses(bad)
+
+
+def test_a_name_with_several_records_is_several_endpoints() -> None:
+    def records(host: str, port: int, type: int) -> list:  # noqa: A002 - getaddrinfo's name
+        assert host == "feeder.ns.svc"
+        return [(socket.AF_INET, type, 6, "", ("10.0.0.1", port)),
+                (socket.AF_INET6, type, 6, "", ("fd00::1", port, 0, 0)),
+                (socket.AF_INET, type, 6, "", ("10.0.0.2", port)),
+                (socket.AF_INET, type, 6, "", ("10.0.0.1", port))]
+
+    eps = expand("feeder.ns.svc:50051", getaddrinfo=records)
+    assert [e.target for e in eps] == ["10.0.0.1:50051", "10.0.0.2:50051"]
+    assert {e.authority for e in eps} == {"feeder.ns.svc"}  # TLS still checks the name
+    # One record: keep the name. IP literals: no lookup at all.
+    assert [e.target for e in expand("localhost:1")] == ["localhost:1"]
+    assert expand("[::1]:5", getaddrinfo=None)[0].target == "[::1]:5"  # type: ignore[arg-type]
+    assert expand("127.0.0.1:5", getaddrinfo=None)[0].target == "127.0.0.1:5"  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+def _batch_msg(rows: int, seq_len: int, shift: int, dtype: str = "uint16") -> feeder_pb2.Batch:
+    starts = np.arange(rows, dtype=np.int64) * 100
+    tokens = (starts[:, None] + np.arange(seq_len + shift)).astype(dtype)
+    return feeder_pb2.Batch(epoch=0, step=0, offset=0, shift=shift, rows=rows,
+                            cols=seq_len + shift, dtype=dtype, tokens=tokens.tobytes(),
+                            starts=starts.tolist())
+
+
+def test_views_share_one_buffer_flat_and_grouped() -> None:
+    buf = batch_array(_batch_msg(3, 8, 2))
+    inputs, labels = views(buf, 8, 2)
+    assert inputs.shape == labels.shape == (3, 8)
+    assert np.shares_memory(inputs, buf) and np.shares_memory(labels, buf)
+    assert (labels[:, :-2] == inputs[:, 2:]).all() and labels[1, -1] == 100 + 9
+    gi, gl = views(buf, 8, 2, "grouped")
+    assert gi.shape == gl.shape == (3, 4, 2)
+    assert np.shares_memory(gi, buf) and np.shares_memory(gl, buf)
+    assert (gi.reshape(3, 8) == inputs).all() and (gl.reshape(3, 8) == labels).all()
+
+
+def test_batch_array_rejects_a_size_mismatch_and_unknown_dtype() -> None:
+    msg = _batch_msg(2, 4, 1)
+    msg.rows = 3
+    with pytest.raises(ValueError, match="bytes for 3 x 5"):
+        batch_array(msg)
+    msg = _batch_msg(2, 4, 1)
+    msg.dtype = "float32"
+    with pytest.raises(ValueError, match="float32"):
+        batch_array(msg)
+
+
+def test_host_ring_reuses_slots_only_after_their_wait() -> None:
+    made: list[int] = []
+    ring = HostRing(2, lambda n: made.append(n) or np.zeros(n, np.uint8))
+    waited: list[int] = []
+    i0, s0 = ring.acquire(10)
+    ring.release_after(i0, lambda: waited.append(i0))
+    i1, _ = ring.acquire(10)
+    assert (i0, i1) == (0, 1) and waited == []
+    i2, s2 = ring.acquire(8)  # slot 0 again: its wait runs first, the buffer is reused
+    assert i2 == 0 and waited == [0] and np.shares_memory(s0, s2) and len(s2) == 8
+    ring.acquire(10)
+    ring.acquire(50)  # grows
+    assert made == [10, 10, 50]
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def test_resolve_device_uses_local_rank_for_cuda() -> None:
+    assert resolve_device(None) is None
+    assert resolve_device("cuda", {"LOCAL_RANK": "3"}) == "cuda:3"
+    assert resolve_device("cuda", {}) == "cuda"
+    assert resolve_device("cuda:1", {"LOCAL_RANK": "3"}) == "cuda:1"
+    assert resolve_device("cpu", {"LOCAL_RANK": "3"}) == "cpu"
+
+
+def test_torch_cpu_stager_widens_unsigned_tokens() -> None:
+    torch = pytest.importorskip("torch")
+    from tokenfeed.client.device import TorchStager
+
+    arr = np.array([[0, 1, 40_000, 65_535]], dtype=np.uint16)
+    wide, event = TorchStager("cpu", 2).stage(arr)
+    assert event is None and wide.dtype == torch.int64
+    assert wide.tolist() == [[0, 1, 40_000, 65_535]]
+    arr32 = np.array([[3_000_000_000, 7]], dtype=np.uint32)
+    assert TorchStager("cpu", 2).stage(arr32)[0].tolist() == [[3_000_000_000, 7]]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_stall_window_counts_waits_and_a_wait_in_progress() -> None:
+    now = [1000.0]
+    w = StallWindow(window=10.0, clock=lambda: now[0])
+    now[0] += 4
+    w.add(1.0)
+    assert w.value() == pytest.approx(1.0 / 4)
+    w.begin_wait()
+    now[0] += 2  # stuck in next() for 2 s so far: counted already
+    assert w.value() == pytest.approx(3.0 / 6)
+    w.end_wait()
+    now[0] += 30  # everything aged out of the window
+    assert w.value() == 0.0
+
+
+def test_metric_names_are_labelled_by_rank_and_registries_can_be_shared() -> None:
+    reg = CollectorRegistry()
+    a, b = ClientMetrics(0, reg), ClientMetrics(1, reg)
+    a.received(100, 200)
+    b.reconnect("unavailable")
+    a.waited(0.001)
+    assert reg.get_sample_value("tokenfeed_client_tokens_received_total", {"rank": "0"}) == 100
+    assert reg.get_sample_value("tokenfeed_client_bytes_received_total", {"rank": "0"}) == 200
+    assert reg.get_sample_value("tokenfeed_client_batches_received_total", {"rank": "0"}) == 1
+    assert reg.get_sample_value(
+        "tokenfeed_client_reconnects_total", {"rank": "1", "reason": "unavailable"}) == 1
+    assert reg.get_sample_value("tokenfeed_client_wait_seconds_count", {"rank": "0"}) == 1
+    assert reg.get_sample_value(
+        "tokenfeed_client_wait_seconds_bucket", {"rank": "0", "le": "1e-05"}) == 0
+    for rank in ("0", "1"):
+        assert reg.get_sample_value("tokenfeed_client_stall_fraction", {"rank": rank}) is not None
+        assert reg.get_sample_value("tokenfeed_client_buffer_occupancy", {"rank": rank}) == 0
+    ClientMetrics(0, reg)  # a second loader of rank 0 (validation) shares the series
+
+
+# ------------------------------------------------------------------------- state dicts
+
+
+def _client(address: str = "127.0.0.1:1", **kw) -> FeederClient:  # type: ignore[no-untyped-def]
+    args = {"dataset": FEEDER_DATASET, "seq_len": 16, "batch_size": 4, "rank": 0,
+            "world_size": 1, **kw}
+    return FeederClient(address, **args)
+
+
+def test_fingerprint_ignores_world_size_rank_and_batch_size_only() -> None:
+    base = _client().fingerprint
+    assert _client(world_size=4, rank=3, batch_size=7).fingerprint == base
+    for change in ({"seed": 1}, {"shuffle": True}, {"stride": 8}, {"shift": 2},
+                   {"split_rate": 0.5}, {"dataset": "other"}, {"shuffle_blocks": 2}):
+        assert _client(**change).fingerprint != base, change
+
+
+def test_load_state_dict_checks_the_fingerprint() -> None:
+    with _client(seed=1) as a, _client(seed=2) as b:
+        with pytest.raises(ValueError, match="different sampling parameters"):
+            b.load_state_dict(a.state_dict())
+        with pytest.raises(ValueError, match="missing"):
+            b.load_state_dict({"epoch": 0})
+
+
+def test_set_epoch_keeps_a_loaded_position_for_the_same_epoch_only() -> None:
+    with _client() as c:
+        state = {**c.state_dict(), "epoch": 2, "offset": 40, "step": 10}
+        c.load_state_dict(state)
+        c.set_epoch(2)  # the usual resume loop: keeps the position
+        assert c.state_dict() == state
+        c.set_epoch(3)
+        assert (c.state_dict()["epoch"], c.state_dict()["offset"], c.state_dict()["step"]) == (
+            3, 0, 0)
+
+
+def test_rank_and_world_size_default_to_the_torchrun_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with FeederClient("127.0.0.1:1", dataset="d", seq_len=8, batch_size=1) as c:
+        assert (c.rank, c.world_size) == (2, 4)
+    monkeypatch.setenv("RANK", "4")
+    with pytest.raises(ValueError, match="rank"):
+        FeederClient("127.0.0.1:1", dataset="d", seq_len=8, batch_size=1)
+
+
+# ------------------------------------------------------------- against a real feeder
+
+
+def _starts(client: FeederClient, limit: int | None = None) -> list[int]:
+    out: list[int] = []
+    for i, batch in enumerate(client):
+        out.extend(batch["starts"].tolist())
+        if limit is not None and i + 1 == limit:
+            break
+    return out
+
+
+def _check_positional(batch: dict, seq_len: int) -> None:
+    starts = np.asarray(batch["starts"])
+    shift = batch["shift"]
+    inputs, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
+    assert (inputs == starts[:, None] + np.arange(seq_len)).all()
+    assert (labels == starts[:, None] + shift + np.arange(seq_len)).all()
+
+
+def test_one_epoch_two_ranks_every_window_exactly_once(feeder) -> None:  # type: ignore[no-untyped-def]
+    kw = {"seq_len": 16, "stride": 8, "batch_size": 4, "world_size": 2, "shuffle": True,
+          "shuffle_blocks": 2, "seed": 7}
+    seen: list[int] = []
+    for rank in (0, 1):
+        with _client(feeder.address, rank=rank, **kw) as c:
+            steps = 0
+            for batch in c:
+                _check_positional(batch, 16)
+                assert batch["step"] == steps and batch["input_ids"].shape == (4, 16)
+                seen.extend(batch["starts"].tolist())
+                steps += 1
+            assert steps == len(c)
+    windows = (10_000 - 16 - 1) // 8 + 1
+    used = windows // 8 * 8  # train drops the last partial global batch
+    assert len(seen) == len(set(seen)) == used
+    assert set(seen) <= set(range(0, windows * 8, 8))
+    assert seen[:8] != sorted(seen[:8])  # shuffled
+
+
+def test_numpy_and_torch_cpu_paths_give_identical_tokens(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    # uint16 with ids above 32767, so the widening of the narrow dtype is exercised.
+    make_positional_store(tmp_path / "wide", 70_000, 16_384, dtype="uint16")
+    kw = {"dataset": "wide", "seq_len": 64, "stride": 500, "batch_size": 8, "shift": "auto",
+          "shuffle": True, "seed": 3, "rank": 0, "world_size": 1}
+    with running_feeder(tmp_path) as f:
+        with FeederClient(f.address, **kw) as a, FeederClient(f.address, device="cpu", **kw) as b:
+            n = 0
+            for x, y in zip(a, b, strict=True):
+                assert x["input_ids"].dtype == np.uint16
+                assert y["input_ids"].dtype == torch.int64 and y["labels"].dtype == torch.int64
+                assert (y["input_ids"].numpy() == x["input_ids"]).all()
+                assert (y["labels"].numpy() == x["labels"]).all()
+                assert x["shift"] == y["shift"] and (x["starts"] == y["starts"]).all()
+                n += 1
+            assert n == len(a) and int(y["input_ids"].max()) > 32_767
+
+
+def test_grouped_layout_is_the_original_loaders_view(feeder) -> None:  # type: ignore[no-untyped-def]
+    with _client(feeder.address, seq_len=16, shift=4, layout="grouped") as c:
+        batch = next(iter(c))
+    inputs, labels = batch["input_ids"], batch["labels"]
+    assert inputs.shape == labels.shape == (4, 4, 4)
+    assert inputs.base is not None and np.shares_memory(inputs, labels)
+    _check_positional({**batch, "input_ids": inputs.reshape(4, 16),
+                       "labels": labels.reshape(4, 16)}, 16)
+
+
+def test_torch_grouped_layout_on_cpu(feeder) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("torch")
+    with _client(feeder.address, seq_len=16, shift=2, layout="grouped", device="cpu") as c:
+        batch = next(iter(c))
+    assert tuple(batch["input_ids"].shape) == (4, 8, 2)
+    _check_positional({**batch, "input_ids": batch["input_ids"].reshape(4, 16).numpy(),
+                       "labels": batch["labels"].reshape(4, 16).numpy()}, 16)
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 30])
+@pytest.mark.parametrize("new_world", [2, 3, 1])
+def test_resume_after_k_steps_is_exactly_once(feeder, k: int, new_world: int) -> None:  # type: ignore[no-untyped-def]
+    """Two ranks train k steps and checkpoint; the job resumes with `new_world` ranks."""
+    kw = {"seq_len": 16, "stride": 16, "batch_size": 3, "shuffle": True, "seed": 11}
+    seen: list[int] = []
+    states = []
+    for rank in (0, 1):
+        with _client(feeder.address, rank=rank, world_size=2, **kw) as c:
+            seen += _starts(c, limit=k) if k else []
+            states.append(c.state_dict())
+    assert states[0]["offset"] == states[1]["offset"] == k * 3 * 2
+    for rank in range(new_world):
+        with _client(feeder.address, rank=rank, world_size=new_world, **kw) as c:
+            c.load_state_dict(states[0])
+            c.set_epoch(0)  # the resume loop's set_epoch keeps the position
+            first = next(iter(c))
+            assert first["step"] == k and first["offset"] == k * 6
+            seen += first["starts"].tolist() + _starts(c)
+    assert len(seen) == len(set(seen))  # nothing repeated
+    windows = (10_000 - 16 - 1) // 16 + 1
+    tail = (windows - k * 6) % (3 * new_world)  # the resumed epoch drops its own tail
+    assert len(seen) == windows - tail  # nothing lost
+
+
+def test_resume_mid_epoch_then_next_epoch(feeder) -> None:  # type: ignore[no-untyped-def]
+    with _client(feeder.address, seq_len=16, batch_size=8, shuffle=True) as c:
+        c.set_epoch(1)
+        first = _starts(c, limit=5)
+        state = c.state_dict()
+        assert state["epoch"] == 1 and state["step"] == 5
+        rest = _starts(c)  # iterating again continues where the loop stopped
+        assert len(set(first + rest)) == len(first + rest) == len(c) * 8
+        assert c.state_dict()["step"] == len(c)
+        again = _starts(c)  # a finished epoch iterated again starts over
+        assert sorted(again) == sorted(first + rest)
+        c.set_epoch(2)
+        assert _starts(c, limit=1) != first[:8]
+
+
+def test_validation_split_delivers_every_window_with_a_short_last_step(feeder) -> None:  # type: ignore[no-untyped-def]
+    kw = {"split": "validation", "split_rate": 0.9, "seq_len": 16, "stride": 16,
+          "batch_size": 4, "world_size": 2}
+    seen, rows = [], []
+    for rank in (0, 1):
+        with _client(feeder.address, rank=rank, **kw) as c:
+            n = 0
+            for batch in c:
+                _check_positional(batch, 16)
+                rows.append(batch["input_ids"].shape[0])
+                seen += batch["starts"].tolist()
+                n += 1
+            assert n == len(c)
+    windows = (1000 - 17) // 16 + 1  # 62 windows in the last 1,000 tokens
+    assert sorted(seen) == [9000 + 16 * i for i in range(windows)]
+    assert sorted(rows)[0] < 4  # 62 = 7 * 8 + 6: rank 0 gets 4, rank 1 gets 2
+
+
+def test_batches_per_message_packs_without_changing_the_batches(feeder) -> None:  # type: ignore[no-untyped-def]
+    with _client(feeder.address) as a, _client(feeder.address, batches_per_message=5) as b:
+        assert _starts(a) == _starts(b)
+
+
+def test_non_retryable_errors_surface_at_once_with_the_servers_message(feeder) -> None:  # type: ignore[no-untyped-def]
+    with _client(feeder.address, dataset="nope") as c, pytest.raises(NotFound, match="nope"):
+        iter(c)
+    with _client(feeder.address, seq_len=16, shift=3) as c:
+        with pytest.raises(InvalidArgument, match="must divide seq_len"):
+            next(iter(c))
+    with _client(feeder.address, seq_len=5000, batch_size=4) as c:
+        with pytest.raises(FailedPrecondition, match="fewer than one global batch|too short"):
+            next(iter(c))
+
+
+def test_an_error_in_the_reader_thread_reaches_the_loop(tmp_path: Path) -> None:
+    """A chunk corrupted on disk mid-epoch: DATA_LOSS, raised in the loop, not a hang."""
+    # 4 MB of batches, far more than gRPC's flow-control window: when the chunk is
+    # corrupted the server cannot have read it yet (a cache of 2 of the 10 chunks).
+    store = make_positional_store(tmp_path / "positions", 1_000_000, 100_000)
+    with running_feeder(tmp_path, cache_bytes=800_000) as f, \
+            _client(f.address, seq_len=128, batch_size=8) as c:
+        it = iter(c)
+        got = [next(it) for _ in range(3)]
+        path = store.chunk_path(9)
+        data = bytearray(path.read_bytes())
+        data[5] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(DataLoss, match="chunk") as info:
+            for batch in it:
+                got.append(batch)
+        assert "DATA_LOSS" in str(info.value)
+        assert len(got) < len(c)
+        assert c.state_dict()["step"] == len(got)  # the position is the last good batch
+    assert TokenStore.open(store.path).verify()  # really corrupt
+
+
+def test_bearer_token(tmp_path: Path) -> None:
+    make_positional_store(tmp_path / "positions", 10_000, 1_000)
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    with running_feeder(tmp_path, auth_token_file=secret) as f:
+        with _client(f.address) as c, pytest.raises(Unauthenticated, match="bearer token"):
+            len(c)
+        with _client(f.address, token="wrong") as c, pytest.raises(Unauthenticated):
+            next(iter(c))
+        with _client(f.address, token="s3cret") as c:
+            assert len(_starts(c)) == len(c) * 4
+
+
+def test_metrics_exist_move_and_are_exported(feeder) -> None:  # type: ignore[no-untyped-def]
+    reg = CollectorRegistry()
+    with _client(feeder.address, rank=1, world_size=2, registry=reg, metrics_port=0) as c:
+        def value(name: str) -> float:
+            v = reg.get_sample_value(name, {"rank": "1"})
+            assert v is not None, name
+            return v
+
+        assert value("tokenfeed_client_tokens_received_total") == 0
+        it = iter(c)
+        next(it)
+        while value("tokenfeed_client_buffer_occupancy") < 2:  # the thread fills the buffer
+            time.sleep(0.01)
+        n = 1 + sum(1 for _ in it)
+        assert value("tokenfeed_client_batches_received_total") == n == len(c)
+        assert value("tokenfeed_client_tokens_received_total") == n * 4 * 16
+        assert value("tokenfeed_client_bytes_received_total") == n * 4 * 17 * 4
+        assert value("tokenfeed_client_wait_seconds_count") == n + 1  # + the final StopIteration
+        assert value("tokenfeed_client_wait_seconds_sum") > 0
+        assert 0 < value("tokenfeed_client_stall_fraction") <= 1
+        assert value("tokenfeed_client_buffer_occupancy") == 0
+        assert c.metrics.port
+        body = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics.port}/metrics").read().decode()
+        assert f'tokenfeed_client_batches_received_total{{rank="1"}} {float(n)}' in body
+        assert 'tokenfeed_client_wait_seconds_bucket{le="1e-05",rank="1"}' in body
+        port = c.metrics.port
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def _client_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if not t.name.startswith(("tokenfeed-batch",
+                                                                      "tokenfeed-readahead",
+                                                                      "feeder-loop"))}
+
+
+def test_close_leaves_no_thread_or_channel_behind(feeder) -> None:  # type: ignore[no-untyped-def]
+    before = _client_threads()
+    for stop_after in (0, 2, None):  # never iterated, mid-epoch, after the end
+        c = _client(feeder.address, metrics_port=0, prefetch=3)
+        with c:
+            if stop_after is not None:
+                _starts(c, limit=stop_after) if stop_after else None
+            else:
+                _starts(c)
+    deadline = time.monotonic() + 10
+    while _client_threads() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _client_threads() == before
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(c)
+
+
+def test_tls_and_mutual_tls(feeder_root: Path, pki) -> None:  # type: ignore[no-untyped-def]
+    with running_feeder(feeder_root, tls_cert=pki["server_cert_path"],
+                        tls_key=pki["server_key_path"], tls_client_ca=pki["ca_path"]) as f:
+        with _client(f.address, root_certificates=pki["ca_path"],
+                     certificate_chain=pki["client_cert_path"],
+                     private_key=pki["client_key_path"]) as c:
+            assert len(_starts(c)) == len(c) * 4
+        once = Backoff(max_retries=1, deadline=None, initial=0.01)
+        with _client(f.address, root_certificates=pki["ca"], backoff=once) as c:
+            with pytest.raises(FeederUnavailable, match="gave up after 2 attempts"):
+                len(c)  # no client certificate: the handshake fails
+    with pytest.raises(ValueError, match="together"):
+        _client(certificate_chain=pki["client_cert"])
+
+
+def test_the_next_epoch_streams_ahead_and_is_adopted_only_when_asked_for(feeder) -> None:  # type: ignore[no-untyped-def]
+    with _client(feeder.address, shuffle=True) as ref:
+        ref.set_epoch(1)
+        epoch1 = _starts(ref)
+        ref.set_epoch(5)
+        epoch5 = _starts(ref)
+    with _client(feeder.address, shuffle=True) as c:
+        _starts(c)  # epoch 0 to its end: epoch 1 starts streaming
+        c.set_epoch(1)
+        assert _starts(c) == epoch1
+        c.set_epoch(2)  # streamed ahead, then not wanted: dropped
+        c.set_epoch(5)
+        assert _starts(c) == epoch5
+        _starts(c, limit=1)  # epoch 5 again from its start (6 was streamed ahead)
+        state = c.state_dict()
+        assert (state["epoch"], state["step"]) == (5, 1)
