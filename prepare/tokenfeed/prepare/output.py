@@ -1,0 +1,155 @@
+"""The output directory of `prepare`, `import` and `merge`: claim, resume, clean up.
+
+A run owns its output directory through a progress file, `.prepare-progress.json`:
+the `meta.json` the store would have if it ended now (the chunks completed so far,
+with checksums, and `source`, which identifies the command) plus a `progress`
+object (how far into the source those chunks reach). It is rewritten atomically after
+every completed chunk; `meta.json` is written only when the store is complete, and
+the progress file is removed after it. So:
+
+* empty or missing directory       -> a fresh run;
+* `meta.json` from the same command -> already complete, nothing to do (exit 0);
+* a progress file from the same command -> resume after its last completed chunk;
+* anything else                    -> refuse (exit 2) and say what to do, unless
+  `--overwrite`, which deletes the store files (chunks, meta.json, progress, part
+  directories) and refuses to delete files tokenfeed did not write.
+
+"The same command" means an identical `source` description: corpus, text field,
+tokenizer (name and a hash of its contents), tokens per chunk, max samples, shard.
+`--num-proc` and `--batch-size` change speed, not the result, so they are not in it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenfeed.server.errors import DataLoss, InvalidArgument
+from tokenfeed.server.store import META_NAME, StoreMeta, write_json
+
+PROGRESS_NAME = ".prepare-progress.json"
+PART_RE = re.compile(r"^part-\d{5}$")
+_CHUNK_RE = re.compile(r"^chunk_\d{6}\.bin(\.tmp)?$")
+_OWN_FILES = {META_NAME, META_NAME + ".tmp", PROGRESS_NAME, PROGRESS_NAME + ".tmp"}
+
+
+def part_dir(output: Path, index: int) -> Path:
+    """Where shard `index` of a `--num-shards` run writes its part store."""
+    return output / f"part-{index:05d}"
+
+
+def normalize(doc: Any) -> Any:
+    """JSON round trip, so tuples and lists (and int/float keys) compare equal."""
+    return json.loads(json.dumps(doc, sort_keys=True))
+
+
+def _is_ours(p: Path) -> bool:
+    if p.is_dir() and not p.is_symlink():
+        return bool(PART_RE.match(p.name)) and all(_is_ours(q) for q in p.iterdir())
+    return p.name in _OWN_FILES or bool(_CHUNK_RE.match(p.name))
+
+
+def clean_output(path: Path) -> None:
+    """Delete the store files in `path`; refuse if it holds files tokenfeed did not write."""
+    if not path.is_dir():
+        return
+    foreign = sorted(p.name for p in path.iterdir() if not _is_ours(p))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise InvalidArgument(
+            f"{path} holds files that are not part of a token store ({shown}); refusing to "
+            "delete them: choose an empty or new --output directory"
+        )
+    # meta.json first: the directory stops looking complete before anything else goes.
+    (path / META_NAME).unlink(missing_ok=True)
+    for p in path.iterdir():
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+@dataclass
+class Claim:
+    """The state a run starts from."""
+
+    path: Path
+    created: bool  # the run made the directory (remove it again on a bad-input error)
+    complete: StoreMeta | None = None  # same command already finished
+    resume: StoreMeta | None = None  # same command interrupted: chunks done so far
+    progress: dict[str, Any] | None = None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataLoss(f"{path}: unreadable ({e}); pass --overwrite to start over") from None
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return ", ".join(keys) or "nothing"
+
+
+def claim_output(path: Path, source: dict[str, Any], overwrite: bool, what: str) -> Claim:
+    """Decide how a run with this `source` starts in `path` (see the module docstring)."""
+    source = normalize(source)
+    if path.exists() and not path.is_dir():
+        raise InvalidArgument(f"--output {path} exists and is not a directory")
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    if overwrite:
+        clean_output(path)
+        return Claim(path, created)
+    if not any(path.iterdir()):
+        return Claim(path, created)
+    again = "re-run with --overwrite to replace it, or choose another --output"
+    meta_path, progress_path = path / META_NAME, path / PROGRESS_NAME
+    if meta_path.is_file():
+        meta = StoreMeta.from_json(_read_json(meta_path), str(path))
+        if normalize(meta.source) == source:
+            progress_path.unlink(missing_ok=True)  # a crash between meta.json and cleanup
+            return Claim(path, False, complete=meta)
+        raise InvalidArgument(
+            f"{path} already holds a complete token store made by a different command "
+            f"(it differs in: {_differences(normalize(meta.source), source)}); {again}"
+        )
+    if progress_path.is_file():
+        doc = _read_json(progress_path)
+        meta = StoreMeta.from_json(doc, str(progress_path))
+        if normalize(meta.source) == source:
+            return Claim(path, False, resume=meta, progress=dict(doc.get("progress") or {}))
+        raise InvalidArgument(
+            f"{path} holds an unfinished {what} of a different command (it differs in: "
+            f"{_differences(normalize(meta.source), source)}); re-run that command to resume "
+            f"it, or {again}"
+        )
+    raise InvalidArgument(f"--output {path} is not empty and holds no tokenfeed run; {again}")
+
+
+def write_progress(path: Path, meta: StoreMeta, progress: dict[str, Any]) -> None:
+    """Record the completed chunks and how far into the source they reach (atomic)."""
+    write_json(path / PROGRESS_NAME, meta.to_json() | {"progress": progress})
+
+
+def drop_unrecorded_chunks(path: Path, meta: StoreMeta) -> None:
+    """Remove chunk files a crash left behind that the progress file does not list."""
+    keep = {c.file for c in meta.chunks}
+    for p in path.iterdir():
+        if _CHUNK_RE.match(p.name) and p.name not in keep:
+            p.unlink()
+
+
+def abandon(claim: Claim) -> None:
+    """After a bad-input error: leave nothing half-written (and no directory we made)."""
+    clean_output(claim.path)
+    if claim.created:
+        try:
+            claim.path.rmdir()
+        except OSError:
+            pass
