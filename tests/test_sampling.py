@@ -172,7 +172,7 @@ def test_auto_shift_is_one_proper_divisor_per_step_shared_by_ranks(plan: Plan) -
 def test_auto_shift_draws_every_divisor() -> None:
     plan = Plan(total_tokens=100_000, split="train", split_rate=1.0, seq_len=12, stride=1,
                 batch_size=1, world_size=1, shift="auto", seed=7)
-    seen = Counter(b.shift for b, _ in zip(plan.batches(0, 0), range(2000)))
+    seen = Counter(b.shift for b, _ in zip(plan.batches(0, 0), range(2000), strict=False))
     assert set(seen) == {2, 3, 4, 6}
     assert min(seen.values()) > 350  # about 500 each if uniform
 
@@ -209,7 +209,7 @@ def test_block_shuffle_touches_only_its_group_blocks(
     groups = -(-order.num_blocks // order.blocks_per_group)
     bounds = np.minimum(order._group_start(np.arange(groups + 1)), n)
     assert bounds[0] == 0 and bounds[-1] == n
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         blocks = set((windows[lo:hi] // order.wpb).tolist())
         assert 1 <= len(blocks) <= order.blocks_per_group
 
