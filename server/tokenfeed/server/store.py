@@ -136,7 +136,10 @@ class StoreMeta:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise DataLoss(f"{where}: malformed meta.json ({type(e).__name__}: {e})") from None
-        numpy_dtype(meta.dtype)
+        try:
+            numpy_dtype(meta.dtype)
+        except InvalidArgument as e:  # the store is broken, not the caller's request
+            raise DataLoss(f"{where}: meta.json: {e.message}") from None
         names = [c.file for c in meta.chunks]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -305,12 +308,21 @@ def iter_tokens(store: TokenStore, verify: bool = True) -> Iterator[np.ndarray]:
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+    """Write under a temporary name, fsync, rename: readers never see a partial file.
+
+    On failure (disk full, read-only) the temporary file is removed and the OSError
+    propagates: nothing half-written is left under either name.
+    """
     tmp = path.with_name(path.name + _TMP_SUFFIX)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json(path: Path, doc: Any) -> None:
