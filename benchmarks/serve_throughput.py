@@ -158,6 +158,13 @@ def measure(kind: str, streams: int, per_message: int, seconds: float, data_root
             "msgs_s": msgs, "cpu_per_gtok": cpu / tokens * 1e9 if tokens else float("nan")}
 
 
+def bare_message_seconds(seconds: float = 3.0) -> float:
+    """Wall time per message of the bare gRPC ceiling at one 16 x 1025 uint16 batch per
+    message (benchmarks/sampling_cost.py compares the sampling cost with it)."""
+    with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as d:
+        return 1.0 / measure("bare", 1, 1, seconds, Path(d), Path(d))["msgs_s"]
+
+
 def make_store(root: Path, total: int) -> None:
     import numpy as np
 

@@ -48,7 +48,7 @@ MAX_TOKENS = 1 << 62
 
 _MASK64 = (1 << 64) - 1
 _ROUNDS = 6
-_POSITIONS_PER_ROUND = 1024
+_POSITIONS_PER_ROUND = 4096
 # Domain tags for the key derivation: one RNG stream per purpose.
 _BLOCKS, _GROUP, _SHIFT = 1, 2, 3
 
@@ -379,6 +379,7 @@ class Plan:
         # arithmetic, dominates at small B, so this amortises it. Rounds start at one
         # step and double, so the first batch of a (resumed) stream comes at once.
         max_round = max(1, _POSITIONS_PER_ROUND // B)
+        fixed = 0 if self.shift == "auto" else int(self.shift)
         k = 1
         o = offset
         while o < end:
@@ -388,12 +389,12 @@ class Plan:
             positions = first[:, None] + np.arange(B, dtype=np.int64)
             windows = order.windows(np.minimum(positions, end - 1).ravel()).reshape(k, B)
             starts = self.split_begin + windows * self.stride
-            for i in range(k):
-                rows = min(B, end - int(first[i]))
+            for i, (off, lo) in enumerate(zip(offsets.tolist(), first.tolist(), strict=True)):
+                rows = min(B, end - lo)
                 if rows <= 0:  # validation: this rank's share of the short last step is empty
                     return
-                off = int(offsets[i])
-                yield BatchPlan(epoch, step, off, self.shift_at(epoch, off), starts[i, :rows])
+                shift = fixed if fixed else self.shift_at(epoch, off)
+                yield BatchPlan(epoch, step, off, shift, starts[i, :rows])
                 step += 1
             o += k * global_batch
             k *= 2
