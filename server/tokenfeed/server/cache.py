@@ -47,6 +47,7 @@ class _Entry:
     nbytes: int
     pins: int = 0
     data: np.ndarray | None = None
+    view: memoryview | None = None  # `data` as bytes, made once: slicing it is cheap
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -245,7 +246,7 @@ class ChunkCache:
     def _evict(self, key: Hashable, entry: _Entry) -> None:
         del self._entries[key]
         self._used -= entry.nbytes
-        entry.data = None
+        entry.data = entry.view = None
         self.stats.evictions += 1
         if self.metrics is not None:
             self.metrics.cache_evictions.inc()
@@ -265,8 +266,9 @@ class ChunkCache:
             return
         if self.metrics is not None:
             self.metrics.chunk_load_seconds.observe(time.perf_counter() - t0)
+        view = memoryview(data).cast("B")
         with self._cond:
-            entry.data = data
+            entry.data, entry.view = data, view
             entry.done.set()
             self._cond.notify_all()
 

@@ -153,10 +153,7 @@ def pin_views(
     entries = cache.pin_resident([ds.chunk_key(c) for c in chunks])
     if entries is None:
         return None
-    return entries, {
-        c: memoryview(e.data).cast("B")  # type: ignore[arg-type]
-        for c, e in zip(chunks, entries, strict=True)
-    }
+    return entries, {c: e.view for c, e in zip(chunks, entries, strict=True)}
 
 
 def row_parts(ds: Dataset, views: dict[int, memoryview], lay: RowLayout, cols: int) -> list:
