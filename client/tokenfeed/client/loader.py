@@ -40,6 +40,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.client.buffers import LAYOUTS, batch_array, batch_starts, views
+from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.metrics import ClientMetrics
 from tokenfeed.client.stream import (
     END,
@@ -171,15 +172,15 @@ class FeederClient:
 
         self._sizes: dict[tuple[int, int], SplitSize] = {}
         self._reader: StreamReader | None = None
-        self._queue: queue.Queue[Any] | None = None
+        self._queue: Handoff | None = None
         self._epoch, self._offset, self._step = 0, 0, 0
         self._resume = False  # a loaded position not yet streamed
         self._done = False  # the current epoch ran to its end in the loop
         self._closed = False
         self._reconnects = 0
         # Streams of the next epoch opened at the end of this one (see _next).
-        self._ahead: tuple[StreamReader, queue.Queue[Any]] | None = None
-        self._adopted: tuple[StreamReader, queue.Queue[Any]] | None = None
+        self._ahead: tuple[StreamReader, Handoff] | None = None
+        self._adopted: tuple[StreamReader, Handoff] | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ request
@@ -289,7 +290,7 @@ class FeederClient:
         self._reader, self._queue = self._open(self._epoch, self._offset, self._step)
         self.metrics.track_occupancy(self._queue.qsize)
 
-    def _open(self, epoch: int, offset: int, step: int) -> tuple[StreamReader, queue.Queue[Any]]:
+    def _open(self, epoch: int, offset: int, step: int) -> tuple[StreamReader, Handoff]:
         """A started reader of `epoch` from (offset, step) and its queue."""
         size = self._size()
         B, W = self.batch_size, self.world_size
@@ -301,7 +302,7 @@ class FeederClient:
             batches_per_message=per_message, global_batch=B * W,
             num_windows=size.windows,
             remaining=partial(steps_per_epoch, size.windows, B, W, self.rank, self.split))
-        q: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
+        q = Handoff(self.prefetch)
         reader = StreamReader(self._channels, request, offset, step, q, self._stage,
                               self.backoff, self._on_reconnect, self._metadata)
         reader.start()
@@ -363,7 +364,7 @@ class FeederClient:
         assert isinstance(item, Failure)
         raise item.error
 
-    def _wait(self, q: queue.Queue[Any], reader: StreamReader) -> Any:
+    def _wait(self, q: Handoff, reader: StreamReader) -> Any:
         while True:
             try:
                 return q.get(timeout=1.0)

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.transport import (
     RETRYABLE,
     Channels,
@@ -99,7 +100,7 @@ class StreamReader(threading.Thread):
     """Reads one epoch for one rank, from (offset, step), into `out`."""
 
     def __init__(self, channels: Channels, request: StreamRequest, offset: int, step: int,
-                 out: queue.Queue[Any], stage: Callable[[feeder_pb2.Batch], Any],
+                 out: Handoff, stage: Callable[[feeder_pb2.Batch], Any],
                  backoff: Backoff, on_reconnect: Callable[[str], None],
                  metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(name=f"tokenfeed-reader-rank{request.rank}", daemon=True)

@@ -1,0 +1,50 @@
+"""The reader -> loop handoff: FIFO, bounded, and wakes whoever waits."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from tokenfeed.client.handoff import Handoff
+
+
+def test_fifo_bounded_and_queue_compatible() -> None:
+    h = Handoff(2)
+    assert h.empty() and h.qsize() == 0
+    h.put(1, timeout=1)
+    h.put(2, timeout=1)
+    with pytest.raises(queue.Full):
+        h.put(3, timeout=0.01)
+    assert h.qsize() == 2
+    assert h.get_nowait() == 1 and h.get(timeout=1) == 2
+    with pytest.raises(queue.Empty):
+        h.get_nowait()
+    with pytest.raises(queue.Empty):
+        h.get(timeout=0.01)
+    with pytest.raises(ValueError):
+        Handoff(0)
+
+
+def test_a_waiting_loop_is_woken_by_the_reader() -> None:
+    h = Handoff(1)
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(h.get(timeout=30)))
+    t.start()
+    time.sleep(0.05)  # the loop is waiting now (not required for correctness)
+    h.put(7, timeout=1)
+    t.join(30)
+    assert got == [7]
+
+
+def test_a_reader_blocked_on_a_full_ring_gets_room() -> None:
+    """Many items through a ring of one: every put finds room, order is kept."""
+    h = Handoff(1)
+    n = 2000
+    t = threading.Thread(target=lambda: [h.put(i, timeout=30) for i in range(n)])
+    t.start()
+    out = [h.get(timeout=30) for _ in range(n)]
+    t.join(30)
+    assert out == list(range(n))
