@@ -27,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from tokenfeed.server.cli import wait_for_port
+from tokenfeed.server.store import write_atomic
+
 SEQ_LEN, BATCH, STRIDE = 1024, 16, 256
 METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
 
@@ -103,7 +106,7 @@ def run_bare(port_file: str, per_message: int) -> None:
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        Path(port_file).write_text(str(port))
+        write_atomic(Path(port_file), str(port).encode())
         await server.wait_for_termination()
 
     new_event_loop().run_until_complete(main())
@@ -127,11 +130,7 @@ def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tup
         argv = [sys.executable, "-m", "tokenfeed.server.cli", "--data-root", str(data_root),
                 "--port", "0", "--port-file", str(port_file), "--log-level", "WARNING"]
     proc = subprocess.Popen(argv)
-    while not port_file.exists():
-        if proc.poll() is not None:
-            raise SystemExit(f"{kind} server failed to start")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+    return proc, f"127.0.0.1:{wait_for_port(proc, port_file)}"
 
 
 def measure(kind: str, streams: int, per_message: int, seconds: float, data_root: Path,

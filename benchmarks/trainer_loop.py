@@ -36,13 +36,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tokenfeed.client.bench import measure
+from tokenfeed.server.cli import wait_for_port
 from tokenfeed.server.sampling import Plan
 from tokenfeed.server.store import TokenStore, write_store
 
@@ -242,11 +242,7 @@ def main() -> None:
              "--port", "0", "--port-file", str(port_file)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            while not port_file.exists():
-                if feeder.poll() is not None:
-                    raise SystemExit("the feeder did not start")
-                time.sleep(0.05)
-            address = f"127.0.0.1:{int(port_file.read_text())}"
+            address = f"127.0.0.1:{wait_for_port(feeder, port_file)}"
             print(f"store: {n / 1e6:.0f}M uint16 tokens in {n // (1 << 21)} chunks; batches "
                   f"{BATCH} x {SEQ_LEN}, shuffled; {args.seconds:g} s per measurement; "
                   f"simulated steps {args.step_ms} ms; {os.cpu_count()} CPUs", flush=True)

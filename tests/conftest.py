@@ -182,12 +182,13 @@ class FeederProcess:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from tokenfeed.server.cli import wait_for_port
+
         deadline = time.monotonic() + timeout
-        while not self.port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:  # type: ignore[union-attr]
-                raise RuntimeError(f"feeder did not start:\n{self.log()}")
-            time.sleep(0.05)
-        self.port = int(self.port_file.read_text())
+        try:
+            self.port = wait_for_port(self.proc, self.port_file, timeout)  # type: ignore[arg-type]
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}:\n{self.log()}") from None
         if "tls_cert" in self.flags:
             return  # a TLS feeder: the caller checks health with its own credentials
         with grpc.insecure_channel(self.address) as ch:

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     store = data_root / DATASET
+    from tokenfeed.server.cli import wait_for_port
     from tokenfeed.server.store import is_complete
 
     if not is_complete(store):
@@ -108,13 +109,12 @@ def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[byte
             [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(data_root),
              "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)],
             stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _stop(proc, signal.SIGTERM)
-            raise RuntimeError(f"the feeder did not start:\n{log.read_text(errors='replace')}")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+    try:
+        port = wait_for_port(proc, port_file)
+    except RuntimeError as e:
+        _stop(proc, signal.SIGTERM)
+        raise RuntimeError(f"{e}:\n{log.read_text(errors='replace')}") from None
+    return proc, f"127.0.0.1:{port}"
 
 
 def _stop(proc: subprocess.Popen[Any], sig: int, timeout: float = 15.0,

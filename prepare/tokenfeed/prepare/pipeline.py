@@ -30,7 +30,7 @@ import itertools
 import multiprocessing
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,17 +139,7 @@ def _encoded(cfg: PrepareConfig, tok: Any, info: TokenizerInfo,
         # while this thread reads the next documents and writes the previous chunks.
         encode = Encoder(tok, info)
         with ThreadPoolExecutor(1, thread_name_prefix="tokenfeed-encode") as thread:
-            ahead: collections.deque[Future] = collections.deque()
-            try:
-                for batch in batches:
-                    ahead.append(thread.submit(encode, batch))
-                    if len(ahead) > 1:
-                        yield ahead.popleft().result()
-                while ahead:
-                    yield ahead.popleft().result()
-            finally:
-                for f in ahead:
-                    f.cancel()
+            yield from _in_order(lambda batch: thread.submit(encode, batch), batches, 2)
         return
     # spawn: a forked child would inherit the parent's tokenizer thread pool state.
     # An executor (not multiprocessing.Pool) so a worker that dies fails the run
@@ -157,17 +147,25 @@ def _encoded(cfg: PrepareConfig, tok: Any, info: TokenizerInfo,
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(cfg.num_proc, mp_context=ctx, initializer=init_worker,
                              initargs=(info.spec, info)) as pool:
-        pending: collections.deque[Future] = collections.deque()
-        try:
-            for batch in batches:
-                pending.append(pool.submit(encode_in_worker, batch))
-                if len(pending) >= 2 * cfg.num_proc:
-                    yield pending.popleft().result()
-            while pending:
+        yield from _in_order(lambda batch: pool.submit(encode_in_worker, batch), batches,
+                             2 * cfg.num_proc)
+
+
+def _in_order(submit: Callable[[Any], Future], items: Iterable[Any],
+              depth: int) -> Iterator[Any]:
+    """`submit(item)` for each item with at most `depth` in flight; results in order.
+    Leaving early cancels whatever has not started."""
+    pending: collections.deque[Future] = collections.deque()
+    try:
+        for item in items:
+            pending.append(submit(item))
+            if len(pending) >= depth:
                 yield pending.popleft().result()
-        finally:
-            for f in pending:
-                f.cancel()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
 
 
 def _progress_bar(cfg: PrepareConfig, path: Path, initial: int) -> Any:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from tokenfeed.server.config import ServerConfig
 from tokenfeed.server.datasets import DatasetRegistry
 from tokenfeed.server.metrics import ServerMetrics, serve_http
 from tokenfeed.server.service import SERVICE_NAME, FeederService
+from tokenfeed.server.store import write_atomic
 from tokenfeed.v1 import feeder_pb2
 
 log = logging.getLogger("tokenfeed.server")
@@ -159,7 +159,7 @@ class FeederServer:
         if cfg.metrics_port:
             self._http, self.metrics_port = serve_http(self.registry, cfg.host, cfg.metrics_port)
         if cfg.port_file is not None:
-            _write_atomic(Path(cfg.port_file), f"{port}\n")
+            write_atomic(Path(cfg.port_file), f"{port}\n".encode())
         return port
 
     async def drain(self, grace: float | None = None) -> None:
@@ -190,12 +190,6 @@ class FeederServer:
 def create_server(config: ServerConfig, registry: CollectorRegistry | None = None) -> FeederServer:
     """A feeder for `config`, not yet bound; `await server.start()` serves it."""
     return FeederServer(config, registry)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

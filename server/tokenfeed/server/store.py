@@ -307,7 +307,7 @@ def iter_tokens(store: TokenStore, verify: bool = True) -> Iterator[np.ndarray]:
         yield store.read_chunk(i, verify=verify)
 
 
-def _write_atomic(path: Path, data: bytes | memoryview) -> None:
+def write_atomic(path: Path, data: bytes | memoryview) -> None:
     """Write under a temporary name, fsync, rename: readers never see a partial file.
 
     On failure (disk full, read-only) the temporary file is removed and the OSError
@@ -327,7 +327,7 @@ def _write_atomic(path: Path, data: bytes | memoryview) -> None:
 
 def write_json(path: Path, doc: Any) -> None:
     """Write a JSON file atomically (temp name, fsync, rename): meta.json, progress files."""
-    _write_atomic(path, json.dumps(doc, indent=2).encode() + b"\n")
+    write_atomic(path, json.dumps(doc, indent=2).encode() + b"\n")
 
 
 def write_meta(path: Path, meta: StoreMeta) -> None:
@@ -353,7 +353,6 @@ class StoreWriter:
         tokenizer: str | None = None,
         source: dict[str, Any] | None = None,
         chunks: tuple[Chunk, ...] = (),
-        chunk_prefix: str = "chunk_",
     ) -> None:
         if tokens_per_chunk <= 0:
             raise InvalidArgument(f"tokens_per_chunk must be positive, got {tokens_per_chunk}")
@@ -367,7 +366,6 @@ class StoreWriter:
         self.tokenizer = tokenizer
         self.source = dict(source or {})
         self.chunks: list[Chunk] = list(chunks)
-        self.chunk_prefix = chunk_prefix
         self._limit = int(np.iinfo(self.dtype).max) if vocab_size is None else vocab_size - 1
         self._buf = np.empty(tokens_per_chunk, dtype=self.dtype)
         self._fill = 0
@@ -394,8 +392,8 @@ class StoreWriter:
 
     def _flush(self) -> Chunk:
         data = self._buf[: self._fill]
-        name = f"{self.chunk_prefix}{len(self.chunks):06d}.bin"
-        _write_atomic(self.path / name, memoryview(data).cast("B"))
+        name = chunk_name(len(self.chunks))
+        write_atomic(self.path / name, memoryview(data).cast("B"))
         chunk = Chunk(name, int(self._fill), checksum(data))
         self.chunks.append(chunk)
         self._fill = 0

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from tokenfeed.v1 import feeder_pb2 as pb
 
-_VARINT, _LEN = 0, 2
+_LEN = 2  # the length-delimited wire type
 
 
 def varint(n: int) -> bytes:
