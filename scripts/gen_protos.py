@@ -34,7 +34,7 @@ def generate(out_dir: Path) -> list[Path]:
         ]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed on {rel}")
-    return sorted(out_dir.glob("tokenfeed/v1/*_pb2*.py*"))
+    return sorted(p for p in out_dir.glob("tokenfeed/v1/*_pb2*") if p.suffix in (".py", ".pyi"))
 
 
 if __name__ == "__main__":

@@ -9,15 +9,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _generated(root: Path) -> list[Path]:
+    """The generated modules under `root` (not their __pycache__ byte code)."""
+    return sorted(
+        p.relative_to(root)
+        for pattern in ("*_pb2.py", "*_pb2.pyi", "*_pb2_grpc.py")
+        for p in (root / "tokenfeed" / "v1").glob(pattern)
+    )
+
+
 def test_generated_code_is_in_sync(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), str(tmp_path)], check=True,
         capture_output=True,
     )
-    fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*_pb2*.py*"))
-    committed = sorted(
-        p.relative_to(ROOT / "protos") for p in (ROOT / "protos").rglob("*_pb2*.py*")
-    )
+    fresh = _generated(tmp_path)
+    committed = _generated(ROOT / "protos")
     assert fresh == committed and fresh, "run `make protos` and commit the result"
     for rel in fresh:
         assert (tmp_path / rel).read_bytes() == (ROOT / "protos" / rel).read_bytes(), (
