@@ -198,6 +198,37 @@ def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
 
 
 @settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 200), st.integers(1, 10), st.integers(0, 99),
+       st.randoms(use_true_random=False))
+def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> None:  # type: ignore[no-untyped-def]
+    """Ascending positions take the run-by-run path, others are sorted first: same map."""
+    order = EpochOrder(n, wpb, shuffle_blocks, seed, epoch=1, shuffle=True)
+    ascending = order.windows(np.arange(n))
+    positions = [rnd.randrange(n) for _ in range(rnd.randrange(1, 200))]
+    np.testing.assert_array_equal(order.windows(np.array(positions)), ascending[positions])
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans(), st.integers(0, 2**32))
+def test_rounds_are_the_batches_in_bulk(plan: Plan, pick: int) -> None:
+    """Rounds (what the server assembles) are consecutive steps, full but for the
+    epoch's last batch, and flatten to exactly `batches()`."""
+    rank = pick % plan.world_size
+    steps = plan.steps(rank)
+    offset = min((pick // 7 % (steps + 1)) * plan.batch_size * plan.world_size,
+                 plan.num_windows)
+    rounds = list(plan.rounds(3, rank, offset, step=5))
+    flat = [b for r in rounds for b in r.batches()]
+    want = list(plan.batches(3, rank, offset, step=5))
+    assert [(b.step, b.offset, b.shift, b.starts.tolist()) for b in flat] == [
+        (b.step, b.offset, b.shift, b.starts.tolist()) for b in want]
+    assert [b.step for b in flat] == list(range(5, 5 + len(flat)))
+    rows = [n for r in rounds for n in r.rows]
+    assert all(n == plan.batch_size for n in rows[:-1])
+    assert all(r.starts.shape == (len(r), plan.batch_size) for r in rounds)
+
+
+@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 3000), st.integers(1, 200), st.integers(1, 10), st.integers(0, 99))
 def test_block_shuffle_touches_only_its_group_blocks(
     n: int, wpb: int, shuffle_blocks: int, seed: int

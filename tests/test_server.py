@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenfeed.server import sampling, service, wire
+from tokenfeed.server import assembly, sampling, service, wire
 from tokenfeed.server.datasets import DatasetRegistry
 from tokenfeed.server.metrics import SERIES, serve_http
 from tokenfeed.server.service import plan_for
@@ -132,7 +132,13 @@ def test_info_errors_and_broken_stores(feeder_root: Path) -> None:
 @pytest.mark.parametrize("per_message", [0, 3])
 def test_stream_sends_exactly_the_planned_windows(feeder, kw, per_message) -> None:  # type: ignore[no-untyped-def]
     p = params(**kw)
-    got = stream(feeder.address, p, batches_per_message=per_message)
+    with grpc.insecure_channel(feeder.address) as ch:
+        messages = list(pb_grpc.FeederStub(ch).StreamBatches(
+            pb.StreamBatchesRequest(params=p, batches_per_message=per_message)))
+    sizes = [len(m.batches) for m in messages]  # full messages, then what is left
+    assert sizes[:-1] == [max(1, per_message)] * (len(sizes) - 1)
+    assert 1 <= sizes[-1] <= max(1, per_message)
+    got = [b for m in messages for b in m.batches]
     assert_matches(got, expected(feeder.data_root, p), p.seq_len)
 
 
@@ -148,34 +154,39 @@ def test_worker_thread_path_sends_the_same(feeder_root, monkeypatch, per_message
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(
-    st.integers(0, 2**62), st.integers(0, 2**40), st.integers(0, 2**62), st.integers(0, 64),
-    st.sampled_from(["uint16", "uint32", ""]),
-    st.lists(st.binary(max_size=40), max_size=5),
-    st.lists(st.integers(0, 2**62), max_size=6),
-), max_size=4))
-def test_wire_encoding_matches_protobuf(batches) -> None:  # type: ignore[no-untyped-def]
-    """The hand-rolled hot path is byte-identical to protobuf's own serialization."""
-    msgs, encoded = [], []
-    for epoch, step, offset, shift, dtype, rows, starts in batches:
-        payload = b"".join(rows)
-        msgs.append(pb.Batch(epoch=epoch, step=step, offset=offset, shift=shift, rows=len(rows),
-                             cols=len(payload), dtype=dtype, tokens=payload, starts=starts))
-        views = [memoryview(r) for r in rows]
-        encoded.append(wire.batch(epoch, step, offset, shift, len(rows), len(payload), dtype,
-                                  views, len(payload), starts))
-    assert wire.response(encoded) == pb.StreamBatchesResponse(batches=msgs).SerializeToString()
+@given(
+    st.integers(0, 2**62), st.integers(0, 2**40), st.sampled_from(["uint16", "uint32", ""]),
+    st.lists(st.tuples(
+        st.integers(0, 2**62), st.integers(0, 64), st.integers(0, 5), st.integers(0, 40),
+    ), min_size=1, max_size=4),
+    st.data(),
+)
+def test_wire_encoding_matches_protobuf(epoch, step, dtype, batches, data) -> None:  # type: ignore[no-untyped-def]
+    """The hand-rolled hot path is byte-identical to protobuf's own serialization:
+    consecutive batches of any shape (empty ones too), starts of any size."""
+    itemsize = 2
+    offsets, shifts, rows, cols = (list(x) for x in zip(*batches, strict=True))
+    starts = [data.draw(st.lists(st.integers(0, 2**63 - 1), min_size=r, max_size=r))
+              for r in rows]
+    heads, tails = wire.frames(epoch, step, offsets, shifts, rows, cols, dtype, itemsize,
+                               np.array([s for ss in starts for s in ss], dtype=np.int64))
+    msgs, parts = [], []
+    for i, (offset, shift, r, c) in enumerate(batches):
+        payload = bytes(range(256)) * (r * c * itemsize // 256) + bytes(r * c * itemsize % 256)
+        msgs.append(pb.Batch(epoch=epoch, step=step + i, offset=offset, shift=shift, rows=r,
+                             cols=c, dtype=dtype, tokens=payload, starts=starts[i]))
+        parts += [heads[i], payload, tails[i]]
+    assert b"".join(parts) == pb.StreamBatchesResponse(batches=msgs).SerializeToString()
 
 
 def test_wire_encoding_of_a_large_batch() -> None:
-    rows = [bytes([i]) * 70_000 for i in range(5)]  # multi-byte length varints
-    payload = b"".join(rows)
+    payload = b"".join(bytes([i]) * 70_000 for i in range(5))  # multi-byte length varints
+    starts = np.array([0, 1, 2, 3, 2**40], dtype=np.int64)
     want = pb.StreamBatchesResponse(batches=[pb.Batch(
-        step=3, rows=5, cols=35_000, dtype="uint16", tokens=payload, starts=[0, 1, 2, 3, 4],
+        step=3, rows=5, cols=35_000, dtype="uint16", tokens=payload, starts=starts.tolist(),
     )]).SerializeToString()
-    got = wire.response([wire.batch(0, 3, 0, 0, 5, 35_000, "uint16", rows, len(payload),
-                                    [0, 1, 2, 3, 4])])
-    assert got == want
+    heads, tails = wire.frames(0, 3, [0], [0], [5], [35_000], "uint16", 2, starts)
+    assert heads[0] + payload + tails[0] == want
 
 
 def test_resume_at_an_offset_and_every_rank(feeder) -> None:  # type: ignore[no-untyped-def]
@@ -412,8 +423,9 @@ def test_metrics_endpoint_exposes_the_documented_series(feeder) -> None:  # type
 
 
 def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
-    """Windows spanning several chunks, one of them empty, on both the load path and
-    the all-cached path."""
+    """Windows spanning several chunks, one of them empty, with two shifts in one round:
+    the load path (`gather`, chunk by chunk) and the all-cached path (`row_parts` of
+    pinned views) give the same, right tokens."""
     import json
 
     from tokenfeed.server.cache import ChunkCache
@@ -428,10 +440,23 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
     meta_path.write_text(json.dumps(meta))
     ds = DatasetRegistry(root).get("gaps")
     cache = ChunkCache(1 << 20)
-    starts = np.array([0, 650, 1390, 1400, 2000, 100], dtype=np.int64)
-    for _ in range(2):  # first loads chunk by chunk, then everything is cached
-        payload = service.gather_tokens(ds, cache, starts, 900)
-        rows = np.frombuffer(payload, dtype="<u4").reshape(len(starts), 900)
-        np.testing.assert_array_equal(rows, starts[:, None] + np.arange(900))
+    starts = np.array([[0, 650, 1390, 1400], [2000, 100, 0, 0]], dtype=np.int64)
+    rnd = sampling.Round(0, 0, [0, 8], [1, 3], [4, 2], starts)  # the last batch is short
+    lr = assembly.LocatedRound(ds, rnd, seq_len=900)
+    assert lr.chunks == [0, 1, 3, 4, 5]  # chunk 2 is the empty one
+    for i, rows in enumerate(rnd.rows):
+        cols = lr.cols[i]
+        want = starts[i, :rows, None] + np.arange(cols)
+        loaded = assembly.gather(ds, cache, starts[i, :rows].tolist(), cols)
+        chunks = assembly.rows_chunks(ds, lr, lr.row_lo[i], lr.row_lo[i + 1])
+        views = assembly.pin_views(ds, cache, chunks)
+        assert views is not None  # gather loaded this batch's chunks
+        try:
+            cached = b"".join(assembly.row_parts(ds, views[1], lr, i))
+        finally:
+            cache.release_all(views[0])
+        for payload in (loaded, cached):
+            got = np.frombuffer(payload, dtype="<u4").reshape(rows, cols)
+            np.testing.assert_array_equal(got, want)
     assert cache.stats.hits > 0 and cache.pinned_count == 0
     cache.close()

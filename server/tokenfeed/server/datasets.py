@@ -37,8 +37,13 @@ class Dataset:
         """store.chunk_starts as Python ints (cheap indexing in per-row loops)."""
         return [int(x) for x in self.store.chunk_starts]
 
+    @cached_property
+    def chunk_keys(self) -> list[tuple[str, int, int]]:
+        """The cache key of every chunk (made once: a stream pins chunks per message)."""
+        return [(self.name, self.generation, c) for c in range(self.store.num_chunks)]
+
     def chunk_key(self, index: int) -> tuple[str, int, int]:
-        return (self.name, self.generation, index)
+        return self.chunk_keys[index]
 
 
 class DatasetRegistry:

@@ -56,13 +56,24 @@ _BLOCKS, _GROUP, _SHIFT = 1, 2, 3
 # --------------------------------------------------------------------------- hashing
 
 
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic, no warnings)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic, no warnings).
+
+    In place on two temporaries: the server maps thousands of positions per call,
+    where allocating a new array per operation would cost a third of the time."""
+    y = x >> _S30
+    y ^= x
+    y *= _M1
+    t = y >> _S27
+    y ^= t
+    y *= _M2
+    np.right_shift(y, _S31, out=t)
+    y ^= t
+    return y
 
 
 def _mix_int(x: int) -> int:
@@ -209,27 +220,40 @@ class EpochOrder:
         p = np.asarray(positions, dtype=np.int64)
         if not self.shuffle:
             return p.copy()
-        S, wpb = self.blocks_per_group, self.wpb
         g = p // self.group_windows
         g = g + (p >= self._group_start(g + 1))
         within = p - self._group_start(g)
+        # Positions of one group are permuted together. A stream asks for ascending
+        # positions, so its groups are runs (slices); any other order is sorted first.
+        ordered = len(g) < 2 or bool((g[1:] >= g[:-1]).all())
+        sort = None if ordered else np.argsort(g, kind="stable")
+        if sort is not None:
+            g, within = g[sort], within[sort]
+        cuts = [0, *(np.flatnonzero(g[1:] != g[:-1]) + 1).tolist(), len(g)]
         out = np.empty_like(p)
-        for group in np.unique(g):
-            sel = g == group
-            first_block = int(group) * S
-            n_blocks = min(S, self.num_blocks - first_block)
-            short = self._short_at - first_block  # its index in the group, if in it
-            has_short = 0 <= short < n_blocks
-            size = n_blocks * wpb - (self.deficit if has_short else 0)
-            u = _Permutation(size, _key(self.seed, self.epoch, _GROUP, int(group)))(within[sel])
-            # u indexes the concatenation of the group's blocks, in permuted order.
-            j = u // wpb
-            if has_short:
-                j = j + (u >= (j + 1) * wpb - self.deficit * (j + 1 > short))
-            block_start = j * wpb - (self.deficit * (j > short) if has_short else 0)
-            block = self._blocks(first_block + j)
-            out[sel] = block * self.wpb + (u - block_start)
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            out[lo:hi] = self._group_windows(int(g[lo]), within[lo:hi])
+        if sort is not None:
+            out[sort] = out.copy()
         return out
+
+    def _group_windows(self, group: int, within: np.ndarray) -> np.ndarray:
+        """Window indices of positions `within` group `group` (offsets from its start)."""
+        S, wpb = self.blocks_per_group, self.wpb
+        first_block = group * S
+        n_blocks = min(S, self.num_blocks - first_block)
+        short = self._short_at - first_block  # its index in the group, if in it
+        has_short = 0 <= short < n_blocks
+        size = n_blocks * wpb - (self.deficit if has_short else 0)
+        u = _Permutation(size, _key(self.seed, self.epoch, _GROUP, group))(within)
+        # u indexes the concatenation of the group's blocks, in permuted order.
+        j = u // wpb
+        if has_short:
+            j = j + (u >= (j + 1) * wpb - self.deficit * (j + 1 > short))
+        block_start = j * wpb - (self.deficit * (j > short) if has_short else 0)
+        # The group's few blocks, permuted once each (not once per position).
+        blocks = self._blocks(first_block + np.arange(n_blocks, dtype=np.int64))
+        return blocks[j] * wpb + (u - block_start)
 
 
 @dataclass(frozen=True)
@@ -241,6 +265,29 @@ class BatchPlan:
     offset: int
     shift: int
     starts: np.ndarray  # int64 absolute token offsets in the store
+
+
+@dataclass(frozen=True)
+class Round:
+    """Consecutive batches of one rank (steps `step`, `step` + 1, ...) as arrays: the
+    unit the server assembles in bulk. Batch i is `starts[i, :rows[i]]`; only the last
+    batch of a validation epoch can have fewer than batch_size rows."""
+
+    epoch: int
+    step: int  # step of the first batch
+    offsets: list[int]
+    shifts: list[int]
+    rows: list[int]
+    starts: np.ndarray  # (batches, batch_size) int64 absolute token offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def batches(self) -> Iterator[BatchPlan]:
+        for i, (offset, shift, rows) in enumerate(
+            zip(self.offsets, self.shifts, self.rows, strict=True)
+        ):
+            yield BatchPlan(self.epoch, self.step + i, offset, shift, self.starts[i, :rows])
 
 
 @dataclass(frozen=True)
@@ -369,15 +416,23 @@ class Plan:
 
         `step` is the number of the first step (it continues across resumes).
         """
+        for r in self.rounds(epoch, rank, offset, step):
+            yield from r.batches()
+
+    def rounds(self, epoch: int, rank: int, offset: int = 0, step: int = 0) -> Iterator[Round]:
+        """`batches()` grouped in Rounds of consecutive steps, mapped in one numpy call each.
+
+        numpy's per-call overhead, not the arithmetic, dominates at small B, so mapping
+        several steps' positions per call amortises it. Rounds start at one step and
+        double (to `_POSITIONS_PER_ROUND` positions), so the first batch of a (resumed)
+        stream comes at once.
+        """
         self._check(epoch, rank, offset, step)
         order = self.order(epoch)
         n, B = self.num_windows, self.batch_size
         global_batch = B * self.world_size
         # Train stops before a short final global batch; validation delivers every window.
         end = n if self.split != "train" else offset + (n - offset) // global_batch * global_batch
-        # Map several steps' positions per call: numpy's per-call overhead, not the
-        # arithmetic, dominates at small B, so this amortises it. Rounds start at one
-        # step and double, so the first batch of a (resumed) stream comes at once.
         max_round = max(1, _POSITIONS_PER_ROUND // B)
         fixed = 0 if self.shift == "auto" else int(self.shift)
         k = 1
@@ -388,13 +443,18 @@ class Plan:
             first = offsets + rank * B
             positions = first[:, None] + np.arange(B, dtype=np.int64)
             windows = order.windows(np.minimum(positions, end - 1).ravel()).reshape(k, B)
-            starts = self.split_begin + windows * self.stride
-            for i, (off, lo) in enumerate(zip(offsets.tolist(), first.tolist(), strict=True)):
-                rows = min(B, end - lo)
-                if rows <= 0:  # validation: this rank's share of the short last step is empty
-                    return
-                shift = fixed if fixed else self.shift_at(epoch, off)
-                yield BatchPlan(epoch, step, off, shift, starts[i, :rows])
-                step += 1
+            rows = np.clip(end - first, 0, B).tolist()
+            # validation: a rank whose share of the short last step is empty ends here
+            kept = k if rows[-1] > 0 else rows.index(0)
+            if kept:
+                offs = offsets[:kept].tolist()
+                yield Round(
+                    epoch, step, offs,
+                    [fixed] * kept if fixed else [self.shift_at(epoch, x) for x in offs],
+                    rows[:kept], self.split_begin + windows[:kept] * self.stride,
+                )
+            if kept < k:
+                return
+            step += k
             o += k * global_batch
             k *= 2

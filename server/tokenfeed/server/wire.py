@@ -1,25 +1,39 @@
-"""Hand-rolled protobuf encoding of the hot path: one StreamBatchesResponse.
+"""Hand-rolled protobuf encoding of the hot path: StreamBatchesResponse messages.
 
-Byte-identical to building `pb.StreamBatchesResponse` and calling SerializeToString
-(tests compare them over many shapes), but the token payload goes in as a list of row
-slices of the cached chunks and the whole message comes out of a single bytes join:
-one copy of the tokens, where building pb.Batch objects costs three (joining the rows,
-setting the field, serializing; upb also took ~0.8 ms to serialize 16 batches of
-32 KiB in one response). Field numbers come from the generated descriptors, so the
+A response is its batches one after another, each a length-delimited field, so a
+message is `b"".join([head_0, *rows_0, tail_0, head_1, ...])`: `frames()` encodes,
+for every batch of a round at once, the bytes before its tokens (the field tag and
+length, epoch ... dtype, the tokens' tag and length) and after them (the packed
+`starts`). The tokens themselves go in as slices of the cached chunks, so the join
+is the only copy of them; building pb.Batch objects costs three (joining the rows,
+setting the field, serializing). Byte-identical to SerializeToString (tests compare
+them over many shapes); field numbers come from the generated descriptors, so the
 .proto stays the only source of the wire format.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+
+import numpy as np
 
 from tokenfeed.v1 import feeder_pb2 as pb
 
-_LEN = 2  # the length-delimited wire type
+_VARINT, _LEN = 0, 2  # wire types
+_MASK64 = (1 << 64) - 1
+_VARINT_LIMITS = np.array([1 << 7 * k for k in range(1, 10)], dtype=np.uint64)
 
 
 def varint(n: int) -> bytes:
-    """Base-128 varint of a non-negative integer (a length, here)."""
+    """Base-128 varint of a non-negative integer below 2**64 (one, two and three byte
+    ones, the lengths and most steps and offsets, unrolled: this runs per batch)."""
+    if n < 0x80:
+        return bytes((n,))
+    if n < 0x4000:
+        return bytes((n & 0x7F | 0x80, n >> 7))
+    if n < 0x200000:
+        return bytes((n & 0x7F | 0x80, n >> 7 & 0x7F | 0x80, n >> 14))
     out = bytearray()
     while n >= 0x80:
         out.append(n & 0x7F | 0x80)
@@ -32,40 +46,61 @@ def _tag(message: type, field: str, wire_type: int) -> bytes:
     return varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | wire_type)
 
 
+_EPOCH = _tag(pb.Batch, "epoch", _VARINT)
+_STEP = _tag(pb.Batch, "step", _VARINT)
+_OFFSET = _tag(pb.Batch, "offset", _VARINT)
 _TOKENS = _tag(pb.Batch, "tokens", _LEN)
+_STARTS = _tag(pb.Batch, "starts", _LEN)
 _BATCH = _tag(pb.StreamBatchesResponse, "batches", _LEN)
-assert [f.number for f in pb.Batch.DESCRIPTOR.fields][-2:] == [
-    pb.Batch.DESCRIPTOR.fields_by_name["tokens"].number,
-    pb.Batch.DESCRIPTOR.fields_by_name["starts"].number,
-], "batch() relies on tokens and starts being Batch's last two fields"
+assert [f.name for f in sorted(pb.Batch.DESCRIPTOR.fields, key=lambda f: f.number)] == [
+    "epoch", "step", "offset", "shift", "rows", "cols", "dtype", "tokens", "starts"
+], "frames() writes Batch's fields in this order"
 
 
-def batch(
-    epoch: int, step: int, offset: int, shift: int, rows: int, cols: int, dtype: str,
-    payload: Sequence[bytes | memoryview], payload_len: int, starts: Sequence[int],
-) -> tuple[list[bytes | memoryview], int]:
-    """One encoded Batch as (parts, total length); `payload` are byte views (bytes or
-    memoryviews cast to "B") whose lengths add up to `payload_len`.
+def _int_field(tag: bytes, n: int) -> bytes:
+    """An int64 field (proto3 leaves out zeros; negatives are 10-byte two's complement)."""
+    return tag + varint(n & _MASK64) if n else b""
 
-    The small fields are serialized by protobuf itself (fields are written in number
-    order, so the fields before `tokens`, then `tokens`, then `starts` concatenate to
-    exactly what SerializeToString writes); only the payload is spliced in by hand.
+
+@functools.lru_cache(maxsize=256)
+def _middle_fields(shift: int, rows: int, cols: int, dtype: str, payload: int) -> bytes:
+    """Batch fields 4-7 (serialized by protobuf) and the tokens' tag and length: the
+    same for most batches of a stream."""
+    fields = pb.Batch(shift=shift, rows=rows, cols=cols, dtype=dtype).SerializeToString()
+    return fields + _TOKENS + varint(payload) if payload else fields
+
+
+def frames(
+    epoch: int, step: int, offsets: Sequence[int], shifts: Sequence[int],
+    rows: Sequence[int], cols: Sequence[int], dtype: str, itemsize: int,
+    starts: np.ndarray,
+) -> tuple[list[bytes], list[bytes]]:
+    """(heads, tails) of consecutive batches (steps step, step + 1, ...): batch i of a
+    response is `heads[i]`, then its rows x cols tokens of `itemsize` bytes, then
+    `tails[i]`. `starts` are the batches' window starts (non-negative), concatenated.
+
+    Fields are written in number order, as SerializeToString does: epoch, step and
+    offset by hand (they change every batch), fields 4-7 by protobuf (cached), the
+    tokens' tag and length, then `starts`, which protobuf packs for all batches in
+    one call and each batch's tail takes its slice of.
     """
-    head = pb.Batch(epoch=epoch, step=step, offset=offset, shift=shift, rows=rows, cols=cols,
-                    dtype=dtype).SerializeToString()
-    tail = pb.Batch(starts=starts).SerializeToString()
-    parts: list[bytes | memoryview] = [head]
-    if payload_len:
-        parts.append(_TOKENS + varint(payload_len))
-        parts.extend(payload)
-    parts.append(tail)
-    return parts, sum(map(len, parts))
-
-
-def response(batches: Sequence[tuple[list[bytes | memoryview], int]]) -> bytes:
-    """A serialized StreamBatchesResponse of encoded batches, in one join."""
-    out: list[bytes | memoryview] = []
-    for parts, size in batches:
-        out.append(_BATCH + varint(size))
-        out.extend(parts)
-    return b"".join(out)
+    packed = pb.Batch(starts=starts.tolist()).SerializeToString() if len(starts) else b""
+    sizes = np.searchsorted(_VARINT_LIMITS, starts.astype(np.uint64), side="right") + 1
+    values = memoryview(packed)[len(packed) - int(sizes.sum()) :]  # after tag and length
+    cut = np.concatenate(([0], np.cumsum(rows))).tolist()  # batch i: starts[cut[i]:cut[i+1]]
+    at = np.concatenate(([0], np.cumsum(sizes)))[cut].tolist()  # and its bytes in `values`
+    heads, tails = [], []
+    epoch_field = _int_field(_EPOCH, epoch)
+    for i, (offset, shift, n_rows, n_cols) in enumerate(
+        zip(offsets, shifts, rows, cols, strict=True)
+    ):
+        a, b = at[i], at[i + 1]
+        tail = _STARTS + varint(b - a) + values[a:b] if b > a else b""
+        payload = n_rows * n_cols * itemsize
+        fields = b"".join((
+            epoch_field, _int_field(_STEP, step + i), _int_field(_OFFSET, offset),
+            _middle_fields(shift, n_rows, n_cols, dtype, payload),
+        ))
+        heads.append(_BATCH + varint(len(fields) + payload + len(tail)) + fields)
+        tails.append(tail)
+    return heads, tails

@@ -1,0 +1,269 @@
+"""Batch plans -> serialized StreamBatches messages, from the shared chunk cache.
+
+The feeder's hot path. A stream's batches come from the sampling engine in Rounds
+(up to a few hundred consecutive batches as arrays), and everything that can be done
+for a whole round is done once per round, in a few numpy calls (`LocatedRound`): the
+chunk and byte offset where every row starts, which rows cross a chunk boundary,
+and every batch's encoding around its tokens (wire.frames). What is left per message
+is only what must be: one slice of a cached chunk per row, and one join that copies
+the tokens once into the message.
+
+Cache rules (cache.py): a group of messages pins all its chunks at once, and only
+when every one is resident (it never waits holding pins); otherwise it copies chunk
+by chunk, one pin at a time, loading or waiting for each (`gather`).
+
+Where a group is built is the servicer's choice (service.py): on the event loop
+(`inline`: from resident chunks only, never waiting) or on a worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left, bisect_right
+from collections import deque
+from collections.abc import Callable, Iterator
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from tokenfeed.server import sampling, wire
+from tokenfeed.server.cache import ChunkCache
+from tokenfeed.server.datasets import Dataset
+from tokenfeed.server.metrics import ServerMetrics
+
+GROUP_MESSAGES = 8  # messages built per group (one pin, one thread-pool round trip)...
+GROUP_BYTES = 1 << 20  # ...unless they reach this size first
+
+Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, payload bytes)
+Span = tuple["LocatedRound", int, int]  # batches [i, j) of a round
+
+
+class LocatedRound:
+    """A sampling Round found in the store's chunks and encoded around its tokens.
+
+    Batch i is rows [row_lo[i], row_lo[i + 1]) of the round's flat row arrays, and
+    goes on the wire as heads[i] + its rows' tokens + tails[i].
+    """
+
+    def __init__(self, ds: Dataset, rnd: sampling.Round, seq_len: int) -> None:
+        store = ds.store
+        self.round = rnd
+        self.cols = [seq_len + s for s in rnd.shifts]
+        self.row_bytes = [c * store.dtype.itemsize for c in self.cols]
+        self.row_lo = [0, *np.cumsum(rnd.rows).tolist()]
+        # Only a round's last batch can be short, so its rows are a prefix of the flat array.
+        starts = rnd.starts.ravel()[: self.row_lo[-1]]
+        cols = np.repeat(self.cols, rnd.rows) if len(set(self.cols)) > 1 else self.cols[0]
+        bounds = store.chunk_starts
+        first = np.searchsorted(bounds, starts, side="right") - 1
+        self.starts = starts
+        self.chunk = first  # chunk holding each row's first token
+        self.begin = (starts - bounds[first]) * store.dtype.itemsize  # its byte offset there
+        # Windows cross chunks freely; such rows are rare and take the slow path.
+        crossing = starts + cols > bounds[first + 1]
+        self.crossing = np.flatnonzero(crossing).tolist()  # ascending row indices
+        self.batch_crosses = (  # per batch: does any of its rows cross?
+            np.logical_or.reduceat(crossing, self.row_lo[:-1]).tolist()
+            if self.crossing else [False] * len(self.cols)
+        )
+        self.heads, self.tails = wire.frames(
+            rnd.epoch, rnd.step, rnd.offsets, rnd.shifts, rnd.rows, self.cols,
+            store.meta.dtype, store.dtype.itemsize, starts,
+        )
+        self.chunks = rows_chunks(ds, self, 0, len(starts))
+
+    def __len__(self) -> int:
+        return len(self.cols)
+
+    @cached_property
+    def row_lists(self) -> tuple[list[int], list[int]]:
+        """(chunk, begin) as Python lists: indexing them per row is what numpy is slow at.
+        Made when the round is first sent from, not while it waits ahead."""
+        return self.chunk.tolist(), self.begin.tolist()
+
+
+def rows_chunks(ds: Dataset, lr: LocatedRound, lo: int, hi: int) -> list[int]:
+    """The chunks rows [lo, hi) of `lr` touch (empty chunks left out), ascending."""
+    chunks = set(lr.chunk[lo:hi].tolist())
+    crossing = lr.crossing
+    for r in crossing[bisect_left(crossing, lo) : bisect_left(crossing, hi)]:
+        s, cols = int(lr.starts[r]), lr.cols[bisect_right(lr.row_lo, r) - 1]
+        chunks.update(_spanned(ds.chunk_bounds, int(lr.chunk[r]), s, s + cols))
+    return sorted(chunks)
+
+
+def _spanned(bounds: list[int], c: int, start: int, end: int) -> Iterator[int]:
+    """Non-empty chunks from c on that tokens [start, end) touch."""
+    while c + 1 < len(bounds) and bounds[c] < end:
+        if bounds[c + 1] > max(start, bounds[c]):
+            yield c
+        c += 1
+
+
+def pin_views(
+    ds: Dataset, cache: ChunkCache, chunks: list[int]
+) -> tuple[list[Any], dict[int, memoryview]] | None:
+    """Pin `chunks` if all are cached: (entries to release, chunk -> byte view); else None.
+
+    Byte views because slicing a memoryview is several times cheaper than numpy.
+    """
+    keys = ds.chunk_keys
+    entries = cache.pin_resident([keys[c] for c in chunks])
+    if entries is None:
+        return None
+    return entries, {c: e.view for c, e in zip(chunks, entries, strict=True)}
+
+
+def row_parts(
+    ds: Dataset, views: dict[int, memoryview], lr: LocatedRound, i: int
+) -> list[memoryview]:
+    """Batch i's rows as byte slices of pinned chunk views (no copy yet)."""
+    lo, hi = lr.row_lo[i], lr.row_lo[i + 1]
+    chunk, begin = lr.row_lists
+    if not lr.batch_crosses[i]:
+        n = lr.row_bytes[i]
+        return [views[c][b : b + n] for c, b in zip(chunk[lo:hi], begin[lo:hi], strict=True)]
+    bounds, size, cols = ds.chunk_bounds, ds.store.dtype.itemsize, lr.cols[i]
+    parts = []
+    for r in range(lo, hi):
+        s = int(lr.starts[r])
+        for c in _spanned(bounds, chunk[r], s, s + cols):
+            a, b = max(s, bounds[c]), min(s + cols, bounds[c + 1])
+            parts.append(views[c][(a - bounds[c]) * size : (b - bounds[c]) * size])
+    return parts
+
+
+def gather(ds: Dataset, cache: ChunkCache, starts: list[int], cols: int) -> bytes:
+    """Rows T[s : s + cols] for s in `starts`, row after row, loading chunks as needed:
+    chunk by chunk, one pinned at a time (the cache's no-deadlock rule)."""
+    store, bounds, size = ds.store, ds.chunk_bounds, ds.store.dtype.itemsize
+    out = bytearray(len(starts) * cols * size)
+    needed: dict[int, list[int]] = {}  # chunk -> rows touching it
+    for r, s in enumerate(starts):
+        for c in _spanned(bounds, store.chunk_of(s), s, s + cols):
+            needed.setdefault(c, []).append(r)
+    for c in sorted(needed):
+        load: Callable[[], np.ndarray] = lambda c=c: store.read_chunk(c)  # noqa: E731
+        with cache.pinned(ds.chunk_key(c), store.chunk_nbytes(c), load) as chunk:
+            view = memoryview(chunk).cast("B")
+            for r in needed[c]:
+                s = starts[r]
+                a, b = max(s, bounds[c]), min(s + cols, bounds[c + 1])
+                dst, src, n = (r * cols + a - s) * size, (a - bounds[c]) * size, (b - a) * size
+                out[dst : dst + n] = view[src : src + n]
+    return bytes(out)
+
+
+class MessageBuilder:
+    """One stream's rounds of batch plans -> serialized messages, a group at a time.
+
+    Called from one thread at a time. The round after the current one is located
+    and its chunks are prefetched while the current one is sent, so a stream usually
+    finds its chunks resident and builds on the event loop.
+    """
+
+    def __init__(
+        self, ds: Dataset, plan: sampling.Plan, rounds: Iterator[sampling.Round],
+        per_message: int, cache: ChunkCache, metrics: ServerMetrics,
+    ) -> None:
+        self.ds, self.plan, self.cache, self.metrics = ds, plan, cache, metrics
+        self.per_message = per_message
+        self.message_bytes = per_message * plan.batch_size * (
+            plan.seq_len + plan.max_shift) * ds.store.dtype.itemsize
+        self.group_messages = max(1, min(GROUP_MESSAGES, GROUP_BYTES // self.message_bytes))
+        self._source = rounds
+        self._rounds: deque[LocatedRound] = deque()  # the current round, then one ahead
+        self._pos = 0  # next batch of the current round
+        self._pull()
+
+    @property
+    def finished(self) -> bool:
+        return not self._rounds
+
+    def _pull(self) -> bool:
+        """Locate the next round of the plan (prefetching its chunks); False at the end."""
+        rnd = next(self._source, None)
+        if rnd is None:
+            return False
+        lr = LocatedRound(self.ds, rnd, self.plan.seq_len)
+        self._rounds.append(lr)
+        store = self.ds.store
+        chunks = lr.chunks
+        if not self.plan.shuffle and chunks[-1] + 1 < store.num_chunks:
+            chunks = [*chunks, chunks[-1] + 1]  # reading in order: the chunk after, too
+        for c in chunks:
+            if nbytes := store.chunk_nbytes(c):
+                self.cache.prefetch(self.ds.chunk_key(c), nbytes, lambda c=c: store.read_chunk(c))
+        return True
+
+    def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int]]:
+        """The next n messages as spans of rounds, and the cursor after them."""
+        messages = []
+        k, pos = 0, self._pos
+        for _ in range(n):
+            spans: list[Span] = []
+            want = self.per_message
+            while want:
+                if k == len(self._rounds) and not self._pull():
+                    break
+                lr = self._rounds[k]
+                j = min(len(lr), pos + want)
+                spans.append((lr, pos, j))
+                want -= j - pos
+                k, pos = (k + 1, 0) if j == len(lr) else (k, j)
+            if not spans:
+                break
+            messages.append(spans)
+        return messages, (k, pos)
+
+    def _advance(self, cursor: tuple[int, int]) -> None:
+        k, self._pos = cursor
+        for _ in range(k):
+            self._rounds.popleft()
+        if len(self._rounds) < 2:
+            self._pull()  # keep one round located (and prefetched) ahead
+
+    def next_group(self, inline: bool = False) -> list[Message]:
+        """Up to GROUP_MESSAGES messages (GROUP_BYTES in all); empty at the end or,
+        `inline`, when a chunk would have to be loaded (nothing is consumed then).
+
+        A group is the unit of pinning and of a thread-pool round trip: the hop to a
+        worker and back costs more than building one small message.
+        """
+        t0 = time.perf_counter()
+        messages, cursor = self._peek(self.group_messages)
+        if not messages:
+            return []
+        chunks: set[int] = set()
+        for spans in messages:
+            for lr, i, j in spans:
+                chunks.update(rows_chunks(self.ds, lr, lr.row_lo[i], lr.row_lo[j]))
+        views = pin_views(self.ds, self.cache, sorted(chunks))
+        if views is None and inline:  # leave the group to a worker thread
+            return []
+        try:
+            group = [self._message(spans, views[1] if views else None) for spans in messages]
+        finally:
+            if views is not None:
+                self.cache.release_all(views[0])
+        self._advance(cursor)
+        batches = sum(g[1] for g in group)
+        self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
+        return group
+
+    def _message(self, spans: list[Span], views: dict[int, memoryview] | None) -> Message:
+        parts: list[Any] = []
+        batches = tokens = 0
+        for lr, i, j in spans:
+            for b in range(i, j):
+                lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
+                parts.append(lr.heads[b])
+                if views is not None:  # slices of the pinned chunks, copied once by the join
+                    parts += row_parts(self.ds, views, lr, b)
+                else:
+                    parts.append(gather(self.ds, self.cache, lr.starts[lo:hi].tolist(), lr.cols[b]))
+                parts.append(lr.tails[b])
+                tokens += (hi - lo) * lr.cols[b]
+            batches += j - i
+        return b"".join(parts), batches, tokens, tokens * self.ds.store.dtype.itemsize
