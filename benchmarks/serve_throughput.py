@@ -1,9 +1,9 @@
 """Feeder throughput vs the bare gRPC ceiling, side by side in one run on loopback.
 
-    python benchmarks/serve_throughput.py [--seconds 3] [--tokens 32M]
+    python benchmarks/serve_throughput.py [--seconds 3] [--repeat 3] [--tokens 32M]
 
 Rows of 16 x (1024 + 1) uint16 tokens, shuffled. Each configuration runs a server in
-its own process and 1 or 4 client processes, each draining one stream for
+its own process and one load-generator process that drains 1 or 4 streams for
 `--seconds`:
 
 * tokenfeed: `python -m tokenfeed.server.cli` over a random store;
@@ -11,9 +11,18 @@ its own process and 1 or 4 client processes, each draining one stream for
   pre-built, pre-serialized response of exactly the same size over and over: the
   ceiling of gRPC itself for that message size on this machine.
 
-Reported: total tokens/s, messages/s, server CPU seconds per 10^9 tokens, and the
-ratio to the bare ceiling at the same message size (batches per message). Clients
-only count bytes (no numpy decode), so the client side costs the same in both.
+The load generator runs every stream on one asyncio event loop (one channel per
+stream, as separate trainers would have) and decodes each response with protobuf to
+count its tokens exactly, the same for both servers. One process on purpose: on a
+two-core machine the clients share the CPU with the server, and four synchronous
+client processes spent ~190 us of CPU per message (~140 for one asyncio process), so
+the 4-stream row measured clients fighting the server for the cores, not the server.
+Client CPU per 1e9 tokens is printed beside the server's so the split stays visible.
+
+The whole plan runs `--repeat` times, rows interleaved, and each row reports its
+median: this machine is noisy (+-15 % between identical runs). Reported: total
+tokens/s, messages/s, server and client CPU seconds per 10^9 tokens, and the ratio to
+the bare ceiling at the same message size (batches per message).
 """
 
 from __future__ import annotations
@@ -47,24 +56,24 @@ def request(per_message: int, epoch: int):  # type: ignore[no-untyped-def]
 # ---------------------------------------------------------------------- processes
 
 
-def run_client(address: str, seconds: float, per_message: int) -> None:
-    """One stream (epoch after epoch) for `seconds`; prints {"tokens", "messages", "seconds"}."""
+def run_client(address: str, streams: int, seconds: float, per_message: int) -> None:
+    """`streams` streams (epoch after epoch) for `seconds` on one event loop; prints
+    {"tokens", "messages", "seconds", "cpu"} (cpu: this process, while streaming)."""
+    import asyncio
+
     import grpc
 
+    from tokenfeed.server.app import new_event_loop
     from tokenfeed.v1 import feeder_pb2 as pb
 
-    opts = [("grpc.max_receive_message_length", -1)]
-    with grpc.insecure_channel(address, options=opts) as ch:
-        call = ch.unary_stream(METHOD, request_serializer=pb.StreamBatchesRequest.SerializeToString,
-                               response_deserializer=pb.StreamBatchesResponse.FromString)
-        grpc.channel_ready_future(ch).result(timeout=60)
-        tokens = messages = 0
-        t0 = time.perf_counter()
-        end = t0 + seconds
-        epoch = 0
+    async def drain(channel: grpc.aio.Channel, end: float) -> tuple[int, int]:
+        call = channel.unary_stream(
+            METHOD, request_serializer=pb.StreamBatchesRequest.SerializeToString,
+            response_deserializer=pb.StreamBatchesResponse.FromString)
+        tokens = messages = epoch = 0
         while time.perf_counter() < end:
             stream = call(request(per_message, epoch), wait_for_ready=True)
-            for msg in stream:
+            async for msg in stream:
                 for b in msg.batches:
                     tokens += b.rows * b.cols
                 messages += 1
@@ -72,8 +81,22 @@ def run_client(address: str, seconds: float, per_message: int) -> None:
                     stream.cancel()
                     break
             epoch += 1
-        elapsed = time.perf_counter() - t0
-    print(json.dumps({"tokens": tokens, "messages": messages, "seconds": elapsed}), flush=True)
+        return tokens, messages
+
+    async def main() -> None:
+        opts = [("grpc.max_receive_message_length", -1)]
+        channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(streams)]
+        for ch in channels:
+            await asyncio.wait_for(ch.channel_ready(), 60)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        done = await asyncio.gather(*(drain(ch, t0 + seconds) for ch in channels))
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        for ch in channels:
+            await ch.close()
+        print(json.dumps({"tokens": sum(t for t, _ in done), "messages": sum(m for _, m in done),
+                          "seconds": elapsed, "cpu": cpu}), flush=True)
+
+    new_event_loop().run_until_complete(main())
 
 
 def run_bare(port_file: str, per_message: int) -> None:
@@ -136,25 +159,22 @@ def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tup
 def measure(kind: str, streams: int, per_message: int, seconds: float, data_root: Path,
             tmp: Path) -> dict:  # type: ignore[type-arg]
     proc, address = start_server(kind, data_root, per_message, tmp)
+    client = [sys.executable, __file__, "--client", address, "--per-message", str(per_message)]
     try:
         # warm up (cache fill, connection setup) outside the measurement
-        warm = [sys.executable, __file__, "--client", address, "--seconds", "0.5",
-                "--per-message", str(per_message)]
-        subprocess.run(warm, check=True, capture_output=True)
+        subprocess.run([*client, "--seconds", "0.5"], check=True, capture_output=True)
         cpu0 = cpu_seconds(proc.pid)
-        argv = [sys.executable, __file__, "--client", address, "--seconds", str(seconds),
-                "--per-message", str(per_message)]
-        clients = [subprocess.Popen(argv, stdout=subprocess.PIPE) for _ in range(streams)]
-        results = [json.loads(c.communicate()[0]) for c in clients]
+        out = subprocess.run([*client, "--seconds", str(seconds), "--streams", str(streams)],
+                             check=True, stdout=subprocess.PIPE).stdout
         cpu = cpu_seconds(proc.pid) - cpu0
     finally:
         proc.terminate()
         proc.wait(30)
-    tokens = sum(r["tokens"] for r in results)
-    rate = sum(r["tokens"] / r["seconds"] for r in results)
-    msgs = sum(r["messages"] / r["seconds"] for r in results)
-    return {"kind": kind, "streams": streams, "per_message": per_message, "tokens_s": rate,
-            "msgs_s": msgs, "cpu_per_gtok": cpu / tokens * 1e9 if tokens else float("nan")}
+    r = json.loads(out)
+    per_gtok = 1e9 / r["tokens"] if r["tokens"] else float("nan")
+    return {"kind": kind, "streams": streams, "per_message": per_message,
+            "tokens_s": r["tokens"] / r["seconds"], "msgs_s": r["messages"] / r["seconds"],
+            "cpu_per_gtok": cpu * per_gtok, "client_cpu_per_gtok": r["cpu"] * per_gtok}
 
 
 def bare_message_seconds(seconds: float = 3.0) -> float:
@@ -174,60 +194,81 @@ def make_store(root: Path, total: int) -> None:
                 tokens_per_chunk=1 << 20, vocab_size=50_257, eos_token_id=50_256)
 
 
+def median_row(runs: list[dict]) -> dict:  # type: ignore[type-arg]
+    """The run with the median tokens/s (its CPU figures come with it)."""
+    return sorted(runs, key=lambda r: r["tokens_s"])[len(runs) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of every row (median shown)")
     ap.add_argument("--tokens", type=int, default=32 << 20)
     ap.add_argument("--per-message", type=int, default=1)
+    ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--client", metavar="ADDRESS")
     ap.add_argument("--bare", metavar="PORT_FILE")
     ap.add_argument("--stretch", type=int, default=16, help="batches per message, stretch rows")
     ap.add_argument("--only", help="comma-separated rows to run, e.g. tokenfeed:1:1 (debugging)")
     args = ap.parse_args()
     if args.client:
-        return run_client(args.client, args.seconds, args.per_message)
+        return run_client(args.client, args.streams, args.seconds, args.per_message)
     if args.bare:
         return run_bare(args.bare, args.per_message)
 
+    k = args.stretch
+    plan = [("bare", 1, 1), ("tokenfeed", 1, 1), ("bare", 4, 1), ("tokenfeed", 4, 1),
+            ("bare", 1, k), ("tokenfeed", 1, k), ("tokenfeed", 4, k)]
+    if args.only:
+        plan = [(k_, int(s_), int(m_)) for k_, s_, m_ in
+                (x.split(":") for x in args.only.split(","))]
+    runs: dict[tuple, list[dict]] = {row: [] for row in plan}  # type: ignore[type-arg]
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as d:
         tmp = Path(d)
         make_store(tmp / "data", args.tokens)
-        k = args.stretch
-        plan = [("bare", 1, 1), ("tokenfeed", 1, 1), ("bare", 4, 1), ("tokenfeed", 4, 1),
-                ("bare", 1, k), ("tokenfeed", 1, k), ("tokenfeed", 4, k)]
-        if args.only:
-            plan = [(k_, int(s_), int(m_)) for k_, s_, m_ in
-                    (x.split(":") for x in args.only.split(","))]
-        rows = []
-        for kind, streams, per_message in plan:
-            rows.append(measure(kind, streams, per_message, args.seconds, tmp / "data", tmp))
-            r = rows[-1]
-            print(f"  measured {kind:9s} streams={streams} batches/msg={per_message}: "
-                  f"{r['tokens_s'] / 1e6:8.1f} M tokens/s", flush=True)
-
+        for i in range(args.repeat):  # interleaved, so a noisy minute hits every row alike
+            for row in plan:
+                r = measure(*row, args.seconds, tmp / "data", tmp)
+                runs[row].append(r)
+                print(f"  run {i + 1}/{args.repeat} {row[0]:9s} streams={row[1]} "
+                      f"batches/msg={row[2]}: {r['tokens_s'] / 1e6:8.1f} M tokens/s", flush=True)
+    rows = [median_row(runs[row]) for row in plan]
     if args.only:
         return
     bare = {(r["streams"], r["per_message"]): r for r in rows if r["kind"] == "bare"}
     print(f"\nserve_throughput: batch {BATCH} x {SEQ_LEN}+1 uint16, shuffled, "
-          f"{args.seconds:g} s per row, loopback, {os.cpu_count()} cpus\n")
+          f"median of {args.repeat} x {args.seconds:g} s per row, loopback, "
+          f"{os.cpu_count()} cpus\n")
     print(f"{'server':10s} {'streams':>7s} {'batch/msg':>9s} {'Mtok/s':>9s} {'msg/s':>8s} "
-          f"{'cpu s/Gtok':>10s} {'vs bare':>8s}")
+          f"{'server cpu':>10s} {'client cpu':>10s} {'vs bare':>8s}")
+    print(f"{'':48s}{'s/Gtok':>10s} {'s/Gtok':>10s}")
     for r in rows:
         ref = bare.get((r["streams"], r["per_message"])) or bare.get((1, r["per_message"]))
         ratio = r["tokens_s"] / ref["tokens_s"] if ref and r["kind"] != "bare" else float("nan")
         print(f"{r['kind']:10s} {r['streams']:7d} {r['per_message']:9d} "
               f"{r['tokens_s'] / 1e6:9.1f} {r['msgs_s']:8.0f} {r['cpu_per_gtok']:10.2f} "
-              f"{ratio:8.2f}")
+              f"{r['client_cpu_per_gtok']:10.2f} {ratio:8.2f}")
     tf = {(r["streams"], r["per_message"]): r for r in rows if r["kind"] == "tokenfeed"}
-    print("\nratios:")
+
+    def each(a: tuple, b: tuple, pick: str = "tokenfeed") -> str:  # type: ignore[type-arg]
+        """The ratio in each repeat, so the spread shows beside the median."""
+        num = runs[("tokenfeed", *a)]
+        den = runs[(pick, *b)]
+        return " ".join(f"{x['tokens_s'] / y['tokens_s']:.2f}" for x, y in zip(num, den,
+                                                                               strict=True))
+
+    print("\nratios (median; each run):")
     print(f"  1 stream / bare ceiling (1 batch/msg):        "
-          f"{tf[(1, 1)]['tokens_s'] / bare[(1, 1)]['tokens_s']:.2f}  (goal >= 0.70)")
+          f"{tf[(1, 1)]['tokens_s'] / bare[(1, 1)]['tokens_s']:.2f}  (goal >= 0.70; "
+          f"{each((1, 1), (1, 1), 'bare')})")
     print(f"  4 streams / 1 stream (1 batch/msg):           "
-          f"{tf[(4, 1)]['tokens_s'] / tf[(1, 1)]['tokens_s']:.2f}  (goal >= 1.00)")
+          f"{tf[(4, 1)]['tokens_s'] / tf[(1, 1)]['tokens_s']:.2f}  (goal >= 1.00; "
+          f"{each((4, 1), (1, 1))})")
     print(f"  1 stream, {k} batches/msg / bare at that size: "
           f"{tf[(1, k)]['tokens_s'] / bare[(1, k)]['tokens_s']:.2f}")
     print(f"  1 stream, {k} batches/msg: {tf[(1, k)]['tokens_s'] / 1e6:.0f} M tokens/s "
-          "(stretch goal > 250)")
+          f"(stretch goal > 250; "
+          + " ".join(f"{r['tokens_s'] / 1e6:.0f}" for r in runs[("tokenfeed", 1, k)]) + ")")
 
 
 if __name__ == "__main__":
