@@ -210,6 +210,7 @@ class EpochOrder:
         self._blocks = _Permutation(nb, _key(seed, epoch, _BLOCKS))
         # Where the short block lands in the permuted block order.
         self._short_at = int(self._blocks.inverse(np.array([nb - 1]))[0])
+        self._groups: dict[int, tuple[_Permutation, np.ndarray]] = {}  # see _group
 
     def _group_start(self, g: np.ndarray) -> np.ndarray:
         short_group = self._short_at // self.blocks_per_group
@@ -245,15 +246,30 @@ class EpochOrder:
         short = self._short_at - first_block  # its index in the group, if in it
         has_short = 0 <= short < n_blocks
         size = n_blocks * wpb - (self.deficit if has_short else 0)
-        u = _Permutation(size, _key(self.seed, self.epoch, _GROUP, group))(within)
+        perm, blocks = self._group(group, size, first_block, n_blocks)
+        u = perm(within)
         # u indexes the concatenation of the group's blocks, in permuted order.
         j = u // wpb
         if has_short:
             j = j + (u >= (j + 1) * wpb - self.deficit * (j + 1 > short))
         block_start = j * wpb - (self.deficit * (j > short) if has_short else 0)
-        # The group's few blocks, permuted once each (not once per position).
-        blocks = self._blocks(first_block + np.arange(n_blocks, dtype=np.int64))
         return blocks[j] * wpb + (u - block_start)
+
+    def _group(
+        self, group: int, size: int, first_block: int, n_blocks: int
+    ) -> tuple[_Permutation, np.ndarray]:
+        """A group's permutation of its windows and its blocks' places, made once: a
+        stream maps many rounds in one group, and permuting its few blocks costs about
+        what permuting thousands of positions does (numpy's cost is per call)."""
+        made = self._groups.get(group)
+        if made is None:
+            if len(self._groups) >= 8:
+                self._groups.clear()
+            made = self._groups[group] = (
+                _Permutation(size, _key(self.seed, self.epoch, _GROUP, group)),
+                self._blocks(first_block + np.arange(n_blocks, dtype=np.int64)),
+            )
+        return made
 
 
 @dataclass(frozen=True)
