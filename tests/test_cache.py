@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -136,6 +137,31 @@ def test_prefetch_loads_in_background_and_counts_as_a_hit_later() -> None:
     with cache.pinned("x", 10, lambda: chunk(99, 10)) as data:  # waits for the read-ahead
         assert int(data[0]) == 5
     assert cache.stats.loads == 1
+    cache.close()
+
+
+def test_read_ahead_does_not_push_out_chunks_in_use() -> None:
+    """A prefetched chunk waits at the cold end of the LRU order until it is used, so
+    a read-ahead guess is evicted before what streams are reading now."""
+    cache = ChunkCache(300)
+    for k in (1, 2):
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    assert cache.prefetch(3, 100, lambda: chunk(3, 100))
+    with cache.pinned(3, 100, lambda: chunk(3, 100)):  # waits for the load to finish
+        pass
+    assert cache.prefetch(4, 100, lambda: chunk(4, 100))  # full: evicts 1, the coldest used
+    with cache.pinned(4, 100, lambda: chunk(4, 100)):
+        pass
+    assert 1 not in cache and 2 in cache and 3 in cache and 4 in cache
+    assert cache.prefetch(5, 100, lambda: chunk(5, 100))  # evicts 2
+    deadline = time.monotonic() + 30
+    while 5 not in cache and time.monotonic() < deadline:  # loaded (a load in flight stays)
+        time.sleep(0.01)
+    assert cache.prefetch(6, 100, lambda: chunk(6, 100))  # evicts 5, never used, not 3 or 4
+    with cache.pinned(6, 100, lambda: chunk(6, 100)):
+        pass
+    assert 3 in cache and 4 in cache and 6 in cache and 5 not in cache
     cache.close()
 
 

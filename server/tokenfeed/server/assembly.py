@@ -22,7 +22,6 @@ import time
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterator
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -32,8 +31,12 @@ from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.metrics import ServerMetrics
 
-GROUP_MESSAGES = 8  # messages built per group (one pin, one thread-pool round trip)...
+# A group is built in one go: one pin of its chunks, one thread-pool round trip. 8 was
+# no faster end to end than 4 (serve_throughput) and gave streams coarser turns.
+GROUP_MESSAGES = 4  # messages per group...
 GROUP_BYTES = 1 << 20  # ...unless they reach this size first
+LOOKAHEAD_BATCHES = 8  # batches past the last group built whose chunks are read ahead (min)
+ASK_AGAIN_GROUPS = 8  # a chunk read ahead is not asked for again for this many groups
 
 Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, payload bytes)
 Span = tuple["LocatedRound", int, int]  # batches [i, j) of a round
@@ -71,16 +74,9 @@ class LocatedRound:
             rnd.epoch, rnd.step, rnd.offsets, rnd.shifts, rnd.rows, self.cols,
             store.meta.dtype, store.dtype.itemsize, starts,
         )
-        self.chunks = rows_chunks(ds, self, 0, len(starts))
 
     def __len__(self) -> int:
         return len(self.cols)
-
-    @cached_property
-    def row_lists(self) -> tuple[list[int], list[int]]:
-        """(chunk, begin) as Python lists: indexing them per row is what numpy is slow at.
-        Made when the round is first sent from, not while it waits ahead."""
-        return self.chunk.tolist(), self.begin.tolist()
 
 
 def rows_chunks(ds: Dataset, lr: LocatedRound, lo: int, hi: int) -> list[int]:
@@ -120,15 +116,16 @@ def row_parts(
 ) -> list[memoryview]:
     """Batch i's rows as byte slices of pinned chunk views (no copy yet)."""
     lo, hi = lr.row_lo[i], lr.row_lo[i + 1]
-    chunk, begin = lr.row_lists
+    # Python lists per batch, not per round: a round waiting to be sent stays compact.
+    chunk = lr.chunk[lo:hi].tolist()
     if not lr.batch_crosses[i]:
         n = lr.row_bytes[i]
-        return [views[c][b : b + n] for c, b in zip(chunk[lo:hi], begin[lo:hi], strict=True)]
+        return [views[c][b : b + n] for c, b in zip(chunk, lr.begin[lo:hi].tolist(), strict=True)]
     bounds, size, cols = ds.chunk_bounds, ds.store.dtype.itemsize, lr.cols[i]
     parts = []
-    for r in range(lo, hi):
+    for r, first in zip(range(lo, hi), chunk, strict=True):
         s = int(lr.starts[r])
-        for c in _spanned(bounds, chunk[r], s, s + cols):
+        for c in _spanned(bounds, first, s, s + cols):
             a, b = max(s, bounds[c]), min(s + cols, bounds[c + 1])
             parts.append(views[c][(a - bounds[c]) * size : (b - bounds[c]) * size])
     return parts
@@ -158,9 +155,11 @@ def gather(ds: Dataset, cache: ChunkCache, starts: list[int], cols: int) -> byte
 class MessageBuilder:
     """One stream's rounds of batch plans -> serialized messages, a group at a time.
 
-    Called from one thread at a time. The round after the current one is located
-    and its chunks are prefetched while the current one is sent, so a stream usually
-    finds its chunks resident and builds on the event loop.
+    Called from one thread at a time. Rounds are located as they are reached, and
+    after each group the chunks of the next group's batches are read ahead,
+    so a stream usually finds its chunks resident and builds on the event loop. Read
+    ahead is by batches, not rounds: a rank's round spans batch_size x world_size
+    windows per step, most of an epoch for a large job, far more than the cache.
     """
 
     def __init__(
@@ -172,57 +171,75 @@ class MessageBuilder:
         self.message_bytes = per_message * plan.batch_size * (
             plan.seq_len + plan.max_shift) * ds.store.dtype.itemsize
         self.group_messages = max(1, min(GROUP_MESSAGES, GROUP_BYTES // self.message_bytes))
+        self.lookahead = max(LOOKAHEAD_BATCHES, self.group_messages * per_message)
         self._source = rounds
-        self._rounds: deque[LocatedRound] = deque()  # the current round, then one ahead
-        self._pos = 0  # next batch of the current round
-        self._pull()
+        self._exhausted = False
+        self._rounds: deque[LocatedRound] = deque()  # located, not yet (all) sent
+        self._pos = 0  # next batch of the first round
+        self._groups = 0  # groups built so far
+        self._asked: dict[int, int] = {}  # chunk -> group when last read ahead
+        self._read_ahead()
 
     @property
     def finished(self) -> bool:
-        return not self._rounds
+        return self._exhausted and not self._rounds
 
-    def _pull(self) -> bool:
-        """Locate the next round of the plan (prefetching its chunks); False at the end."""
-        rnd = next(self._source, None)
-        if rnd is None:
-            return False
-        lr = LocatedRound(self.ds, rnd, self.plan.seq_len)
-        self._rounds.append(lr)
+    def _spans(self, n: int, cursor: tuple[int, int]) -> tuple[list[Span], tuple[int, int]]:
+        """The next n batches from `cursor` (round, batch) as spans of rounds, locating
+        rounds as they are reached, and the cursor after them."""
+        spans: list[Span] = []
+        k, pos = cursor
+        while n:
+            if k == len(self._rounds):
+                rnd = None if self._exhausted else next(self._source, None)
+                if rnd is None:
+                    self._exhausted = True
+                    break
+                self._rounds.append(LocatedRound(self.ds, rnd, self.plan.seq_len))
+            lr = self._rounds[k]
+            j = min(len(lr), pos + n)
+            spans.append((lr, pos, j))
+            n -= j - pos
+            k, pos = (k + 1, 0) if j == len(lr) else (k, j)
+        return spans, (k, pos)
+
+    def _read_ahead(self) -> None:
+        """Prefetch the chunks of the next group's batches, at least LOOKAHEAD_BATCHES (in
+        an unshuffled order, the chunk after them too); chunks asked for in the last few
+        groups are not asked again."""
+        spans, _ = self._spans(self.lookahead, (0, self._pos))
+        chunks: set[int] = set()
+        for lr, i, j in spans:
+            chunks.update(rows_chunks(self.ds, lr, lr.row_lo[i], lr.row_lo[j]))
         store = self.ds.store
-        chunks = lr.chunks
-        if not self.plan.shuffle and chunks[-1] + 1 < store.num_chunks:
-            chunks = [*chunks, chunks[-1] + 1]  # reading in order: the chunk after, too
+        if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
+            chunks.add(max(chunks) + 1)
+        self._groups += 1
+        if len(self._asked) > 4096:
+            self._asked.clear()
         for c in chunks:
+            if self._groups - self._asked.get(c, -ASK_AGAIN_GROUPS) < ASK_AGAIN_GROUPS:
+                continue
+            self._asked[c] = self._groups
             if nbytes := store.chunk_nbytes(c):
                 self.cache.prefetch(self.ds.chunk_key(c), nbytes, lambda c=c: store.read_chunk(c))
-        return True
 
     def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int]]:
         """The next n messages as spans of rounds, and the cursor after them."""
         messages = []
-        k, pos = 0, self._pos
+        cursor = (0, self._pos)
         for _ in range(n):
-            spans: list[Span] = []
-            want = self.per_message
-            while want:
-                if k == len(self._rounds) and not self._pull():
-                    break
-                lr = self._rounds[k]
-                j = min(len(lr), pos + want)
-                spans.append((lr, pos, j))
-                want -= j - pos
-                k, pos = (k + 1, 0) if j == len(lr) else (k, j)
+            spans, cursor = self._spans(self.per_message, cursor)
             if not spans:
                 break
             messages.append(spans)
-        return messages, (k, pos)
+        return messages, cursor
 
     def _advance(self, cursor: tuple[int, int]) -> None:
         k, self._pos = cursor
         for _ in range(k):
             self._rounds.popleft()
-        if len(self._rounds) < 2:
-            self._pull()  # keep one round located (and prefetched) ahead
+        self._read_ahead()
 
     def next_group(self, inline: bool = False) -> list[Message]:
         """Up to GROUP_MESSAGES messages (GROUP_BYTES in all); empty at the end or,

@@ -144,6 +144,9 @@ class ChunkCache:
         """Start loading `key` in the background unless present, in flight or no room.
 
         Never blocks and never evicts a pinned chunk; returns whether a load started.
+        The chunk joins at the cold end of the LRU order and moves up when first used:
+        a read-ahead guess (a slow stream's far future, say) must not push out what
+        streams are using now.
         """
         self._check_fits(key, nbytes)
         with self._cond:
@@ -152,6 +155,7 @@ class ChunkCache:
             if not self._make_room(nbytes, wait=False):
                 return False
             entry = self._insert(key, nbytes)
+            self._entries.move_to_end(key, last=False)
             self.stats.prefetches += 1
         try:
             self._pool.submit(self._load, key, entry, load)

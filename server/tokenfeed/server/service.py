@@ -10,7 +10,7 @@ long runs in the thread pool: opening a store, loading (or waiting for) a chunk,
 messages over `INLINE_MAX_BYTES`, which are double-buffered (a worker builds the next
 group of messages while the handler writes this one). A message of at most 1 MiB
 whose chunks are all cached is built on the event loop itself (assembly.py: about
-35 us of Python per 16 x 1025 batch, for a group of up to 8 messages at once), less
+35 us of Python per 16 x 1025 batch, a group of up to 4 messages at a time), less
 than the thread hop plus the GIL hand-over it would otherwise cost (see
 benchmarks/serve_throughput.py). `await context.write`
 waits for HTTP/2 flow control, so a stalled trainer holds at most two groups of
