@@ -89,6 +89,21 @@ def rows_chunks(ds: Dataset, lr: LocatedRound, lo: int, hi: int) -> list[int]:
     return sorted(chunks)
 
 
+def spans_chunks(ds: Dataset, spans: list[Span]) -> set[int]:
+    """The chunks consecutive spans touch; a run of spans in one round is one range."""
+    chunks: set[int] = set()
+    run: Span | None = None
+    for span in [*spans, None]:
+        if run is not None and span is not None and span[0] is run[0] and span[1] == run[2]:
+            run = (run[0], run[1], span[2])
+            continue
+        if run is not None:
+            lr = run[0]
+            chunks.update(rows_chunks(ds, lr, lr.row_lo[run[1]], lr.row_lo[run[2]]))
+        run = span
+    return chunks
+
+
 def _spanned(bounds: list[int], c: int, start: int, end: int) -> Iterator[int]:
     """Non-empty chunks from c on that tokens [start, end) touch."""
     while c + 1 < len(bounds) and bounds[c] < end:
@@ -178,7 +193,7 @@ class MessageBuilder:
         self._pos = 0  # next batch of the first round
         self._groups = 0  # groups built so far
         self._asked: dict[int, int] = {}  # chunk -> group when last read ahead
-        self._read_ahead()
+        self._read_ahead((0, 0))
 
     @property
     def finished(self) -> bool:
@@ -203,14 +218,11 @@ class MessageBuilder:
             k, pos = (k + 1, 0) if j == len(lr) else (k, j)
         return spans, (k, pos)
 
-    def _read_ahead(self) -> None:
-        """Prefetch the chunks of the next group's batches, at least LOOKAHEAD_BATCHES (in
-        an unshuffled order, the chunk after them too); chunks asked for in the last few
-        groups are not asked again."""
-        spans, _ = self._spans(self.lookahead, (0, self._pos))
-        chunks: set[int] = set()
-        for lr, i, j in spans:
-            chunks.update(rows_chunks(self.ds, lr, lr.row_lo[i], lr.row_lo[j]))
+    def _read_ahead(self, cursor: tuple[int, int]) -> None:
+        """Prefetch the chunks of the `lookahead` batches from `cursor` (in an unshuffled
+        order, the chunk after them too); chunks asked for in the last few groups are
+        not asked again."""
+        chunks = spans_chunks(self.ds, self._spans(self.lookahead, cursor)[0])
         store = self.ds.store
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
             chunks.add(max(chunks) + 1)
@@ -239,7 +251,6 @@ class MessageBuilder:
         k, self._pos = cursor
         for _ in range(k):
             self._rounds.popleft()
-        self._read_ahead()
 
     def next_group(self, inline: bool = False) -> list[Message]:
         """Up to GROUP_MESSAGES messages (GROUP_BYTES in all); empty at the end or,
@@ -252,10 +263,7 @@ class MessageBuilder:
         messages, cursor = self._peek(self.group_messages)
         if not messages:
             return []
-        chunks: set[int] = set()
-        for spans in messages:
-            for lr, i, j in spans:
-                chunks.update(rows_chunks(self.ds, lr, lr.row_lo[i], lr.row_lo[j]))
+        chunks = spans_chunks(self.ds, [span for spans in messages for span in spans])
         views = pin_views(self.ds, self.cache, sorted(chunks))
         if views is None and inline:  # leave the group to a worker thread
             return []
@@ -264,6 +272,7 @@ class MessageBuilder:
         finally:
             if views is not None:
                 self.cache.release_all(views[0])
+        self._read_ahead(cursor)  # before the cursor moves: it counts from the first round
         self._advance(cursor)
         batches = sum(g[1] for g in group)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
