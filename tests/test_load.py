@@ -27,8 +27,8 @@ pytestmark = pytest.mark.slow
 
 MiB = 1 << 20
 CACHE = 64 * MiB
-# Measured idle RSS of `tokenfeed serve` here is ~57 MiB (Python, grpc, numpy,
-# prometheus); the peak with 64 streams was ~134 MiB for a 64 MiB cache. The bound:
+# Measured idle RSS of `tokenfeed serve` here is ~57-61 MiB (Python, grpc, numpy,
+# prometheus); the peak with 64 streams was 134-146 MiB for a 64 MiB cache. The bound:
 OVERHEAD = 96 * MiB
 
 
