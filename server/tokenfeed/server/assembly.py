@@ -51,7 +51,6 @@ class LocatedRound:
 
     def __init__(self, ds: Dataset, rnd: sampling.Round, seq_len: int) -> None:
         store = ds.store
-        self.round = rnd
         self.cols = [seq_len + s for s in rnd.shifts]
         self.row_bytes = [c * store.dtype.itemsize for c in self.cols]
         self.row_lo = [0, *np.cumsum(rnd.rows).tolist()]
@@ -85,7 +84,7 @@ def rows_chunks(ds: Dataset, lr: LocatedRound, lo: int, hi: int) -> list[int]:
     crossing = lr.crossing
     for r in crossing[bisect_left(crossing, lo) : bisect_left(crossing, hi)]:
         s, cols = int(lr.starts[r]), lr.cols[bisect_right(lr.row_lo, r) - 1]
-        chunks.update(_spanned(ds.chunk_bounds, int(lr.chunk[r]), s, s + cols))
+        chunks.update(c for c, _, _ in _pieces(ds.chunk_bounds, int(lr.chunk[r]), s, s + cols))
     return sorted(chunks)
 
 
@@ -104,11 +103,13 @@ def spans_chunks(ds: Dataset, spans: list[Span]) -> set[int]:
     return chunks
 
 
-def _spanned(bounds: list[int], c: int, start: int, end: int) -> Iterator[int]:
-    """Non-empty chunks from c on that tokens [start, end) touch."""
+def _pieces(bounds: list[int], c: int, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """Where tokens [start, end) lie, from chunk c on: (chunk, a, b) for each non-empty
+    chunk they touch, [a, b) being the part of them in that chunk."""
     while c + 1 < len(bounds) and bounds[c] < end:
-        if bounds[c + 1] > max(start, bounds[c]):
-            yield c
+        a, b = max(start, bounds[c]), min(end, bounds[c + 1])
+        if a < b:
+            yield c, a, b
         c += 1
 
 
@@ -140,8 +141,7 @@ def row_parts(
     parts = []
     for r, first in zip(range(lo, hi), chunk, strict=True):
         s = int(lr.starts[r])
-        for c in _spanned(bounds, first, s, s + cols):
-            a, b = max(s, bounds[c]), min(s + cols, bounds[c + 1])
+        for c, a, b in _pieces(bounds, first, s, s + cols):
             parts.append(views[c][(a - bounds[c]) * size : (b - bounds[c]) * size])
     return parts
 
@@ -151,19 +151,17 @@ def gather(ds: Dataset, cache: ChunkCache, starts: list[int], cols: int) -> byte
     chunk by chunk, one pinned at a time (the cache's no-deadlock rule)."""
     store, bounds, size = ds.store, ds.chunk_bounds, ds.store.dtype.itemsize
     out = bytearray(len(starts) * cols * size)
-    needed: dict[int, list[int]] = {}  # chunk -> rows touching it
+    needed: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (row, a, b) in it
     for r, s in enumerate(starts):
-        for c in _spanned(bounds, store.chunk_of(s), s, s + cols):
-            needed.setdefault(c, []).append(r)
+        for c, a, b in _pieces(bounds, store.chunk_of(s), s, s + cols):
+            needed.setdefault(c, []).append((r * cols + a - s, a, b))
     for c in sorted(needed):
         load: Callable[[], np.ndarray] = lambda c=c: store.read_chunk(c)  # noqa: E731
         with cache.pinned(ds.chunk_key(c), store.chunk_nbytes(c), load) as chunk:
             view = memoryview(chunk).cast("B")
-            for r in needed[c]:
-                s = starts[r]
-                a, b = max(s, bounds[c]), min(s + cols, bounds[c + 1])
-                dst, src, n = (r * cols + a - s) * size, (a - bounds[c]) * size, (b - a) * size
-                out[dst : dst + n] = view[src : src + n]
+            for at, a, b in needed[c]:  # `at`: the piece's token position in `out`
+                src, n = (a - bounds[c]) * size, (b - a) * size
+                out[at * size : at * size + n] = view[src : src + n]
     return bytes(out)
 
 

@@ -12,9 +12,9 @@ group of messages while the handler writes this one). A message of at most 1 MiB
 whose chunks are all cached is built on the event loop itself (assembly.py: about
 35 us of Python per 16 x 1025 batch, a group of up to 4 messages at a time), less
 than the thread hop plus the GIL hand-over it would otherwise cost (see
-benchmarks/serve_throughput.py). `await context.write`
-waits for HTTP/2 flow control, so a stalled trainer holds at most two groups of
-messages (a few MiB) of server memory, and cancelling the call drops them.
+benchmarks/serve_throughput.py). `await context.write` waits for HTTP/2 flow
+control, so a stalled trainer holds at most two groups of messages (a few MiB) of
+server memory, and cancelling the call drops them.
 """
 
 from __future__ import annotations
