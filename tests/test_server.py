@@ -41,10 +41,13 @@ def stub(address: str) -> pb_grpc.FeederStub:
     return pb_grpc.FeederStub(grpc.insecure_channel(address))
 
 
-def stream(address: str, p: pb.SamplingParams, **kw) -> list[pb.Batch]:  # type: ignore[no-untyped-def]
+def messages(address: str, p: pb.SamplingParams, **kw) -> list[pb.StreamBatchesResponse]:  # type: ignore[no-untyped-def]
     with grpc.insecure_channel(address) as ch:
-        resp = pb_grpc.FeederStub(ch).StreamBatches(pb.StreamBatchesRequest(params=p, **kw))
-        return [b for r in resp for b in r.batches]
+        return list(pb_grpc.FeederStub(ch).StreamBatches(pb.StreamBatchesRequest(params=p, **kw)))
+
+
+def stream(address: str, p: pb.SamplingParams, **kw) -> list[pb.Batch]:  # type: ignore[no-untyped-def]
+    return [b for r in messages(address, p, **kw) for b in r.batches]
 
 
 def check_positional(b: pb.Batch, modulo: int) -> None:
@@ -132,14 +135,11 @@ def test_info_errors_and_broken_stores(feeder_root: Path) -> None:
 @pytest.mark.parametrize("per_message", [0, 3])
 def test_stream_sends_exactly_the_planned_windows(feeder, kw, per_message) -> None:  # type: ignore[no-untyped-def]
     p = params(**kw)
-    with grpc.insecure_channel(feeder.address) as ch:
-        messages = list(pb_grpc.FeederStub(ch).StreamBatches(
-            pb.StreamBatchesRequest(params=p, batches_per_message=per_message)))
-    sizes = [len(m.batches) for m in messages]  # full messages, then what is left
+    got = messages(feeder.address, p, batches_per_message=per_message)
+    sizes = [len(m.batches) for m in got]  # full messages, then what is left
     assert sizes[:-1] == [max(1, per_message)] * (len(sizes) - 1)
     assert 1 <= sizes[-1] <= max(1, per_message)
-    got = [b for m in messages for b in m.batches]
-    assert_matches(got, expected(feeder.data_root, p), p.seq_len)
+    assert_matches([b for m in got for b in m.batches], expected(feeder.data_root, p), p.seq_len)
 
 
 @pytest.mark.parametrize("per_message", [1, 5])
