@@ -18,7 +18,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from tokenfeed.server.sampling import Plan
+from tokenfeed.core.sampling import Plan
 
 TOKENS = 10**12
 STEADY_BATCHES = 20_000

@@ -6,7 +6,7 @@ Rows of 16 x (1024 + 1) uint16 tokens, shuffled. Each configuration runs a serve
 its own process and one load-generator process that drains 1 or 4 streams for
 `--seconds`:
 
-* tokenfeed: `python -m tokenfeed.server.cli` over a random store;
+* tokenfeed: `python -m tokenfeed serve` over a random store;
 * bare: a minimal grpc.aio server (uvloop, same method name) that streams one
   pre-built, pre-serialized response of exactly the same size over and over: the
   ceiling of gRPC itself for that message size on this machine.
@@ -36,8 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenfeed.server.cli import wait_for_port
-from tokenfeed.server.store import write_atomic
+from tokenfeed.cli.process import wait_for_port
+from tokenfeed.core.atomic import write_atomic
 
 SEQ_LEN, BATCH, STRIDE = 1024, 16, 256
 METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
@@ -150,7 +150,7 @@ def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tup
         argv = [sys.executable, __file__, "--bare", str(port_file), "--per-message",
                 str(per_message)]
     else:
-        argv = [sys.executable, "-m", "tokenfeed.server.cli", "--data-root", str(data_root),
+        argv = [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(data_root),
                 "--port", "0", "--port-file", str(port_file), "--log-level", "WARNING"]
     proc = subprocess.Popen(argv)
     return proc, f"127.0.0.1:{wait_for_port(proc, port_file)}"
@@ -187,7 +187,7 @@ def bare_message_seconds(seconds: float = 3.0) -> float:
 def make_store(root: Path, total: int) -> None:
     import numpy as np
 
-    from tokenfeed.server.store import write_store
+    from tokenfeed.core.store import write_store
 
     rng = np.random.default_rng(0)
     write_store(root / "bench", rng.integers(0, 50_257, total, dtype=np.uint16), dtype="uint16",

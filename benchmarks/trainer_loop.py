@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from tokenfeed.client.bench import measure
-from tokenfeed.server.cli import wait_for_port
-from tokenfeed.server.sampling import Plan
-from tokenfeed.server.store import TokenStore, write_store
+from tokenfeed.cli.bench import measure
+from tokenfeed.cli.process import wait_for_port
+from tokenfeed.core.sampling import Plan
+from tokenfeed.core.store import TokenStore, write_store
 
 SEQ_LEN, BATCH, DATASET = 1024, 16, "bench"
 VARIANTS = ("feeder/numpy", "feeder/torch", "dataloader/w0", "dataloader/w2", "lru-chunks/w2")

@@ -50,9 +50,9 @@ python -m pip wheel -q --no-deps -w "$ctx/dist" "$ctx/src"
 python - "$ctx"/dist/tokenfeed-*.whl <<'PY'
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
-need = ["tokenfeed/cli.py", "tokenfeed/server/app.py", "tokenfeed/server/store.py",
-        "tokenfeed/client/loader.py", "tokenfeed/client/demo.py", "tokenfeed/prepare/cli.py",
-        "tokenfeed/prepare/demo.py", "tokenfeed/v1/feeder_pb2.py"]
+need = ["tokenfeed/cli/__init__.py", "tokenfeed/cli/demo.py", "tokenfeed/server/app.py",
+        "tokenfeed/core/store/reader.py", "tokenfeed/core/request.py",
+        "tokenfeed/client/loader.py", "tokenfeed/prepare/demo.py", "tokenfeed/v1/feeder_pb2.py"]
 missing = [n for n in need if n not in names]
 if missing:
     sys.exit(f"the image's wheel lacks {missing}")

@@ -8,7 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenfeed.server.store import TokenStore, write_store
+from tokenfeed.core.request import SamplingSpec
+from tokenfeed.core.sampling import DEFAULT_BLOCK_TOKENS, Plan
+from tokenfeed.core.store import TokenStore, write_store
+
+
+def make_plan(total_tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, **spec) -> Plan:  # type: ignore[no-untyped-def]
+    """A sampling Plan from SamplingSpec fields (dataset defaults to "t")."""
+    return Plan(SamplingSpec(**{"dataset": "t", **spec}), total_tokens, block_tokens)
 
 
 def make_positional_store(
@@ -164,7 +171,7 @@ class FeederProcess:
         self.port_file.unlink(missing_ok=True)
         if getattr(self, "_log", None) is not None:
             self._log.close()
-        argv = [sys.executable, "-m", "tokenfeed.server.cli", "--data-root", str(self.data_root),
+        argv = [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(self.data_root),
                 "--port", str(self.port), "--port-file", str(self.port_file)]
         for key, value in self.flags.items():
             argv += ["--" + key.replace("_", "-"), str(value)]
@@ -182,7 +189,7 @@ class FeederProcess:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from tokenfeed.server.cli import wait_for_port
+        from tokenfeed.cli.process import wait_for_port
 
         deadline = time.monotonic() + timeout
         try:

@@ -89,7 +89,7 @@ def write_parquet(path: Path, docs: list[str], field: str = "text") -> Path:
 
 
 def store_tokens(path: Path) -> np.ndarray:
-    from tokenfeed.server.store import TokenStore, iter_tokens
+    from tokenfeed.core.store import TokenStore, iter_tokens
 
     store = TokenStore.open(path)
     parts = list(iter_tokens(store))

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.server.cache import ChunkCache
-from tokenfeed.server.errors import DataLoss, FailedPrecondition
+from tokenfeed.core.errors import DataLoss, FailedPrecondition
 from tokenfeed.server.metrics import ServerMetrics
 
 

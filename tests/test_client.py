@@ -17,19 +17,20 @@ from conftest import FEEDER_DATASET, make_positional_store, running_feeder
 from prometheus_client import CollectorRegistry
 
 import tokenfeed.client
+from tokenfeed.core import errors
 from tokenfeed.client import Backoff, FeederClient, FeederUnavailable
 from tokenfeed.client.buffers import HostRing, batch_array, views
 from tokenfeed.client.device import resolve_device
 from tokenfeed.client.metrics import ClientMetrics, StallWindow
 from tokenfeed.client.transport import expand, split_addresses
-from tokenfeed.server.errors import (
+from tokenfeed.core.errors import (
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     Unauthenticated,
 )
-from tokenfeed.server.store import TokenStore
+from tokenfeed.core.store import TokenStore
 from tokenfeed.v1 import feeder_pb2
 
 # ---------------------------------------------------------------------------- surface
@@ -37,9 +38,14 @@ from tokenfeed.v1 import feeder_pb2
 
 def test_public_surface_is_small_and_importable() -> None:
     assert sorted(tokenfeed.client.__all__) == [
-        "Backoff", "FeederClient", "FeederUnavailable", "PermissionDenied", "Timeouts"]
+        "Backoff", "DataLoss", "FailedPrecondition", "FeederClient", "FeederError",
+        "FeederUnavailable", "InvalidArgument", "NotFound", "PermissionDenied",
+        "ResourceExhausted", "SamplingSpec", "Timeouts", "Unauthenticated"]
     for name in tokenfeed.client.__all__:
-        assert getattr(tokenfeed.client, name) is not None
+        assert hasattr(tokenfeed.client, name)
+    # the error tree is the core's, one class per outcome
+    assert tokenfeed.client.DataLoss is errors.DataLoss
+    assert issubclass(tokenfeed.client.FeederUnavailable, errors.FeederError)
 
 
 def test_numpy_path_never_imports_torch(feeder_root: Path) -> None:
@@ -412,9 +418,8 @@ def test_batches_per_message_packs_without_changing_the_batches(feeder) -> None:
 def test_non_retryable_errors_surface_at_once_with_the_servers_message(feeder) -> None:  # type: ignore[no-untyped-def]
     with _client(feeder.address, dataset="nope") as c, pytest.raises(NotFound, match="nope"):
         iter(c)
-    with _client(feeder.address, seq_len=16, shift=3) as c:
-        with pytest.raises(InvalidArgument, match="must divide seq_len"):
-            next(iter(c))
+    with pytest.raises(InvalidArgument, match="must divide seq_len"):
+        _client(feeder.address, seq_len=16, shift=3)  # checked before any feeder is contacted
     with _client(feeder.address, seq_len=5000, batch_size=4) as c:
         with pytest.raises(FailedPrecondition, match="fewer than one global batch|too short"):
             next(iter(c))

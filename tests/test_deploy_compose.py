@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from test_deploy import COMPOSE, DEPLOY, HEALTHCHECK, free_port, load_yaml
 
-from tokenfeed.server.store import TokenStore
+from tokenfeed.core.store import TokenStore
 
 pytestmark = pytest.mark.slow
 

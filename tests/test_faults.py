@@ -28,10 +28,11 @@ import pytest
 from conftest import FeederProcess, make_positional_store, running_feeder
 
 from tokenfeed.client import Backoff, FeederClient
-from tokenfeed.server.datasets import DatasetRegistry
-from tokenfeed.server.errors import DataLoss
+from tokenfeed.server.datasets import Catalog
+from tokenfeed.core.errors import DataLoss
+from tokenfeed.core.request import SamplingSpec
 from tokenfeed.server.service import plan_for
-from tokenfeed.server.store import META_NAME
+from tokenfeed.core.store import META_NAME
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -175,7 +176,7 @@ def plan_starts(root: Path, world_size: int, rank: int, offset: int = 0,
                 until: int | None = None) -> list[int]:
     """The starts the sampling engine plans for `rank` from `offset` (to offset `until`)."""
     p = pb.SamplingParams(split="train", split_rate=1.0, world_size=world_size, **SAMPLING)
-    plan = plan_for(p, DatasetRegistry(root).get(SAMPLING["dataset"]))
+    plan = plan_for(SamplingSpec.from_proto(p), Catalog(root).get(SAMPLING["dataset"]))
     return [s for bp in plan.batches(0, rank, offset)
             if until is None or bp.offset < until for s in bp.starts.tolist()]
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import make_positional_store, running_feeder
+from conftest import make_plan, make_positional_store, running_feeder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenfeed.server.errors import FeederError, InvalidArgument
-from tokenfeed.server.sampling import Plan
-from tokenfeed.server.store import write_store
+from tokenfeed.core.errors import FeederError, InvalidArgument
+from tokenfeed.core.sampling import Plan
+from tokenfeed.core.store import write_store
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
 
@@ -78,10 +78,12 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
     mode = p.WhichOneof("shift_mode")
     shift = int(p.shift) if mode == "shift" else ("auto" if mode and p.auto_shift else 1)
     try:
-        plan = Plan(
-            total_tokens=sizes[name], split=p.split, split_rate=p.split_rate, seq_len=p.seq_len,
-            stride=p.stride, batch_size=p.batch_size, world_size=p.world_size, shift=shift,
-            seed=p.seed, shuffle=p.shuffle, shuffle_blocks=p.shuffle_blocks or 8,
+        # The .proto's documented defaults for unset fields.
+        plan = make_plan(
+            total_tokens=sizes[name], split=p.split or "train",
+            split_rate=p.split_rate if p.HasField("split_rate") else 1.0, seq_len=p.seq_len,
+            stride=p.stride or p.seq_len, batch_size=p.batch_size, world_size=p.world_size or 1,
+            shift=shift, seed=p.seed, shuffle=p.shuffle, shuffle_blocks=p.shuffle_blocks or 8,
             block_tokens=1000 if name == "positions" else 100,
         )
         if not 0 <= req.batches_per_message <= 1024 or req.epoch < 0 or req.step < 0:
@@ -98,18 +100,20 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
 @st.composite
 def stream_requests(draw) -> pb.StreamBatchesRequest:  # type: ignore[no-untyped-def]
     small = st.integers(1, 64)
-    params = pb.SamplingParams(
+    # Fields may be left unset (None): the wire's documented defaults apply.
+    fields = dict(
         dataset=draw(NAMES),
         split=draw(st.sampled_from(["train", "validation", "", "test", "TRAIN"])),
-        split_rate=draw(DOUBLES),
+        split_rate=draw(st.one_of(st.none(), DOUBLES)),
         seq_len=draw(st.one_of(small, INT64)),
-        stride=draw(st.one_of(small, INT64)),
+        stride=draw(st.one_of(small, INT64, st.just(0))),
         batch_size=draw(st.one_of(st.integers(1, 8), INT64)),
         seed=draw(st.integers(0, 2**64 - 1)),
         shuffle=draw(st.booleans()),
         shuffle_blocks=draw(st.one_of(st.integers(0, 4), INT64)),
-        world_size=draw(st.one_of(st.integers(1, 4), INT64)),
+        world_size=draw(st.one_of(st.integers(0, 4), INT64)),
     )
+    params = pb.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     mode = draw(st.sampled_from(["none", "shift", "auto", "auto_false"]))
     if mode == "shift":
         params.shift = draw(st.one_of(st.integers(-2, 8), INT64))

@@ -9,7 +9,7 @@ import pytest
 from prepare_support import store_tokens
 
 from tokenfeed.cli import main
-from tokenfeed.server.store import TokenStore
+from tokenfeed.core.store import TokenStore
 
 
 def run(*argv: object) -> int:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_positional_store
+from conftest import make_plan, make_positional_store
 
 from tokenfeed.cli import main
-from tokenfeed.server.errors import DataLoss
-from tokenfeed.server.sampling import Plan
-from tokenfeed.server.store import TokenStore
+from tokenfeed.core.errors import DataLoss
+from tokenfeed.core.sampling import Plan
+from tokenfeed.core.store import TokenStore
 
 
 def run(capsys, *argv: object) -> tuple[int, str, str]:
@@ -87,7 +87,7 @@ def test_info_text_and_windows_match_the_sampling_engine(positional_store, capsy
     assert code == 0
     assert "total_tokens" in out and "10000" in out and "uint32" in out
     for split in ("train", "validation"):
-        plan = Plan(total_tokens=10_000, split=split, split_rate=0.9, seq_len=64, stride=32,
+        plan = make_plan(total_tokens=10_000, split=split, split_rate=0.9, seq_len=64, stride=32,
                     batch_size=4, world_size=2, shift="auto")
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(split))
         assert f"{plan.num_windows} windows" in line

@@ -22,7 +22,7 @@ def test_client_import_loads_no_torch_transformers_or_datasets() -> None:
 
 
 def test_store_and_sampling_import_no_grpc() -> None:
-    mods = _modules_after("import tokenfeed.server.store, tokenfeed.server.sampling")
+    mods = _modules_after("import tokenfeed.core.store, tokenfeed.core.sampling")
     assert not {m for m in mods if m.split(".")[0] in {"grpc", "torch", "transformers"}}
 
 

@@ -22,7 +22,7 @@ from tokenfeed.cli import main
 from tokenfeed.prepare.output import PROGRESS_NAME
 from tokenfeed.prepare.pipeline import PrepareConfig, prepare
 from tokenfeed.prepare.sources import IterableSource
-from tokenfeed.server.store import META_NAME, TokenStore
+from tokenfeed.core.store import META_NAME, TokenStore
 
 DOCS = make_documents(120)
 

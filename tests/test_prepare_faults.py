@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prepare_support import make_documents, write_jsonl
 
-from tokenfeed.server.store import META_NAME, TokenStore
+from tokenfeed.core.store import META_NAME, TokenStore
 
 pytestmark = pytest.mark.slow
 

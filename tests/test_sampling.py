@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict
+from fractions import Fraction
 
 import numpy as np
 import pytest
+from conftest import make_plan
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tokenfeed.server.errors import FailedPrecondition, InvalidArgument
-from tokenfeed.server.sampling import (
+from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
+from tokenfeed.core.request import SamplingSpec, proper_divisors
+from tokenfeed.core.sampling import (
     EpochOrder,
     Plan,
     _Permutation,
-    proper_divisors,
     split_bounds,
     steps_per_epoch,
     window_count,
@@ -55,7 +58,7 @@ def plans(draw, auto=False):  # type: ignore[no-untyped-def]
         block_tokens=draw(st.integers(1, 400)),
     )
     try:
-        return Plan(**kwargs)
+        return make_plan(**kwargs)
     except FailedPrecondition:
         assume(False)
 
@@ -63,7 +66,7 @@ def plans(draw, auto=False):  # type: ignore[no-untyped-def]
 def test_readme_example_literally() -> None:
     # seq_len 8, stride 4, shift 2 over T = 0, 1, 2, ...
     T = np.arange(1000)
-    plan = Plan(total_tokens=1000, split="train", split_rate=1.0, seq_len=8, stride=4,
+    plan = make_plan(total_tokens=1000, split="train", split_rate=1.0, seq_len=8, stride=4,
                 batch_size=2, world_size=1, shift=2)
     batch = next(plan.batches(epoch=0, rank=0))
     rows = [T[s : s + 8 + 2] for s in batch.starts]
@@ -153,8 +156,9 @@ def test_elastic_resume_is_exactly_once(plan: Plan, new_world: int, pick: int) -
 
 
 def _with(plan: Plan, **changes) -> Plan:  # type: ignore[no-untyped-def]
-    fields = {f: getattr(plan, f) for f in plan.__dataclass_fields__}
-    return Plan(**(fields | changes))
+    fields = asdict(plan.spec) | {"total_tokens": plan.total_tokens,
+                                  "block_tokens": plan.block_tokens}
+    return make_plan(**(fields | changes))
 
 
 @settings(max_examples=100, deadline=None)
@@ -170,7 +174,7 @@ def test_auto_shift_is_one_proper_divisor_per_step_shared_by_ranks(plan: Plan) -
 
 
 def test_auto_shift_draws_every_divisor() -> None:
-    plan = Plan(total_tokens=100_000, split="train", split_rate=1.0, seq_len=12, stride=1,
+    plan = make_plan(total_tokens=100_000, split="train", split_rate=1.0, seq_len=12, stride=1,
                 batch_size=1, world_size=1, shift="auto", seed=7)
     seen = Counter(b.shift for b, _ in zip(plan.batches(0, 0), range(2000), strict=False))
     assert set(seen) == {2, 3, 4, 6}
@@ -178,7 +182,7 @@ def test_auto_shift_draws_every_divisor() -> None:
 
 
 def test_epochs_and_seeds_give_different_orders() -> None:
-    plan = Plan(total_tokens=50_000, split="train", split_rate=1.0, seq_len=16, stride=16,
+    plan = make_plan(total_tokens=50_000, split="train", split_rate=1.0, seq_len=16, stride=16,
                 batch_size=4, world_size=2, shuffle=True, shuffle_blocks=4, block_tokens=2000)
     e0, e1 = epoch_starts(plan, 0), epoch_starts(plan, 1)
     assert e0 != e1
@@ -246,7 +250,7 @@ def test_block_shuffle_touches_only_its_group_blocks(
 
 
 def test_no_shuffle_is_index_order() -> None:
-    plan = Plan(total_tokens=1000, split="validation", split_rate=0.5, seq_len=4, stride=3,
+    plan = make_plan(total_tokens=1000, split="validation", split_rate=0.5, seq_len=4, stride=3,
                 batch_size=2, world_size=2)
     r0, r1 = epoch_starts(plan)
     assert [b[3] for b in r0][:2] == [(500, 503), (512, 515)]
@@ -255,7 +259,7 @@ def test_no_shuffle_is_index_order() -> None:
 
 def test_validation_short_last_step_goes_to_ranks_in_order() -> None:
     # 11 windows, B=2, W=3: steps of 6; the last step has 5 windows: rank0 2, rank1 2, rank2 1
-    plan = Plan(total_tokens=15, split="validation", split_rate=0.0, seq_len=4, stride=1,
+    plan = make_plan(total_tokens=15, split="validation", split_rate=0.0, seq_len=4, stride=1,
                 batch_size=2, world_size=3)
     assert plan.num_windows == 11
     sizes = [[len(b[3]) for b in r] for r in epoch_starts(plan)]
@@ -266,15 +270,27 @@ def test_validation_short_last_step_goes_to_ranks_in_order() -> None:
 
 
 def test_split_is_token_level_and_exact() -> None:
-    assert split_bounds(10, "train", 0.9) == (0, 9)
-    assert split_bounds(10, "validation", 0.9) == (9, 10)
-    assert split_bounds(10**12, "train", 0.9)[1] == 900_000_000_000
+    assert split_bounds(10, "train", Fraction("0.9")) == (0, 9)
+    assert split_bounds(10, "validation", Fraction("0.9")) == (9, 10)
+    assert split_bounds(10**12, "train", Fraction("0.9"))[1] == 900_000_000_000
     assert window_count(10, 8, 4, 2) == 1 and window_count(9, 8, 4, 2) == 0
+
+
+@pytest.mark.parametrize("rate", [0.7, 0.99, 0.3, 0.6, 0.85, 0.95, 0.98, 0.1, 1e-05])
+def test_split_rate_is_the_decimal_the_user_wrote(rate: float) -> None:
+    """0.7 is 7/10 exactly, not the double's binary value (which gave 699,999 of 10^6)."""
+    spec = SamplingSpec(dataset="t", seq_len=1, batch_size=1, split_rate=rate)
+    d = Fraction(str(rate))
+    for total in (10**6, 10**9 + 7, 12_345):
+        assert split_bounds(total, "train", spec.split_fraction) == (
+            0, total * d.numerator // d.denominator)
+    plan = make_plan(total_tokens=10**6, split="train", split_rate=0.7, seq_len=1, batch_size=1)
+    assert plan.split_end == 700_000
 
 
 def test_virtual_store_of_a_trillion_tokens() -> None:
     """Deep offsets in a 10^12-token store: valid windows, no list of starts built."""
-    plan = Plan(total_tokens=10**12, split="train", split_rate=0.99, seq_len=1024, stride=512,
+    plan = make_plan(total_tokens=10**12, split="train", split_rate=0.99, seq_len=1024, stride=512,
                 batch_size=16, world_size=64, shift="auto", shuffle=True, seed=3)
     offset = plan.num_windows // 2 // 1024 * 1024
     batch = next(plan.batches(epoch=9, rank=63, offset=offset, step=offset // 1024))
@@ -294,7 +310,7 @@ def test_virtual_store_of_a_trillion_tokens() -> None:
         (dict(stride=-1), InvalidArgument, "stride"),
         (dict(batch_size=0), InvalidArgument, "batch_size"),
         (dict(world_size=2**41), InvalidArgument, "world_size"),
-        (dict(split="test"), InvalidArgument, "unknown split"),
+        (dict(split="test"), InvalidArgument, "split must be one of"),
         (dict(split_rate=1.5), InvalidArgument, "split_rate"),
         (dict(split_rate=float("nan")), InvalidArgument, "split_rate"),
         (dict(seed=-1), InvalidArgument, "seed"),
@@ -307,11 +323,11 @@ def test_bad_parameters_are_clear_errors(kwargs, error, text) -> None:  # type: 
     base = dict(total_tokens=100, split="train", split_rate=1.0, seq_len=8, stride=4,
                 batch_size=2, world_size=1)
     with pytest.raises(error, match=text):
-        Plan(**(base | kwargs))
+        make_plan(**(base | kwargs))
 
 
 def test_bad_rank_and_offset() -> None:
-    plan = Plan(total_tokens=100, split="train", split_rate=1.0, seq_len=8, stride=4,
+    plan = make_plan(total_tokens=100, split="train", split_rate=1.0, seq_len=8, stride=4,
                 batch_size=2, world_size=2)
     with pytest.raises(InvalidArgument, match="rank"):
         next(plan.batches(0, 2))

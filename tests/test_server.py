@@ -22,8 +22,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenfeed.server import assembly, sampling, service, wire
-from tokenfeed.server.datasets import DatasetRegistry
+from tokenfeed.core import sampling
+from tokenfeed.core.request import SamplingSpec
+from tokenfeed.server import assembly, service, wire
+from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.metrics import SERIES, serve_http
 from tokenfeed.server.service import plan_for
 from tokenfeed.v1 import feeder_pb2 as pb
@@ -60,8 +62,8 @@ def check_positional(b: pb.Batch, modulo: int) -> None:
 
 
 def expected(root: Path, p: pb.SamplingParams, epoch=0, rank=0, offset=0, step=0):  # type: ignore[no-untyped-def]
-    ds = DatasetRegistry(root).get(p.dataset)
-    return list(plan_for(p, ds).batches(epoch, rank, offset, step))
+    ds = Catalog(root).get(p.dataset)
+    return list(plan_for(SamplingSpec.from_proto(p), ds).batches(epoch, rank, offset, step))
 
 
 def assert_matches(batches: list[pb.Batch], plans: list[sampling.BatchPlan], seq_len: int,
@@ -92,9 +94,9 @@ def test_info_lists_every_store_with_metadata_and_split_counts(feeder_root: Path
         p = params(batch_size=3, world_size=2)
         resp = stub(f.address).Info(pb.InfoRequest(dataset=FEEDER_DATASET, params=p, rank=1))
         (d,) = resp.datasets
-        ds = DatasetRegistry(feeder_root).get(FEEDER_DATASET)
+        ds = Catalog(feeder_root).get(FEEDER_DATASET)
         for s in d.splits:
-            plan = plan_for(p, ds, s.name)
+            plan = plan_for(SamplingSpec.from_proto(p).with_(split=s.name), ds)
             assert (s.tokens, s.windows, s.steps) == (
                 plan.split_end - plan.split_begin, plan.num_windows, plan.steps(1))
         assert [s.name for s in d.splits] == ["train", "validation"]
@@ -112,11 +114,28 @@ def test_info_errors_and_broken_stores(feeder_root: Path) -> None:
         assert err.code() == grpc.StatusCode.DATA_LOSS and "chunk_000001.bin is missing" in (
             err.details())
         err = call_error(f.address, pb.InfoRequest(dataset=FEEDER_DATASET,
-                                                   params=params(stride=0)), "Info")
+                                                   params=params(stride=-1)), "Info")
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stride" in err.details()
         err = call_error(f.address, pb.InfoRequest(dataset=FEEDER_DATASET, params=params(),
                                                    rank=1), "Info")
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "rank" in err.details()
+
+
+def test_unset_fields_mean_the_documented_defaults(feeder) -> None:  # type: ignore[no-untyped-def]
+    """A raw client that sets only dataset, seq_len and batch_size gets what the Python
+    client's defaults give: split train, split_rate 1.0, stride = seq_len, shift 1,
+    world_size 1, and Info reports the windows of a split too small for one step."""
+    bare = pb.SamplingParams(dataset=FEEDER_DATASET, seq_len=100, batch_size=4)
+    spec = SamplingSpec(dataset=FEEDER_DATASET, seq_len=100, batch_size=4)
+    assert SamplingSpec.from_proto(bare) == spec
+    assert SamplingSpec.from_proto(spec.to_proto()) == spec
+    got = stream(feeder.address, bare)
+    assert_matches(got, expected(feeder.data_root, spec.to_proto()), 100)
+    assert [b.starts[0] for b in got[:2]] == [0, 400] and len(got) == 99 // 4
+    (d,) = stub(feeder.address).Info(pb.InfoRequest(
+        dataset=FEEDER_DATASET, params=pb.SamplingParams(seq_len=100, batch_size=200))).datasets
+    train = d.splits[0]
+    assert (train.tokens, train.windows, train.steps) == (10_000, 99, 0)
 
 
 # ---------------------------------------------------------------------- StreamBatches
@@ -201,8 +220,8 @@ def test_resume_at_an_offset_and_every_rank(feeder) -> None:  # type: ignore[no-
         for b in stream(feeder.address, p, epoch=2, rank=rank):
             seen += list(b.starts)
     assert len(seen) == len(set(seen))  # every window of the epoch once across ranks
-    ds = DatasetRegistry(feeder.data_root).get(FEEDER_DATASET)
-    assert len(seen) == plan_for(p, ds).num_windows
+    ds = Catalog(feeder.data_root).get(FEEDER_DATASET)
+    assert len(seen) == plan_for(SamplingSpec.from_proto(p), ds).num_windows
 
 
 def test_uint16_store_and_nested_name(tmp_path: Path) -> None:
@@ -255,8 +274,8 @@ INVALID = [
     (dict(seq_len=64, shift=5), {}, "must divide seq_len"),
     (dict(seq_len=61, auto_shift=True), {}, "proper divisors"),
     (dict(world_size=2), dict(rank=2), "rank must be in"),
-    (dict(world_size=0), {}, "world_size must be"),
-    (dict(split="test"), {}, "unknown split"),
+    (dict(world_size=-1), {}, "world_size must be"),
+    (dict(split="test"), {}, "split must be one of"),
     (dict(split_rate=1.5), {}, "split_rate"),
     (dict(), dict(offset=10**9), "outside the epoch"),
     (dict(), dict(epoch=-1), "non-negative"),
@@ -429,7 +448,7 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
     import json
 
     from tokenfeed.server.cache import ChunkCache
-    from tokenfeed.server.store import checksum
+    from tokenfeed.core.store import checksum
 
     root = tmp_path / "root"
     make_positional_store(root / "gaps", 3_000, 700)
@@ -438,7 +457,7 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
     (root / "gaps" / "empty.bin").write_bytes(b"")
     meta["chunks"].insert(2, {"file": "empty.bin", "tokens": 0, "checksum": checksum(b"")})
     meta_path.write_text(json.dumps(meta))
-    ds = DatasetRegistry(root).get("gaps")
+    ds = Catalog(root).get("gaps")
     cache = ChunkCache(1 << 20)
     starts = np.array([[0, 650, 1390, 1400], [2000, 100, 0, 0]], dtype=np.int64)
     rnd = sampling.Round(0, 0, [0, 8], [1, 3], [4, 2], starts)  # the last batch is short

@@ -10,7 +10,7 @@ from conftest import FEEDER_DATASET, running_feeder
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tokenfeed.server.config import ServerConfig
-from tokenfeed.server.errors import InvalidArgument
+from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenfeed.server.errors import DataLoss, InvalidArgument, NotFound
-from tokenfeed.server.store import (
+from tokenfeed.core.errors import DataLoss, InvalidArgument, NotFound
+from tokenfeed.core.dtypes import dtype_for_vocab
+from tokenfeed.core.store import (
     META_NAME,
     StoreWriter,
     TokenStore,
     checksum,
-    dtype_for_vocab,
     is_complete,
     iter_tokens,
     write_store,

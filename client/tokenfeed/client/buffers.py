@@ -18,15 +18,15 @@ from typing import Any
 
 import numpy as np
 
+from tokenfeed.core.dtypes import DTYPES
 from tokenfeed.v1 import feeder_pb2
 
 LAYOUTS = ("flat", "grouped")
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def token_dtype(name: str) -> np.dtype:
     try:
-        return _DTYPES[name]
+        return DTYPES[name]
     except KeyError:
         raise ValueError(f"the feeder sent tokens of unsupported dtype {name!r}") from None
 

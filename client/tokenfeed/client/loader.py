@@ -26,8 +26,6 @@ without `set_epoch`. `len()` is the steps of a full epoch for this rank.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import queue
 import threading
@@ -51,8 +49,10 @@ from tokenfeed.client.stream import (
     call_with_retry,
 )
 from tokenfeed.client.transport import Channels, Security, Timeouts
-from tokenfeed.server.errors import NotFound
-from tokenfeed.server.sampling import steps_per_epoch
+from tokenfeed.core.dtypes import itemsize
+from tokenfeed.core.errors import NotFound
+from tokenfeed.core.request import SamplingSpec
+from tokenfeed.core.sampling import steps_per_epoch
 from tokenfeed.v1 import feeder_pb2
 
 STATE_KEYS = ("epoch", "offset", "step", "fingerprint", "world_size")
@@ -86,10 +86,11 @@ class FeederClient:
     `device` is None, else int64 tensors on the device), `shift`, `epoch`, `step`,
     `offset` and `starts` (int64 numpy array: the store offset of each window).
 
-    Sampling (`dataset` .. `shuffle_blocks`, `world_size`) is the feeder's request,
-    validated there (its message comes back as InvalidArgument etc.); `stride`
-    defaults to `seq_len`, `split_rate` to 1.0 (everything is train), `shuffle_blocks`
-    0 to the server's default. `rank`/`world_size` default to RANK/WORLD_SIZE.
+    Sampling (`dataset` .. `shuffle_blocks`, `world_size`) becomes a SamplingSpec,
+    validated here before any feeder is contacted (InvalidArgument, a ValueError,
+    naming the field), with the defaults every part uses: `stride` = `seq_len`,
+    `split_rate` 1.0 (everything is train), shift 1, `shuffle_blocks` 8. A ready
+    `spec=` may be passed instead. `rank`/`world_size` default to RANK/WORLD_SIZE.
     `prefetch` batches are buffered; `batches_per_message` None packs ~256 KiB per
     gRPC message (its per-message cost dominates small batches). `lookahead` opens
     the next epoch's stream as one ends, adopted by `set_epoch(epoch + 1)`.
@@ -104,9 +105,9 @@ class FeederClient:
         self,
         address: str | Sequence[str],
         *,
-        dataset: str,
-        seq_len: int,
-        batch_size: int,
+        dataset: str | None = None,
+        seq_len: int | None = None,
+        batch_size: int | None = None,
         split: str = "train",
         split_rate: float = 1.0,
         stride: int | None = None,
@@ -114,6 +115,7 @@ class FeederClient:
         seed: int = 0,
         shuffle: bool = False,
         shuffle_blocks: int = 0,
+        spec: SamplingSpec | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         device: Any = None,
@@ -135,21 +137,27 @@ class FeederClient:
         from tokenfeed.client.device import resolve_device
 
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
-        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+        if spec is None:
+            if dataset is None or seq_len is None or batch_size is None:
+                raise TypeError("FeederClient needs dataset, seq_len and batch_size (or spec=)")
+            world = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+            spec = SamplingSpec(
+                dataset=dataset, seq_len=seq_len, batch_size=batch_size, split=split,
+                split_rate=split_rate, stride=stride or 0, shift=shift, seed=seed,
+                shuffle=shuffle, shuffle_blocks=shuffle_blocks, world_size=world)
+        elif world_size is not None:
+            spec = spec.with_(world_size=world_size)
+        self.spec = spec
+        self.world_size = spec.world_size
+        if not 0 <= self.rank < self.world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={self.rank}, "
                              f"world_size={self.world_size}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if prefetch < 1 or (batches_per_message is not None and batches_per_message < 1):
             raise ValueError("prefetch and batches_per_message must be at least 1")
-        if not (shift == "auto" or (isinstance(shift, int) and shift >= 1)):
-            raise ValueError(f"shift must be a positive integer or 'auto', got {shift!r}")
-        self.dataset, self.split, self.split_rate = dataset, split, float(split_rate)
-        self.seq_len, self.batch_size = int(seq_len), int(batch_size)
-        self.stride = self.seq_len if stride is None else int(stride)
-        self.shift, self.seed, self.shuffle = shift, int(seed), bool(shuffle)
-        self.shuffle_blocks = int(shuffle_blocks)
+        self.dataset, self.split = spec.dataset, spec.split
+        self.seq_len, self.batch_size = spec.seq_len, spec.batch_size
         self.layout, self.prefetch = layout, int(prefetch)
         self.batches_per_message = batches_per_message
         self.device = resolve_device(device)
@@ -184,34 +192,17 @@ class FeederClient:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ request
-    def _params(self) -> feeder_pb2.SamplingParams:
-        p = feeder_pb2.SamplingParams(
-            dataset=self.dataset, split=self.split, split_rate=self.split_rate,
-            seq_len=self.seq_len, stride=self.stride, batch_size=self.batch_size,
-            seed=self.seed, shuffle=self.shuffle, shuffle_blocks=self.shuffle_blocks,
-            world_size=self.world_size)
-        if self.shift == "auto":
-            p.auto_shift = True
-        else:
-            p.shift = int(self.shift)
-        return p
-
     @property
     def fingerprint(self) -> str:
-        """Hash of what defines the epoch order. World size, rank and batch size are
-        left out: the order does not depend on them, so a resume may change them."""
-        doc = {"dataset": self.dataset, "split": self.split, "split_rate": self.split_rate,
-               "seq_len": self.seq_len, "stride": self.stride, "shift": self.shift,
-               "seed": self.seed, "shuffle": self.shuffle,
-               "shuffle_blocks": self.shuffle_blocks}
-        blob = json.dumps(doc, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """Hash of what defines the epoch order (SamplingSpec.fingerprint): world size,
+        rank and batch size are left out, so a resume may change them."""
+        return self.spec.fingerprint()
 
     def _size(self) -> SplitSize:
         """Windows and steps of this split for this rank (the Info RPC, cached)."""
         key = (self.world_size, self.rank)
         if key not in self._sizes:
-            request = feeder_pb2.InfoRequest(dataset=self.dataset, params=self._params(),
+            request = feeder_pb2.InfoRequest(dataset=self.dataset, params=self.spec.to_proto(),
                                              rank=self.rank)
             response = call_with_retry(
                 self._channels,
@@ -298,7 +289,7 @@ class FeederClient:
             MAX_AUTO_BATCHES_PER_MESSAGE,
             MESSAGE_TARGET_BYTES // (B * (self.seq_len + 1) * size.itemsize)))
         request = StreamRequest(
-            params=self._params(), epoch=epoch, rank=self.rank,
+            params=self.spec.to_proto(), epoch=epoch, rank=self.rank,
             batches_per_message=per_message, global_batch=B * W,
             num_windows=size.windows,
             remaining=partial(steps_per_epoch, size.windows, B, W, self.rank, self.split))
@@ -443,8 +434,7 @@ def _split_size(response: feeder_pb2.InfoResponse, dataset: str, split: str) -> 
         if ds.name == dataset:
             for s in ds.splits:
                 if s.name == split:
-                    itemsize = 2 if ds.dtype == "uint16" else 4
-                    return SplitSize(int(s.windows), int(s.steps), itemsize)
+                    return SplitSize(int(s.windows), int(s.steps), itemsize(ds.dtype))
             raise NotFound(f"the feeder reports no split {split!r} for dataset {dataset!r}")
     names = [ds.name for ds in response.datasets]
     raise NotFound(f"the feeder has no dataset {dataset!r} (it has {names})")

@@ -30,11 +30,11 @@ from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.transport import (
     RETRYABLE,
     Channels,
-    FeederUnavailable,
     details_of,
     status_of,
     to_feeder_error,
 )
+from tokenfeed.core.errors import FeederUnavailable
 from tokenfeed.v1 import feeder_pb2
 
 

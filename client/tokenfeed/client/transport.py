@@ -12,7 +12,7 @@ address. A fresh channel connects at once, so the client's own backoff
 backoff (which grows to minutes).
 
 gRPC status codes are turned into the project's error hierarchy
-(`tokenfeed.server.errors`) here, in one place, with the server's message.
+(`tokenfeed.core.errors`) here, in one place, with the server's message.
 """
 
 from __future__ import annotations
@@ -27,27 +27,8 @@ from typing import Any
 
 import grpc
 
-from tokenfeed.server.errors import (
-    DataLoss,
-    FailedPrecondition,
-    FeederError,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unauthenticated,
-)
+from tokenfeed.core.errors import FeederError, error_for
 from tokenfeed.v1 import feeder_pb2_grpc
-
-
-class FeederUnavailable(FeederError, ConnectionError):
-    """No feeder answered within the retry budget (the last failure's message inside)."""
-
-    code = "UNAVAILABLE"
-
-
-class PermissionDenied(FeederError, PermissionError):
-    code = "PERMISSION_DENIED"
-
 
 # Worth another attempt (possibly at another address): the request itself is fine.
 RETRYABLE = frozenset({
@@ -58,17 +39,6 @@ RETRYABLE = frozenset({
     grpc.StatusCode.RESOURCE_EXHAUSTED,  # the server's stream limit; frees up
     grpc.StatusCode.CANCELLED,  # cancelled by the server (ours are never retried)
 })
-
-_ERRORS: dict[grpc.StatusCode, type[FeederError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.DATA_LOSS: DataLoss,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: FeederUnavailable,
-}
 
 
 def status_of(error: grpc.RpcError) -> grpc.StatusCode:
@@ -84,11 +54,7 @@ def details_of(error: grpc.RpcError) -> str:
 def to_feeder_error(error: grpc.RpcError, address: str) -> FeederError:
     """The domain error for a gRPC status, carrying the server's message."""
     code = status_of(error)
-    cls = _ERRORS.get(code, FeederError)
-    err = cls(f"{details_of(error)} (feeder {address}: {code.name})")
-    if cls is FeederError:
-        err.code = code.name
-    return err
+    return error_for(code.name, f"{details_of(error)} (feeder {address}: {code.name})")
 
 
 # --------------------------------------------------------------------- addresses

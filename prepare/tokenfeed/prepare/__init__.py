@@ -1,7 +1,8 @@
-"""Tokenize corpora into token stores: `tokenfeed prepare`, `tokenfeed import`, the demo.
+"""Tokenize corpora into token stores: the prepare pipeline, importers, the demo corpus.
 
-Importing this package loads no transformers, datasets or torch; the functions below
-import what they need when called.
+Importing this package loads no transformers, datasets or torch; the functions import
+what they need when called. `tokenfeed prepare` / `tokenfeed import` (tokenfeed.cli)
+are the programs around it.
 """
 
 from __future__ import annotations

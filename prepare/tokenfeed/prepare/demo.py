@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tokenfeed.prepare.sources import IterableSource
 from tokenfeed.prepare.tokenize import OFFLINE_GPT2
-from tokenfeed.server.errors import NotFound
+from tokenfeed.core.errors import NotFound
 
 DEMO_TOKENS_PER_CHUNK = 1 << 18  # ~6 chunks: enough to exercise the cache and shuffle
 

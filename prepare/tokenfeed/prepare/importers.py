@@ -22,7 +22,6 @@ error after writing started removes what was written.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 from dataclasses import dataclass
@@ -30,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenfeed.server.errors import DataLoss, FeederError, InvalidArgument, NotFound
-from tokenfeed.server.store import DEFAULT_TOKENS_PER_CHUNK, StoreMeta, StoreWriter
+from tokenfeed.core.errors import DataLoss, FeederError, InvalidArgument, NotFound
+from tokenfeed.core.store import DEFAULT_TOKENS_PER_CHUNK, StoreMeta, StoreWriter
 
 LLMC_HEADER_INTS = 256
 LLMC_HEADER_BYTES = LLMC_HEADER_INTS * 4
@@ -137,23 +136,6 @@ def write_tokens(files: list[TokenFile], output: Path, *, tokens_per_chunk: int,
     return meta
 
 
-def add_import_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", required=True, choices=("nanogpt", "llmc"),
-                        help="nanogpt: raw uint16 train.bin/val.bin (one store per file, "
-                             "OUTPUT/<stem>); llmc: llm.c shards (one store at OUTPUT)")
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="files or globs")
-    parser.add_argument("--output", required=True, metavar="DIR")
-    parser.add_argument("--tokens-per-chunk", type=int, default=DEFAULT_TOKENS_PER_CHUNK)
-    parser.add_argument("--tokenizer", default=None,
-                        help="record this tokenizer name in meta.json (e.g. gpt2)")
-    parser.add_argument("--eos-token-id", type=int, default=None,
-                        help="record the EOS id (GPT-2: 50256)")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="record the vocabulary size and check every id against it")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing store in the output directory")
-
-
 def import_files(fmt: str, paths: list[str], output: str | os.PathLike[str], *,
                  tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK, overwrite: bool = False,
                  eos_token_id: int | None = None, vocab_size: int | None = None,
@@ -179,13 +161,3 @@ def import_files(fmt: str, paths: list[str], output: str | os.PathLike[str], *,
         return {output: write_tokens(inputs, output, source={"kind": "import", "format": fmt},
                                      **common)}
     raise InvalidArgument(f"unknown import format {fmt!r}; expected nanogpt or llmc")
-
-
-def run_import(args: argparse.Namespace) -> int:
-    stores = import_files(args.format, args.paths, args.output,
-                          tokens_per_chunk=args.tokens_per_chunk, overwrite=args.overwrite,
-                          eos_token_id=args.eos_token_id, vocab_size=args.vocab_size,
-                          tokenizer=args.tokenizer)
-    for path, meta in stores.items():
-        print(f"{path}: {meta.total_tokens} {meta.dtype} tokens in {len(meta.chunks)} chunks")
-    return 0

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from tokenfeed.prepare import output as out
-from tokenfeed.server.errors import FailedPrecondition, InvalidArgument, NotFound
-from tokenfeed.server.store import (
+from tokenfeed.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from tokenfeed.core.store import (
     META_NAME,
     Chunk,
     StoreMeta,

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenfeed.server.errors import DataLoss, InvalidArgument
-from tokenfeed.server.store import META_NAME, StoreMeta, write_json
+from tokenfeed.core.errors import DataLoss, InvalidArgument
+from tokenfeed.core.atomic import write_json
+from tokenfeed.core.store import META_NAME, StoreMeta
 
 PROGRESS_NAME = ".prepare-progress.json"
 PART_RE = re.compile(r"^part-\d{5}$")

@@ -47,8 +47,8 @@ from tokenfeed.prepare.tokenize import (
     init_worker,
     load_tokenizer,
 )
-from tokenfeed.server.errors import FeederError, InvalidArgument
-from tokenfeed.server.store import DEFAULT_TOKENS_PER_CHUNK, StoreMeta, StoreWriter
+from tokenfeed.core.errors import FeederError, InvalidArgument
+from tokenfeed.core.store import DEFAULT_TOKENS_PER_CHUNK, StoreMeta, StoreWriter
 
 DEFAULT_BATCH_SIZE = 256
 

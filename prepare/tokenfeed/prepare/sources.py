@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from tokenfeed.server.errors import InvalidArgument, NotFound
+from tokenfeed.core.errors import InvalidArgument, NotFound
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".txt.gz", ".jsonl.gz")
 

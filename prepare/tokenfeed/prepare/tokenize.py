@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenfeed.server.errors import FeederError, InvalidArgument, NotFound
-from tokenfeed.server.store import dtype_for_vocab, numpy_dtype
+from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
+from tokenfeed.core.dtypes import dtype_for_vocab, numpy_dtype
 
 OFFLINE_GPT2 = "gpt2-offline"
 GPT2_EOS = "<|endoftext|>"

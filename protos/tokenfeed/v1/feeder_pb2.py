@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenfeed/v1/feeder.proto\x12\x0ctokenfeed.v1\"\xf9\x01\n\x0eSamplingParams\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12\x12\n\nsplit_rate\x18\x03 \x01(\x01\x12\x0f\n\x07seq_len\x18\x04 \x01(\x03\x12\x0e\n\x06stride\x18\x05 \x01(\x03\x12\x12\n\nbatch_size\x18\x06 \x01(\x03\x12\x0f\n\x05shift\x18\x07 \x01(\x03H\x00\x12\x14\n\nauto_shift\x18\x08 \x01(\x08H\x00\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x0f\n\x07shuffle\x18\n \x01(\x08\x12\x16\n\x0eshuffle_blocks\x18\x0b \x01(\x03\x12\x12\n\nworld_size\x18\x0c \x01(\x03\x42\x0c\n\nshift_mode\"Z\n\x0bInfoRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12,\n\x06params\x18\x02 \x01(\x0b\x32\x1c.tokenfeed.v1.SamplingParams\x12\x0c\n\x04rank\x18\x03 \x01(\x03\"I\n\tSplitInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x0f\n\x07windows\x18\x03 \x01(\x03\x12\r\n\x05steps\x18\x04 \x01(\x03\"\xd4\x01\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x03\x12\x12\n\nnum_chunks\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\x14\n\x0c\x65os_token_id\x18\x06 \x01(\x03\x12\x11\n\ttokenizer\x18\x07 \x01(\t\x12\x18\n\x10tokens_per_chunk\x18\x08 \x01(\x03\x12\'\n\x06splits\x18\t \x03(\x0b\x32\x17.tokenfeed.v1.SplitInfo\";\n\x0cInfoResponse\x12+\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x19.tokenfeed.v1.DatasetInfo\"\x9c\x01\n\x14StreamBatchesRequest\x12,\n\x06params\x18\x01 \x01(\x0b\x32\x1c.tokenfeed.v1.SamplingParams\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x1b\n\x13\x62\x61tches_per_message\x18\x06 \x01(\x03\"\x8e\x01\n\x05\x42\x61tch\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05shift\x18\x04 \x01(\x03\x12\x0c\n\x04rows\x18\x05 \x01(\x03\x12\x0c\n\x04\x63ols\x18\x06 \x01(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06tokens\x18\x08 \x01(\x0c\x12\x0e\n\x06starts\x18\t \x03(\x03\"=\n\x15StreamBatchesResponse\x12$\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x13.tokenfeed.v1.Batch2\xa3\x01\n\x06\x46\x65\x65\x64\x65r\x12=\n\x04Info\x12\x19.tokenfeed.v1.InfoRequest\x1a\x1a.tokenfeed.v1.InfoResponse\x12Z\n\rStreamBatches\x12\".tokenfeed.v1.StreamBatchesRequest\x1a#.tokenfeed.v1.StreamBatchesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenfeed/v1/feeder.proto\x12\x0ctokenfeed.v1\"\x8d\x02\n\x0eSamplingParams\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05split\x18\x02 \x01(\t\x12\x17\n\nsplit_rate\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x0f\n\x07seq_len\x18\x04 \x01(\x03\x12\x0e\n\x06stride\x18\x05 \x01(\x03\x12\x12\n\nbatch_size\x18\x06 \x01(\x03\x12\x0f\n\x05shift\x18\x07 \x01(\x03H\x00\x12\x14\n\nauto_shift\x18\x08 \x01(\x08H\x00\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x0f\n\x07shuffle\x18\n \x01(\x08\x12\x16\n\x0eshuffle_blocks\x18\x0b \x01(\x03\x12\x12\n\nworld_size\x18\x0c \x01(\x03\x42\x0c\n\nshift_modeB\r\n\x0b_split_rate\"Z\n\x0bInfoRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12,\n\x06params\x18\x02 \x01(\x0b\x32\x1c.tokenfeed.v1.SamplingParams\x12\x0c\n\x04rank\x18\x03 \x01(\x03\"I\n\tSplitInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x0f\n\x07windows\x18\x03 \x01(\x03\x12\r\n\x05steps\x18\x04 \x01(\x03\"\xd4\x01\n\x0b\x44\x61tasetInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0ctotal_tokens\x18\x02 \x01(\x03\x12\x12\n\nnum_chunks\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\x14\n\x0c\x65os_token_id\x18\x06 \x01(\x03\x12\x11\n\ttokenizer\x18\x07 \x01(\t\x12\x18\n\x10tokens_per_chunk\x18\x08 \x01(\x03\x12\'\n\x06splits\x18\t \x03(\x0b\x32\x17.tokenfeed.v1.SplitInfo\";\n\x0cInfoResponse\x12+\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x19.tokenfeed.v1.DatasetInfo\"\x9c\x01\n\x14StreamBatchesRequest\x12,\n\x06params\x18\x01 \x01(\x0b\x32\x1c.tokenfeed.v1.SamplingParams\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x1b\n\x13\x62\x61tches_per_message\x18\x06 \x01(\x03\"\x8e\x01\n\x05\x42\x61tch\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\r\n\x05shift\x18\x04 \x01(\x03\x12\x0c\n\x04rows\x18\x05 \x01(\x03\x12\x0c\n\x04\x63ols\x18\x06 \x01(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06tokens\x18\x08 \x01(\x0c\x12\x0e\n\x06starts\x18\t \x03(\x03\"=\n\x15StreamBatchesResponse\x12$\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x13.tokenfeed.v1.Batch2\xa3\x01\n\x06\x46\x65\x65\x64\x65r\x12=\n\x04Info\x12\x19.tokenfeed.v1.InfoRequest\x1a\x1a.tokenfeed.v1.InfoResponse\x12Z\n\rStreamBatches\x12\".tokenfeed.v1.StreamBatchesRequest\x1a#.tokenfeed.v1.StreamBatchesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenfeed.v1.feeder_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=293
-  _globals['_INFOREQUEST']._serialized_start=295
-  _globals['_INFOREQUEST']._serialized_end=385
-  _globals['_SPLITINFO']._serialized_start=387
-  _globals['_SPLITINFO']._serialized_end=460
-  _globals['_DATASETINFO']._serialized_start=463
-  _globals['_DATASETINFO']._serialized_end=675
-  _globals['_INFORESPONSE']._serialized_start=677
-  _globals['_INFORESPONSE']._serialized_end=736
-  _globals['_STREAMBATCHESREQUEST']._serialized_start=739
-  _globals['_STREAMBATCHESREQUEST']._serialized_end=895
-  _globals['_BATCH']._serialized_start=898
-  _globals['_BATCH']._serialized_end=1040
-  _globals['_STREAMBATCHESRESPONSE']._serialized_start=1042
-  _globals['_STREAMBATCHESRESPONSE']._serialized_end=1103
-  _globals['_FEEDER']._serialized_start=1106
-  _globals['_FEEDER']._serialized_end=1269
+  _globals['_SAMPLINGPARAMS']._serialized_end=313
+  _globals['_INFOREQUEST']._serialized_start=315
+  _globals['_INFOREQUEST']._serialized_end=405
+  _globals['_SPLITINFO']._serialized_start=407
+  _globals['_SPLITINFO']._serialized_end=480
+  _globals['_DATASETINFO']._serialized_start=483
+  _globals['_DATASETINFO']._serialized_end=695
+  _globals['_INFORESPONSE']._serialized_start=697
+  _globals['_INFORESPONSE']._serialized_end=756
+  _globals['_STREAMBATCHESREQUEST']._serialized_start=759
+  _globals['_STREAMBATCHESREQUEST']._serialized_end=915
+  _globals['_BATCH']._serialized_start=918
+  _globals['_BATCH']._serialized_end=1060
+  _globals['_STREAMBATCHESRESPONSE']._serialized_start=1062
+  _globals['_STREAMBATCHESRESPONSE']._serialized_end=1123
+  _globals['_FEEDER']._serialized_start=1126
+  _globals['_FEEDER']._serialized_end=1289
 # @@protoc_insertion_point(module_scope)

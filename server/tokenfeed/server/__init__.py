@@ -1,5 +1,4 @@
-"""tokenfeed server side: token store, sampling engine, chunk cache and gRPC service.
-
-`store`, `sampling` and `errors` are pure (numpy only) and shared with `prepare` and
-the client; nothing in this package imports grpc until the service itself is loaded.
+"""tokenfeed's feeder: the gRPC service, the shared chunk cache, message assembly,
+configuration and metrics. The store format and the sampling math it serves live in
+the core (tokenfeed.core); `tokenfeed serve` (tokenfeed.cli.serve) runs it.
 """

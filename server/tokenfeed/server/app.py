@@ -25,10 +25,10 @@ from prometheus_client import CollectorRegistry
 
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.config import ServerConfig
-from tokenfeed.server.datasets import DatasetRegistry
+from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.metrics import ServerMetrics, serve_http
 from tokenfeed.server.service import SERVICE_NAME, FeederService
-from tokenfeed.server.store import write_atomic
+from tokenfeed.core.atomic import write_atomic
 from tokenfeed.v1 import feeder_pb2
 
 log = logging.getLogger("tokenfeed.server")
@@ -91,7 +91,7 @@ class FeederServer:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ServerMetrics(self.registry)
         self.cache = ChunkCache(config.cache_bytes, self.metrics)
-        self.datasets = DatasetRegistry(config.data_root)
+        self.datasets = Catalog(config.data_root)
         self.executor = ThreadPoolExecutor(config.num_workers, thread_name_prefix="tokenfeed-batch")
         self.service = FeederService(
             self.datasets, self.cache, self.metrics, self.executor,

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenfeed.server import sampling, wire
+from tokenfeed.core import sampling
+from tokenfeed.server import wire
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.metrics import ServerMetrics

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenfeed.server.errors import DataLoss, FailedPrecondition
+from tokenfeed.core.errors import DataLoss, FailedPrecondition
 
 if TYPE_CHECKING:
     from tokenfeed.server.metrics import ServerMetrics

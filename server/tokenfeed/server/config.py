@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tokenfeed.server.errors import InvalidArgument
+from tokenfeed.core.errors import InvalidArgument
 
 ENV_PREFIX = "TOKENFEED_"
 GiB = 1 << 30

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from tokenfeed.server.errors import FeederError, InvalidArgument, NotFound
-from tokenfeed.server.store import META_NAME, TokenStore
+from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
+from tokenfeed.core.store import META_NAME, TokenStore
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Dataset:
         return self.chunk_keys[index]
 
 
-class DatasetRegistry:
+class Catalog:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).resolve(strict=True)
         self._open: dict[str, Dataset] = {}

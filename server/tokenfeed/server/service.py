@@ -28,11 +28,12 @@ from typing import Any
 
 import grpc
 
-from tokenfeed.server import sampling
+from tokenfeed.core import sampling
+from tokenfeed.core.errors import FeederError, InvalidArgument
+from tokenfeed.core.request import MAX_PARAM, SPLITS, SamplingSpec
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
-from tokenfeed.server.datasets import Dataset, DatasetRegistry
-from tokenfeed.server.errors import FailedPrecondition, FeederError, InvalidArgument
+from tokenfeed.server.datasets import Dataset, Catalog
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.v1 import feeder_pb2 as pb
 
@@ -51,29 +52,14 @@ MAX_BATCHES_PER_MESSAGE = 1024
 # ----------------------------------------------------------------- requests -> plans
 
 
-def plan_for(params: pb.SamplingParams, ds: Dataset, split: str | None = None) -> sampling.Plan:
-    """A sampling Plan from wire parameters (InvalidArgument/FailedPrecondition if bad)."""
-    mode = params.WhichOneof("shift_mode")
-    shift: int | str = 1
-    if mode == "shift":
-        shift = int(params.shift)
-    elif mode == "auto_shift" and params.auto_shift:
-        shift = "auto"
+def plan_for(spec: SamplingSpec, ds: Dataset) -> sampling.Plan:
+    """The spec's Plan over a dataset (FailedPrecondition if its split is too short);
+    shuffle blocks are about one chunk of tokens."""
     meta = ds.store.meta
     block_tokens = meta.tokens_per_chunk or max((c.tokens for c in meta.chunks), default=0)
     return sampling.Plan(
-        total_tokens=ds.store.total_tokens,
-        split=params.split if split is None else split,
-        split_rate=params.split_rate,
-        seq_len=params.seq_len,
-        stride=params.stride,
-        batch_size=params.batch_size,
-        world_size=params.world_size,
-        shift=shift,
-        seed=params.seed,
-        shuffle=params.shuffle,
-        shuffle_blocks=params.shuffle_blocks or sampling.DEFAULT_SHUFFLE_BLOCKS,
-        block_tokens=max(1, min(block_tokens or sampling.DEFAULT_BLOCK_TOKENS, sampling.MAX_PARAM)),
+        spec, ds.store.total_tokens,
+        block_tokens=max(1, min(block_tokens or sampling.DEFAULT_BLOCK_TOKENS, MAX_PARAM)),
     )
 
 
@@ -102,14 +88,14 @@ class FeederService:
 
     def __init__(
         self,
-        registry: DatasetRegistry,
+        catalog: Catalog,
         cache: ChunkCache,
         metrics: ServerMetrics,
         executor: Executor,
         max_streams: int,
         max_batch_bytes: int,
     ) -> None:
-        self.datasets = registry
+        self.datasets = catalog
         self.cache = cache
         self.metrics = metrics
         self.executor = executor
@@ -199,27 +185,29 @@ class FeederService:
                 tokens_per_chunk=meta.tokens_per_chunk or 0,
             )
             if request.HasField("params"):
-                for split in sampling.SPLITS:
-                    info.splits.append(self._split_info(request.params, ds, split, request.rank))
+                spec = SamplingSpec.from_proto(request.params, dataset=ds.name)
+                for split in SPLITS:
+                    info.splits.append(self._split_info(spec.with_(split=split), ds, request.rank))
         return resp
 
     @staticmethod
-    def _split_info(params: Any, ds: Dataset, split: str, rank: int) -> pb.SplitInfo:
-        begin, end = sampling.split_bounds(ds.store.total_tokens, split, params.split_rate)
-        try:
-            plan = plan_for(params, ds, split)
-        except FailedPrecondition:  # too short for this split: nothing to stream from it
-            return pb.SplitInfo(name=split, tokens=end - begin, windows=0, steps=0)
-        return pb.SplitInfo(
-            name=split, tokens=end - begin, windows=plan.num_windows, steps=plan.steps(rank)
-        )
+    def _split_info(spec: SamplingSpec, ds: Dataset, rank: int) -> pb.SplitInfo:
+        """A split's tokens and windows for the params, and `rank`'s steps of a fresh
+        epoch (0 when the split cannot fill one global batch)."""
+        if not 0 <= rank < spec.world_size:
+            raise InvalidArgument(f"rank must be in [0, world_size={spec.world_size}), got {rank}")
+        tokens, windows = sampling.split_windows(spec, ds.store.total_tokens)
+        steps = sampling.steps_per_epoch(
+            windows, spec.batch_size, spec.world_size, rank, spec.split)
+        return pb.SplitInfo(name=spec.split, tokens=tokens, windows=windows, steps=steps)
 
     # --------------------------------------------------------- StreamBatches
 
     def _prepare_stream(self, request: Any) -> MessageBuilder:
         request = self._decoded(request)
-        ds = self.datasets.get(request.params.dataset)
-        plan = plan_for(request.params, ds)
+        spec = SamplingSpec.from_proto(request.params)
+        ds = self.datasets.get(spec.dataset)
+        plan = plan_for(spec, ds)
         if not 0 <= request.batches_per_message <= MAX_BATCHES_PER_MESSAGE:
             raise InvalidArgument(
                 f"batches_per_message must be in [0, {MAX_BATCHES_PER_MESSAGE}] (0 or 1 = one "

@@ -83,17 +83,11 @@ def measure(batches: Callable[[], Iterable[Any]], seconds: float, step_time: flo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tokenfeed.core.request import SamplingSpec
+
     p.add_argument("--address", default=os.environ.get("TOKENFEED_ADDRESS", "127.0.0.1:50051"),
                    help="feeder address(es), comma-separated (default %(default)s)")
-    p.add_argument("--dataset", default="demo")
-    p.add_argument("--split", default="train", choices=("train", "validation"))
-    p.add_argument("--split-rate", type=float, default=1.0)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--stride", type=int, default=None, help="default: seq-len")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--shift", default="1", help="an integer or 'auto'")
-    p.add_argument("--shuffle", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    SamplingSpec.add_arguments(p)
     p.add_argument("--batches-per-message", type=int, default=None, help="default: auto")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--device", default=None, help="e.g. cpu or cuda (default: numpy arrays)")
@@ -107,13 +101,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tokenfeed.client import FeederClient
 
+    from tokenfeed.core.request import SamplingSpec
+
     token = open(args.token_file).read().strip() if args.token_file else None
-    shift: int | str = args.shift if args.shift == "auto" else int(args.shift)
+    spec = SamplingSpec.from_args(args)
     with FeederClient(
-        args.address, dataset=args.dataset, split=args.split, split_rate=args.split_rate,
-        seq_len=args.seq_len, stride=args.stride, batch_size=args.batch_size, shift=shift,
-        shuffle=args.shuffle, seed=args.seed, rank=0, world_size=1, device=args.device,
-        prefetch=args.prefetch, batches_per_message=args.batches_per_message, token=token,
+        args.address, spec=spec, rank=0, device=args.device, prefetch=args.prefetch,
+        batches_per_message=args.batches_per_message, token=token,
     ) as client:
         epoch = [0]
 

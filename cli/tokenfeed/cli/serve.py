@@ -9,9 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
-import time
-from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,38 +48,3 @@ def run(args: argparse.Namespace) -> int:
     )
     config = ServerConfig.from_sources(vars(args))
     return run_server(config)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m tokenfeed.server.cli` = `tokenfeed serve`, without loading the other
-    subcommands' modules (used by tests' FeederProcess and minimal server images)."""
-    import sys
-
-    from tokenfeed.server.errors import FeederError
-
-    parser = argparse.ArgumentParser(prog="tokenfeed serve", description="run the feeder")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except FeederError as e:
-        print(f"tokenfeed serve: error: {e.message}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
-def wait_for_port(proc: subprocess.Popen, port_file: Path, timeout: float = 60.0) -> int:  # type: ignore[type-arg]
-    """The port a `tokenfeed serve --port 0 --port-file F` subprocess bound, once it
-    serves (the file is written atomically then). RuntimeError if the process exits or
-    `timeout` seconds pass first. Used by the demo, the benchmarks and the tests."""
-    deadline = time.monotonic() + timeout
-    while not port_file.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"the feeder exited with code {proc.returncode} before serving")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the feeder was not serving after {timeout:g} s")
-        time.sleep(0.05)
-    return int(port_file.read_text())

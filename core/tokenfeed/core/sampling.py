@@ -37,14 +37,11 @@ from functools import cached_property
 
 import numpy as np
 
-from tokenfeed.server.errors import FailedPrecondition, InvalidArgument
+from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
+from tokenfeed.core.request import AUTO, MAX_PARAM, SamplingSpec, proper_divisors
 
-SPLITS = ("train", "validation")
-DEFAULT_SHUFFLE_BLOCKS = 8
 DEFAULT_BLOCK_TOKENS = 1 << 24
-# Bounds that keep every product of the math inside int64 with room to spare.
-MAX_PARAM = 1 << 40
-MAX_TOKENS = 1 << 62
+MAX_TOKENS = 1 << 62  # with MAX_PARAM: every product of the math stays inside int64
 
 _MASK64 = (1 << 64) - 1
 _ROUNDS = 6
@@ -147,9 +144,10 @@ class _Permutation:
 # ------------------------------------------------------------------------ the math
 
 
-def split_bounds(total_tokens: int, split: str, split_rate: float) -> tuple[int, int]:
-    """[begin, end) of a split in the token array; the cut is exact (no float rounding)."""
-    cut = math.floor(Fraction(split_rate) * total_tokens)
+def split_bounds(total_tokens: int, split: str, split_rate: Fraction) -> tuple[int, int]:
+    """[begin, end) of a split in the token array: train is T[0 : floor(N * split_rate)],
+    exact (split_rate is the decimal the user wrote, SamplingSpec.split_fraction)."""
+    cut = math.floor(split_rate * total_tokens)
     return (0, cut) if split == "train" else (cut, total_tokens)
 
 
@@ -159,13 +157,6 @@ def window_count(split_tokens: int, seq_len: int, stride: int, max_shift: int) -
         raise InvalidArgument(f"stride must be positive, got {stride}")
     room = split_tokens - seq_len - max_shift
     return 0 if room < 0 else room // stride + 1
-
-
-def proper_divisors(n: int) -> list[int]:
-    """Divisors d of n with 1 < d < n, ascending (the shifts `auto` draws from)."""
-    small = [d for d in range(2, math.isqrt(n) + 1) if n % d == 0]
-    large = [n // d for d in reversed(small) if n // d != d]
-    return small + large
 
 
 def steps_per_epoch(
@@ -306,67 +297,76 @@ class Round:
             yield BatchPlan(self.epoch, self.step + i, offset, shift, self.starts[i, :rows])
 
 
+def split_windows(spec: SamplingSpec, total_tokens: int, split: str | None = None) -> tuple[int, int]:
+    """(tokens, windows) of a split of a store of `total_tokens` under `spec`: the one
+    computation behind Plan, Info and `tokenfeed info` (0 windows when too short)."""
+    begin, end = split_bounds(total_tokens, split or spec.split, spec.split_fraction)
+    return end - begin, window_count(end - begin, spec.seq_len, spec.stride, spec.max_shift)
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Everything that defines one epoch order; identical on every rank of a job."""
+    """A request's epoch orders over one store: `spec` applied to `total_tokens` tokens.
 
+    The spec's values are checked by SamplingSpec; the Plan checks what depends on the
+    data (FailedPrecondition when the split has no window, or a train split fewer than
+    one global batch). `block_tokens` (about one chunk) sizes the shuffle's blocks.
+    """
+
+    spec: SamplingSpec
     total_tokens: int
-    split: str
-    split_rate: float
-    seq_len: int
-    stride: int
-    batch_size: int
-    world_size: int
-    shift: int | str = 1
-    seed: int = 0
-    shuffle: bool = False
-    shuffle_blocks: int = DEFAULT_SHUFFLE_BLOCKS
     block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     def __post_init__(self) -> None:
-        if self.split not in SPLITS:
-            raise InvalidArgument(f"unknown split {self.split!r}; expected one of {SPLITS}")
-        if not (isinstance(self.split_rate, (int, float)) and 0.0 <= self.split_rate <= 1.0):
-            raise InvalidArgument(f"split_rate must be in [0, 1], got {self.split_rate}")
-        for name in ("seq_len", "stride", "batch_size", "world_size", "shuffle_blocks",
-                     "block_tokens"):
-            value = getattr(self, name)
-            if not 1 <= value <= MAX_PARAM:
-                raise InvalidArgument(f"{name} must be in [1, 2**40], got {value}")
         if not 0 <= self.total_tokens <= MAX_TOKENS:
             raise InvalidArgument(f"total_tokens out of range: {self.total_tokens}")
-        if not 0 <= self.seed <= _MASK64:
-            raise InvalidArgument(f"seed must be in [0, 2**64), got {self.seed}")
-        if self.shift == "auto":
-            if not self.divisors:
-                raise InvalidArgument(
-                    f"shift='auto' draws from the proper divisors of seq_len, and "
-                    f"seq_len={self.seq_len} has none; use a composite seq_len or a fixed shift"
-                )
-        elif isinstance(self.shift, str) or not isinstance(self.shift, int):
-            raise InvalidArgument(f"shift must be a positive integer or 'auto', got {self.shift!r}")
-        elif not 1 <= self.shift <= self.seq_len or self.seq_len % self.shift:
-            raise InvalidArgument(
-                f"shift={self.shift} must divide seq_len={self.seq_len} (the grouped "
-                f"[seq_len//shift, shift] layout needs it); try one of "
-                f"{[1, *proper_divisors(self.seq_len)][:8]}"
-            )
-        length = self.split_end - self.split_begin
+        if not 1 <= self.block_tokens <= MAX_PARAM:
+            raise InvalidArgument(f"block_tokens must be in [1, 2**40], got {self.block_tokens}")
+        spec = self.spec
         if self.num_windows == 0:
             raise FailedPrecondition(
-                f"the {self.split} split has {length} tokens, too short for one window of "
-                f"seq_len {self.seq_len} + shift {self.max_shift}"
+                f"the {spec.split} split has {self.split_end - self.split_begin} tokens, too "
+                f"short for one window of seq_len {spec.seq_len} + shift {spec.max_shift}"
             )
-        global_batch = self.batch_size * self.world_size
-        if self.split == "train" and self.num_windows < global_batch:
+        if spec.split == "train" and self.num_windows < spec.global_batch:
             raise FailedPrecondition(
                 f"the train split has {self.num_windows} windows, fewer than one global batch "
-                f"of batch_size {self.batch_size} x world_size {self.world_size} = {global_batch}"
+                f"of batch_size {spec.batch_size} x world_size {spec.world_size} = "
+                f"{spec.global_batch}"
             )
+
+    # The spec's fields the math reads most, by name.
+    @property
+    def split(self) -> str:
+        return self.spec.split
+
+    @property
+    def seq_len(self) -> int:
+        return self.spec.seq_len
+
+    @property
+    def stride(self) -> int:
+        return self.spec.stride
+
+    @property
+    def batch_size(self) -> int:
+        return self.spec.batch_size
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def shuffle(self) -> bool:
+        return self.spec.shuffle
+
+    @property
+    def max_shift(self) -> int:
+        return self.spec.max_shift
 
     @cached_property
     def _bounds(self) -> tuple[int, int]:
-        return split_bounds(self.total_tokens, self.split, self.split_rate)
+        return split_bounds(self.total_tokens, self.spec.split, self.spec.split_fraction)
 
     @property
     def split_begin(self) -> int:
@@ -381,32 +381,27 @@ class Plan:
         return proper_divisors(self.seq_len)
 
     @cached_property
-    def max_shift(self) -> int:
-        """The largest shift any step can use; windows leave room for it."""
-        return self.divisors[-1] if self.shift == "auto" else int(self.shift)
-
-    @cached_property
     def num_windows(self) -> int:
-        return window_count(
-            self.split_end - self.split_begin, self.seq_len, self.stride, self.max_shift
-        )
+        return split_windows(self.spec, self.total_tokens)[1]
 
     @property
     def windows_per_block(self) -> int:
         return max(1, self.block_tokens // self.stride)
 
     def order(self, epoch: int) -> EpochOrder:
+        spec = self.spec
         return EpochOrder(
-            self.num_windows, self.windows_per_block, self.shuffle_blocks,
-            self.seed, epoch, self.shuffle,
+            self.num_windows, self.windows_per_block, spec.shuffle_blocks,
+            spec.seed, epoch, spec.shuffle,
         )
 
     def shift_at(self, epoch: int, offset: int) -> int:
         """The shift of the global step starting at `offset`: the same on every rank."""
-        if self.shift != "auto":
-            return int(self.shift)
+        shift = self.spec.shift
+        if shift != AUTO:
+            return int(shift)
         divisors = self.divisors
-        return divisors[_key(self.seed, epoch, _SHIFT, offset) % len(divisors)]
+        return divisors[_key(self.spec.seed, epoch, _SHIFT, offset) % len(divisors)]
 
     def _check(self, epoch: int, rank: int, offset: int, step: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -450,7 +445,7 @@ class Plan:
         # Train stops before a short final global batch; validation delivers every window.
         end = n if self.split != "train" else offset + (n - offset) // global_batch * global_batch
         max_round = max(1, _POSITIONS_PER_ROUND // B)
-        fixed = 0 if self.shift == "auto" else int(self.shift)
+        fixed = 0 if self.spec.shift == AUTO else int(self.spec.shift)
         k = 1
         o = offset
         while o < end:

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenfeed.cli.process import stop, wait_for_port
+
 WORLD_SIZE = 2
 DATASET = "demo"
 
@@ -85,9 +87,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         for proc in ranks:  # on Ctrl-C they got SIGINT too and are closing already
-            _stop(proc, signal.SIGTERM, patience=10.0)
+            stop(proc, signal.SIGTERM, patience=10.0)
         if feeder is not None:
-            _stop(feeder, signal.SIGTERM)
+            stop(feeder, signal.SIGTERM)
         for f in workdir.iterdir():
             f.unlink()
         workdir.rmdir()
@@ -95,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     store = data_root / DATASET
-    from tokenfeed.server.cli import wait_for_port
-    from tokenfeed.server.store import is_complete
+    from tokenfeed.core.store import is_complete
 
     if not is_complete(store):
         from tokenfeed.prepare.demo import build_demo_store
@@ -112,27 +113,9 @@ def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[byte
     try:
         port = wait_for_port(proc, port_file)
     except RuntimeError as e:
-        _stop(proc, signal.SIGTERM)
+        stop(proc, signal.SIGTERM)
         raise RuntimeError(f"{e}:\n{log.read_text(errors='replace')}") from None
     return proc, f"127.0.0.1:{port}"
-
-
-def _stop(proc: subprocess.Popen[Any], sig: int, timeout: float = 15.0,
-          patience: float = 0.0) -> None:
-    """Give `proc` `patience` seconds to exit on its own, then `sig`, then SIGKILL."""
-    try:
-        proc.wait(patience)
-    except subprocess.TimeoutExpired:
-        pass
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 def _summary(results: list[dict[str, Any]]) -> None:

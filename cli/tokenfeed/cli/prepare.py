@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokenfeed.server.store import DEFAULT_TOKENS_PER_CHUNK
+from tokenfeed.core.store import DEFAULT_TOKENS_PER_CHUNK
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenfeed.server.errors import InvalidArgument
+    from tokenfeed.core.errors import InvalidArgument
 
     if getattr(args, "prepare_command", None) == "merge":
         return _run_merge(args)

@@ -1,0 +1,92 @@
+"""Domain errors: one class per outcome a caller can act on, and their one status table.
+
+    FeederError                 base; `code` names the gRPC status it maps to
+    ├── InvalidArgument         a parameter is out of range or inconsistent
+    ├── NotFound                no such dataset / file
+    ├── FailedPrecondition      valid request, but the data cannot satisfy it
+    ├── DataLoss                a chunk is missing, truncated or corrupt
+    │   └── ChecksumMismatch    ...its bytes do not match the checksum in meta.json
+    ├── Unauthenticated         missing or wrong credentials
+    ├── PermissionDenied        the credentials do not allow the call
+    ├── ResourceExhausted       too many streams, message too large
+    └── FeederUnavailable       no feeder answered within the retry budget
+
+Every part raises these: the pure core, the server (whose servicer turns them into
+gRPC status codes in one place), the client (which turns status codes back into them,
+so a trainer catches `tokenfeed.client.DataLoss`), prepare and the CLI (exit code 2).
+Status codes are names (strings) here: nothing in the core imports grpc.
+"""
+
+from __future__ import annotations
+
+
+class FeederError(Exception):
+    code = "UNKNOWN"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(FeederError, ValueError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(FeederError, LookupError):
+    code = "NOT_FOUND"
+
+
+class FailedPrecondition(FeederError):
+    code = "FAILED_PRECONDITION"
+
+
+class DataLoss(FeederError):
+    code = "DATA_LOSS"
+
+
+class ChecksumMismatch(DataLoss):
+    """A chunk read whole, of the right size, whose checksum differs from meta.json."""
+
+
+class Unauthenticated(FeederError):
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(FeederError, PermissionError):
+    code = "PERMISSION_DENIED"
+
+
+class ResourceExhausted(FeederError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class FeederUnavailable(FeederError, ConnectionError):
+    """No feeder answered within the retry budget (the last failure's message inside)."""
+
+    code = "UNAVAILABLE"
+
+
+_BY_CODE: dict[str, type[FeederError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        DataLoss,
+        Unauthenticated,
+        PermissionDenied,
+        ResourceExhausted,
+        FeederUnavailable,
+    )
+}
+
+
+def error_for(code: str, message: str) -> FeederError:
+    """The domain error for a status code name ("NOT_FOUND", ...); unknown codes give a
+    plain FeederError that keeps the code."""
+    cls = _BY_CODE.get(code)
+    if cls is not None:
+        return cls(message)
+    err = FeederError(message)
+    err.code = code
+    return err
