@@ -33,8 +33,13 @@ test-all: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
+# types (mypy: the package, strict on the core), format, style, and the import
+# contracts that keep the architecture (ARCHITECTURE.md) true
 lint: $(STAMP)
+	$(BIN)/mypy
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -48,17 +48,28 @@ def bare_call(docs: list[str], batch_size: int) -> tuple[int, float]:
     t0 = time.perf_counter()
     tokens = 0
     for i in range(0, len(docs), batch_size):
-        ids = tok(docs[i : i + batch_size], add_special_tokens=False,
-                  return_attention_mask=False, verbose=False)["input_ids"]
+        ids = tok(
+            docs[i : i + batch_size],
+            add_special_tokens=False,
+            return_attention_mask=False,
+            verbose=False,
+        )["input_ids"]
         tokens += sum(len(x) for x in ids)
     return tokens, time.perf_counter() - t0
 
 
 def pipeline(out: Path, batch_size: int, num_proc: int) -> tuple[int, float, float]:
     """(tokens, seconds end to end, seconds without the one-off tokenizer load)."""
-    cfg = PrepareConfig(source=demo_source(), tokenizer=OFFLINE_GPT2, output=out,
-                        tokens_per_chunk=DEMO_TOKENS_PER_CHUNK, batch_size=batch_size,
-                        num_proc=num_proc, overwrite=True, progress=False)
+    cfg = PrepareConfig(
+        source=demo_source(),
+        tokenizer=OFFLINE_GPT2,
+        output=out,
+        tokens_per_chunk=DEMO_TOKENS_PER_CHUNK,
+        batch_size=batch_size,
+        num_proc=num_proc,
+        overwrite=True,
+        progress=False,
+    )
     t0 = time.perf_counter()
     result = prepare(cfg)
     return result.meta.total_tokens, time.perf_counter() - t0, result.stats["run_seconds"]
@@ -67,22 +78,29 @@ def pipeline(out: Path, batch_size: int, num_proc: int) -> tuple[int, float, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=4,
-                        help=f"documents per call (prepare's default is {DEFAULT_BATCH_SIZE})")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=4,
+        help=f"documents per call (prepare's default is {DEFAULT_BATCH_SIZE})",
+    )
     parser.add_argument("--num-proc", type=int, default=1)
     args = parser.parse_args()
 
     docs = list(demo_documents())
-    print(f"demo corpus: {len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f} M characters; "
-          f"batch size {args.batch_size}, num_proc {args.num_proc}, {args.rounds} rounds")
+    print(
+        f"demo corpus: {len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f} M characters; "
+        f"batch size {args.batch_size}, num_proc {args.num_proc}, {args.rounds} rounds"
+    )
     best = dict.fromkeys(("bare fast", "bare call", "prepare", "prepare e2e"), float("inf"))
     counts = {}
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as tmp:
         for r in range(args.rounds):
-            runs = {"bare fast": lambda: bare_fast(docs, args.batch_size),
-                    "prepare": lambda: pipeline(Path(tmp) / "store", args.batch_size,
-                                                args.num_proc),
-                    "bare call": lambda: bare_call(docs, args.batch_size)}
+            runs = {
+                "bare fast": lambda: bare_fast(docs, args.batch_size),
+                "prepare": lambda: pipeline(Path(tmp) / "store", args.batch_size, args.num_proc),
+                "bare call": lambda: bare_call(docs, args.batch_size),
+            }
             line = []
             for name, fn in runs.items():
                 counts[name], seconds, *run_seconds = fn()
@@ -95,14 +113,20 @@ def main() -> None:
             print(f"  round {r}: " + "   ".join(line))
     rate = {name: counts[name] / best[name] for name in best}
     # the store also holds one EOS per document, which the bare calls do not produce
-    print(f"tokens: bare {counts['bare fast']:,}; store {counts['prepare']:,} "
-          f"(+{counts['prepare'] - counts['bare fast']} EOS)")
+    print(
+        f"tokens: bare {counts['bare fast']:,}; store {counts['prepare']:,} "
+        f"(+{counts['prepare'] - counts['bare fast']} EOS)"
+    )
     print(f"bare encode_batch_fast   : {rate['bare fast']:>12,.0f} tokens/s")
     print(f"bare tok(batch) call     : {rate['bare call']:>12,.0f} tokens/s")
-    print(f"tokenfeed prepare        : {rate['prepare']:>12,.0f} tokens/s  (read, tokenize, "
-          "write; without the one-off tokenizer load)")
-    print(f"tokenfeed prepare e2e    : {rate['prepare e2e']:>12,.0f} tokens/s  (whole run, "
-          f"incl. ~{best['prepare e2e'] - best['prepare']:.2f} s of setup)")
+    print(
+        f"tokenfeed prepare        : {rate['prepare']:>12,.0f} tokens/s  (read, tokenize, "
+        "write; without the one-off tokenizer load)"
+    )
+    print(
+        f"tokenfeed prepare e2e    : {rate['prepare e2e']:>12,.0f} tokens/s  (whole run, "
+        f"incl. ~{best['prepare e2e'] - best['prepare']:.2f} s of setup)"
+    )
     print(f"ratio prepare/bare fast  : {rate['prepare'] / rate['bare fast']:.2f}  (goal >= 0.80)")
     print(f"ratio prepare e2e/bare fast: {rate['prepare e2e'] / rate['bare fast']:.2f}")
     print(f"ratio prepare/bare call  : {rate['prepare'] / rate['bare call']:.2f}")

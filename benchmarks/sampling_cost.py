@@ -25,8 +25,18 @@ STEADY_BATCHES = 20_000
 
 
 def main() -> None:
-    plan = Plan(total_tokens=TOKENS, split="train", split_rate=0.99, seq_len=1024, stride=1024,
-                batch_size=16, world_size=64, shift=1, shuffle=True, seed=1)
+    plan = Plan(
+        total_tokens=TOKENS,
+        split="train",
+        split_rate=0.99,
+        seq_len=1024,
+        stride=1024,
+        batch_size=16,
+        world_size=64,
+        shift=1,
+        shuffle=True,
+        seed=1,
+    )
     global_batch = plan.batch_size * plan.world_size
     rng = random.Random(0)
     first = []
@@ -34,8 +44,14 @@ def main() -> None:
     for _ in range(200):
         step = rng.randrange(plan.num_windows // global_batch)
         t = time.perf_counter()
-        next(plan.batches(epoch=rng.randrange(100), rank=rng.randrange(64),
-                          offset=step * global_batch, step=step))
+        next(
+            plan.batches(
+                epoch=rng.randrange(100),
+                rank=rng.randrange(64),
+                offset=step * global_batch,
+                step=step,
+            )
+        )
         first.append(time.perf_counter() - t)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
@@ -54,10 +70,14 @@ def main() -> None:
         n += len(next(rounds))
     steady = (time.perf_counter() - t) / n
 
-    print(f"virtual store: {TOKENS:.0e} tokens, {plan.num_windows:.3e} windows, "
-          f"batch 16 x 1024, 64 ranks, block shuffle")
-    print(f"first batch at a random offset: p50 {first[100] * 1e6:8.1f} us   "
-          f"p99 {first[197] * 1e6:8.1f} us")
+    print(
+        f"virtual store: {TOKENS:.0e} tokens, {plan.num_windows:.3e} windows, "
+        f"batch 16 x 1024, 64 ranks, block shuffle"
+    )
+    print(
+        f"first batch at a random offset: p50 {first[100] * 1e6:8.1f} us   "
+        f"p99 {first[197] * 1e6:8.1f} us"
+    )
     print(f"peak Python memory while resuming: {peak / 1024:8.1f} KiB")
     print(f"steady state per batch, rounds():  {steady * 1e6:8.2f} us (the server's path)")
     print(f"steady state per batch, batches(): {steady_batches * 1e6:8.2f} us")

@@ -47,8 +47,16 @@ def request(per_message: int, epoch: int):  # type: ignore[no-untyped-def]
     from tokenfeed.v1 import feeder_pb2 as pb
 
     params = pb.SamplingParams(
-        dataset="bench", split="train", split_rate=1.0, seq_len=SEQ_LEN, stride=STRIDE,
-        batch_size=BATCH, world_size=1, shift=1, seed=1, shuffle=True,
+        dataset="bench",
+        split="train",
+        split_rate=1.0,
+        seq_len=SEQ_LEN,
+        stride=STRIDE,
+        batch_size=BATCH,
+        world_size=1,
+        shift=1,
+        seed=1,
+        shuffle=True,
     )
     return pb.StreamBatchesRequest(params=params, epoch=epoch, batches_per_message=per_message)
 
@@ -68,8 +76,10 @@ def run_client(address: str, streams: int, seconds: float, per_message: int) -> 
 
     async def drain(channel: grpc.aio.Channel, end: float) -> tuple[int, int]:
         call = channel.unary_stream(
-            METHOD, request_serializer=pb.StreamBatchesRequest.SerializeToString,
-            response_deserializer=pb.StreamBatchesResponse.FromString)
+            METHOD,
+            request_serializer=pb.StreamBatchesRequest.SerializeToString,
+            response_deserializer=pb.StreamBatchesResponse.FromString,
+        )
         tokens = messages = epoch = 0
         while time.perf_counter() < end:
             stream = call(request(per_message, epoch), wait_for_ready=True)
@@ -93,8 +103,17 @@ def run_client(address: str, streams: int, seconds: float, per_message: int) -> 
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         for ch in channels:
             await ch.close()
-        print(json.dumps({"tokens": sum(t for t, _ in done), "messages": sum(m for _, m in done),
-                          "seconds": elapsed, "cpu": cpu}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "tokens": sum(t for t, _ in done),
+                    "messages": sum(m for _, m in done),
+                    "seconds": elapsed,
+                    "cpu": cpu,
+                }
+            ),
+            flush=True,
+        )
 
     new_event_loop().run_until_complete(main())
 
@@ -111,8 +130,14 @@ def run_bare(port_file: str, per_message: int) -> None:
     resp = pb.StreamBatchesResponse()
     for i in range(per_message):
         resp.batches.add(
-            epoch=0, step=i, offset=i * BATCH, shift=1, rows=BATCH, cols=SEQ_LEN + 1,
-            dtype="uint16", starts=rng.integers(0, 1 << 25, BATCH).tolist(),
+            epoch=0,
+            step=i,
+            offset=i * BATCH,
+            shift=1,
+            rows=BATCH,
+            cols=SEQ_LEN + 1,
+            dtype="uint16",
+            starts=rng.integers(0, 1 << 25, BATCH).tolist(),
             tokens=rng.integers(0, 1 << 16, BATCH * (SEQ_LEN + 1), dtype=np.uint16).tobytes(),
         )
     payload = resp.SerializeToString()
@@ -123,9 +148,14 @@ def run_bare(port_file: str, per_message: int) -> None:
 
     async def main() -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", -1)])
-        handler = grpc.method_handlers_generic_handler("tokenfeed.v1.Feeder", {
-            "StreamBatches": grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=bytes, response_serializer=bytes)})
+        handler = grpc.method_handlers_generic_handler(
+            "tokenfeed.v1.Feeder",
+            {
+                "StreamBatches": grpc.unary_stream_rpc_method_handler(
+                    stream, request_deserializer=bytes, response_serializer=bytes
+                )
+            },
+        )
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -147,34 +177,62 @@ def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tup
     port_file = tmp / f"port-{kind}-{per_message}"
     port_file.unlink(missing_ok=True)
     if kind == "bare":
-        argv = [sys.executable, __file__, "--bare", str(port_file), "--per-message",
-                str(per_message)]
+        argv = [
+            sys.executable,
+            __file__,
+            "--bare",
+            str(port_file),
+            "--per-message",
+            str(per_message),
+        ]
     else:
-        argv = [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(data_root),
-                "--port", "0", "--port-file", str(port_file), "--log-level", "WARNING"]
+        argv = [
+            sys.executable,
+            "-m",
+            "tokenfeed",
+            "serve",
+            "--data-root",
+            str(data_root),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--log-level",
+            "WARNING",
+        ]
     proc = subprocess.Popen(argv)
     return proc, f"127.0.0.1:{wait_for_port(proc, port_file)}"
 
 
-def measure(kind: str, streams: int, per_message: int, seconds: float, data_root: Path,
-            tmp: Path) -> dict:  # type: ignore[type-arg]
+def measure(
+    kind: str, streams: int, per_message: int, seconds: float, data_root: Path, tmp: Path
+) -> dict:  # type: ignore[type-arg]
     proc, address = start_server(kind, data_root, per_message, tmp)
     client = [sys.executable, __file__, "--client", address, "--per-message", str(per_message)]
     try:
         # warm up (cache fill, connection setup) outside the measurement
         subprocess.run([*client, "--seconds", "0.5"], check=True, capture_output=True)
         cpu0 = cpu_seconds(proc.pid)
-        out = subprocess.run([*client, "--seconds", str(seconds), "--streams", str(streams)],
-                             check=True, stdout=subprocess.PIPE).stdout
+        out = subprocess.run(
+            [*client, "--seconds", str(seconds), "--streams", str(streams)],
+            check=True,
+            stdout=subprocess.PIPE,
+        ).stdout
         cpu = cpu_seconds(proc.pid) - cpu0
     finally:
         proc.terminate()
         proc.wait(30)
     r = json.loads(out)
     per_gtok = 1e9 / r["tokens"] if r["tokens"] else float("nan")
-    return {"kind": kind, "streams": streams, "per_message": per_message,
-            "tokens_s": r["tokens"] / r["seconds"], "msgs_s": r["messages"] / r["seconds"],
-            "cpu_per_gtok": cpu * per_gtok, "client_cpu_per_gtok": r["cpu"] * per_gtok}
+    return {
+        "kind": kind,
+        "streams": streams,
+        "per_message": per_message,
+        "tokens_s": r["tokens"] / r["seconds"],
+        "msgs_s": r["messages"] / r["seconds"],
+        "cpu_per_gtok": cpu * per_gtok,
+        "client_cpu_per_gtok": r["cpu"] * per_gtok,
+    }
 
 
 def bare_message_seconds(seconds: float = 3.0) -> float:
@@ -190,8 +248,14 @@ def make_store(root: Path, total: int) -> None:
     from tokenfeed.core.store import write_store
 
     rng = np.random.default_rng(0)
-    write_store(root / "bench", rng.integers(0, 50_257, total, dtype=np.uint16), dtype="uint16",
-                tokens_per_chunk=1 << 20, vocab_size=50_257, eos_token_id=50_256)
+    write_store(
+        root / "bench",
+        rng.integers(0, 50_257, total, dtype=np.uint16),
+        dtype="uint16",
+        tokens_per_chunk=1 << 20,
+        vocab_size=50_257,
+        eos_token_id=50_256,
+    )
 
 
 def median_row(runs: list[dict]) -> dict:  # type: ignore[type-arg]
@@ -217,11 +281,19 @@ def main() -> None:
         return run_bare(args.bare, args.per_message)
 
     k = args.stretch
-    plan = [("bare", 1, 1), ("tokenfeed", 1, 1), ("bare", 4, 1), ("tokenfeed", 4, 1),
-            ("bare", 1, k), ("tokenfeed", 1, k), ("tokenfeed", 4, k)]
+    plan = [
+        ("bare", 1, 1),
+        ("tokenfeed", 1, 1),
+        ("bare", 4, 1),
+        ("tokenfeed", 4, 1),
+        ("bare", 1, k),
+        ("tokenfeed", 1, k),
+        ("tokenfeed", 4, k),
+    ]
     if args.only:
-        plan = [(k_, int(s_), int(m_)) for k_, s_, m_ in
-                (x.split(":") for x in args.only.split(","))]
+        plan = [
+            (k_, int(s_), int(m_)) for k_, s_, m_ in (x.split(":") for x in args.only.split(","))
+        ]
     runs: dict[tuple, list[dict]] = {row: [] for row in plan}  # type: ignore[type-arg]
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as d:
         tmp = Path(d)
@@ -230,45 +302,64 @@ def main() -> None:
             for row in plan:
                 r = measure(*row, args.seconds, tmp / "data", tmp)
                 runs[row].append(r)
-                print(f"  run {i + 1}/{args.repeat} {row[0]:9s} streams={row[1]} "
-                      f"batches/msg={row[2]}: {r['tokens_s'] / 1e6:8.1f} M tokens/s", flush=True)
+                print(
+                    f"  run {i + 1}/{args.repeat} {row[0]:9s} streams={row[1]} "
+                    f"batches/msg={row[2]}: {r['tokens_s'] / 1e6:8.1f} M tokens/s",
+                    flush=True,
+                )
     rows = [median_row(runs[row]) for row in plan]
     if args.only:
         return
     bare = {(r["streams"], r["per_message"]): r for r in rows if r["kind"] == "bare"}
-    print(f"\nserve_throughput: batch {BATCH} x {SEQ_LEN}+1 uint16, shuffled, "
-          f"median of {args.repeat} x {args.seconds:g} s per row, loopback, "
-          f"{os.cpu_count()} cpus\n")
-    print(f"{'server':10s} {'streams':>7s} {'batch/msg':>9s} {'Mtok/s':>9s} {'msg/s':>8s} "
-          f"{'server cpu':>10s} {'client cpu':>10s} {'vs bare':>8s}")
+    print(
+        f"\nserve_throughput: batch {BATCH} x {SEQ_LEN}+1 uint16, shuffled, "
+        f"median of {args.repeat} x {args.seconds:g} s per row, loopback, "
+        f"{os.cpu_count()} cpus\n"
+    )
+    print(
+        f"{'server':10s} {'streams':>7s} {'batch/msg':>9s} {'Mtok/s':>9s} {'msg/s':>8s} "
+        f"{'server cpu':>10s} {'client cpu':>10s} {'vs bare':>8s}"
+    )
     print(f"{'':48s}{'s/Gtok':>10s} {'s/Gtok':>10s}")
     for r in rows:
         ref = bare.get((r["streams"], r["per_message"])) or bare.get((1, r["per_message"]))
         ratio = r["tokens_s"] / ref["tokens_s"] if ref and r["kind"] != "bare" else float("nan")
-        print(f"{r['kind']:10s} {r['streams']:7d} {r['per_message']:9d} "
-              f"{r['tokens_s'] / 1e6:9.1f} {r['msgs_s']:8.0f} {r['cpu_per_gtok']:10.2f} "
-              f"{r['client_cpu_per_gtok']:10.2f} {ratio:8.2f}")
+        print(
+            f"{r['kind']:10s} {r['streams']:7d} {r['per_message']:9d} "
+            f"{r['tokens_s'] / 1e6:9.1f} {r['msgs_s']:8.0f} {r['cpu_per_gtok']:10.2f} "
+            f"{r['client_cpu_per_gtok']:10.2f} {ratio:8.2f}"
+        )
     tf = {(r["streams"], r["per_message"]): r for r in rows if r["kind"] == "tokenfeed"}
 
     def each(a: tuple, b: tuple, pick: str = "tokenfeed") -> str:  # type: ignore[type-arg]
         """The ratio in each repeat, so the spread shows beside the median."""
         num = runs[("tokenfeed", *a)]
         den = runs[(pick, *b)]
-        return " ".join(f"{x['tokens_s'] / y['tokens_s']:.2f}" for x, y in zip(num, den,
-                                                                               strict=True))
+        return " ".join(
+            f"{x['tokens_s'] / y['tokens_s']:.2f}" for x, y in zip(num, den, strict=True)
+        )
 
     print("\nratios (median; each run):")
-    print(f"  1 stream / bare ceiling (1 batch/msg):        "
-          f"{tf[(1, 1)]['tokens_s'] / bare[(1, 1)]['tokens_s']:.2f}  (goal >= 0.70; "
-          f"{each((1, 1), (1, 1), 'bare')})")
-    print(f"  4 streams / 1 stream (1 batch/msg):           "
-          f"{tf[(4, 1)]['tokens_s'] / tf[(1, 1)]['tokens_s']:.2f}  (goal >= 1.00; "
-          f"{each((4, 1), (1, 1))})")
-    print(f"  1 stream, {k} batches/msg / bare at that size: "
-          f"{tf[(1, k)]['tokens_s'] / bare[(1, k)]['tokens_s']:.2f}")
-    print(f"  1 stream, {k} batches/msg: {tf[(1, k)]['tokens_s'] / 1e6:.0f} M tokens/s "
-          f"(stretch goal > 250; "
-          + " ".join(f"{r['tokens_s'] / 1e6:.0f}" for r in runs[("tokenfeed", 1, k)]) + ")")
+    print(
+        f"  1 stream / bare ceiling (1 batch/msg):        "
+        f"{tf[(1, 1)]['tokens_s'] / bare[(1, 1)]['tokens_s']:.2f}  (goal >= 0.70; "
+        f"{each((1, 1), (1, 1), 'bare')})"
+    )
+    print(
+        f"  4 streams / 1 stream (1 batch/msg):           "
+        f"{tf[(4, 1)]['tokens_s'] / tf[(1, 1)]['tokens_s']:.2f}  (goal >= 1.00; "
+        f"{each((4, 1), (1, 1))})"
+    )
+    print(
+        f"  1 stream, {k} batches/msg / bare at that size: "
+        f"{tf[(1, k)]['tokens_s'] / bare[(1, k)]['tokens_s']:.2f}"
+    )
+    print(
+        f"  1 stream, {k} batches/msg: {tf[(1, k)]['tokens_s'] / 1e6:.0f} M tokens/s "
+        f"(stretch goal > 250; "
+        + " ".join(f"{r['tokens_s'] / 1e6:.0f}" for r in runs[("tokenfeed", 1, k)])
+        + ")"
+    )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 def epoch_starts(store: TokenStore) -> np.ndarray:
     """The window starts of epoch 0 in the feeder's order (world size 1)."""
-    plan = Plan(store.total_tokens, "train", 1.0, SEQ_LEN, SEQ_LEN, BATCH, 1, shift=1,
-                shuffle=True)
+    plan = Plan(store.total_tokens, "train", 1.0, SEQ_LEN, SEQ_LEN, BATCH, 1, shift=1, shuffle=True)
     return np.concatenate([bp.starts for bp in plan.batches(0, 0)])
 
 
@@ -87,7 +86,7 @@ class MemmapWindows:
         while s < end:
             lo, hi = int(self.bounds[c]), int(self.bounds[c + 1])
             take = min(end, hi)
-            parts.append(self.chunk(c)[s - lo:take - lo])
+            parts.append(self.chunk(c)[s - lo : take - lo])
             s, c = take, c + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
@@ -176,8 +175,15 @@ def child(args: argparse.Namespace) -> None:
         from tokenfeed.client import FeederClient
 
         loader: Any = FeederClient(
-            args.address, dataset=DATASET, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True,
-            rank=0, world_size=1, device="cpu" if args.child == "feeder/torch" else None)
+            args.address,
+            dataset=DATASET,
+            seq_len=SEQ_LEN,
+            batch_size=BATCH,
+            shuffle=True,
+            rank=0,
+            world_size=1,
+            device="cpu" if args.child == "feeder/torch" else None,
+        )
 
         epoch = [0]
 
@@ -194,20 +200,36 @@ def child(args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
         cls = LruChunkWindows if args.child.startswith("lru") else MemmapWindows
         workers = int(args.child[-1])
-        loader = DataLoader(cls(root, starts), batch_size=BATCH, shuffle=False,
-                            num_workers=workers, persistent_workers=workers > 0,
-                            prefetch_factor=2 if workers else None)
+        loader = DataLoader(
+            cls(root, starts),
+            batch_size=BATCH,
+            shuffle=False,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            prefetch_factor=2 if workers else None,
+        )
 
         def batches() -> Any:
             return loader
 
     empty = measure(batches, args.seconds, 0.0, extra_cpu=side.worker_cpu)
-    train = [measure(batches, args.seconds, float(ms) / 1e3, extra_cpu=side.worker_cpu)
-             for ms in args.step_ms.split(",")]
+    train = [
+        measure(batches, args.seconds, float(ms) / 1e3, extra_cpu=side.worker_cpu)
+        for ms in args.step_ms.split(",")
+    ]
     if hasattr(loader, "close"):
         loader.close()
-    print(json.dumps({"variant": args.child, "empty": empty, "train": train,
-                      "peak_rss_mb": side.stop() / 2**20}), flush=True)
+    print(
+        json.dumps(
+            {
+                "variant": args.child,
+                "empty": empty,
+                "train": train,
+                "peak_rss_mb": side.stop() / 2**20,
+            }
+        ),
+        flush=True,
+    )
 
 
 # ------------------------------------------------------------------------ parent
@@ -217,8 +239,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=float, default=32e6, help="store size (default 32M)")
     p.add_argument("--seconds", type=float, default=5.0, help="per measurement")
-    p.add_argument("--step-ms", default="1,5,20",
-                   help="simulated training step(s) in ms, comma-separated (default 1,5,20)")
+    p.add_argument(
+        "--step-ms",
+        default="1,5,20",
+        help="simulated training step(s) in ms, comma-separated (default 1,5,20)",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
@@ -231,33 +256,72 @@ def main() -> None:
         root = Path(tmp)
         n = int(args.tokens)
         tokens = (np.arange(n, dtype=np.int64) * 7919 % 50257).astype(np.uint16)
-        write_store(root / DATASET, tokens, dtype="uint16", tokens_per_chunk=1 << 21,
-                    eos_token_id=50256, vocab_size=50257, tokenizer="synthetic",
-                    source={"kind": "benchmark"})
+        write_store(
+            root / DATASET,
+            tokens,
+            dtype="uint16",
+            tokens_per_chunk=1 << 21,
+            eos_token_id=50256,
+            vocab_size=50257,
+            tokenizer="synthetic",
+            source={"kind": "benchmark"},
+        )
         del tokens
         np.save(root / "starts.npy", epoch_starts(TokenStore.open(root / DATASET)))
         port_file = root / "port"
         feeder = subprocess.Popen(
-            [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(root),
-             "--port", "0", "--port-file", str(port_file)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "tokenfeed",
+                "serve",
+                "--data-root",
+                str(root),
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             address = f"127.0.0.1:{wait_for_port(feeder, port_file)}"
-            print(f"store: {n / 1e6:.0f}M uint16 tokens in {n // (1 << 21)} chunks; batches "
-                  f"{BATCH} x {SEQ_LEN}, shuffled; {args.seconds:g} s per measurement; "
-                  f"simulated steps {args.step_ms} ms; {os.cpu_count()} CPUs", flush=True)
+            print(
+                f"store: {n / 1e6:.0f}M uint16 tokens in {n // (1 << 21)} chunks; batches "
+                f"{BATCH} x {SEQ_LEN}, shuffled; {args.seconds:g} s per measurement; "
+                f"simulated steps {args.step_ms} ms; {os.cpu_count()} CPUs",
+                flush=True,
+            )
             results = []
             for variant in args.variants.split(","):
                 feeder_cpu0 = _proc(feeder.pid)[1]
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", variant, "--root", str(root),
-                     "--address", address, "--seconds", str(args.seconds),
-                     "--step-ms", args.step_ms],
-                    check=True, capture_output=True, text=True)
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        variant,
+                        "--root",
+                        str(root),
+                        "--address",
+                        address,
+                        "--seconds",
+                        str(args.seconds),
+                        "--step-ms",
+                        args.step_ms,
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 moved = r["empty"]["tokens"] + sum(t["tokens"] for t in r["train"])
-                r["feeder_cpu"] = ((_proc(feeder.pid)[1] - feeder_cpu0) / moved * 1e9
-                                   if variant.startswith("feeder") else None)
+                r["feeder_cpu"] = (
+                    (_proc(feeder.pid)[1] - feeder_cpu0) / moved * 1e9
+                    if variant.startswith("feeder")
+                    else None
+                )
                 results.append(r)
                 print(f"  done {variant}", file=sys.stderr, flush=True)
         finally:
@@ -269,9 +333,12 @@ def main() -> None:
 def report(results: list[dict[str, Any]], step_ms: str) -> None:
     steps = step_ms.split(",")
     sim = " | ".join(f"{f'{ms} ms step':^16}" for ms in steps)
-    head = (f"{'loader':<15} {'Mtok/s':>8} {'CPU s/1e9':>10} {'p50 ms':>8} {'p99 ms':>8} "
-            f"{'RSS MB':>7} | " + " | ".join(f"{'stall %':>7} {'p99 ms':>8}" for _ in steps)
-            + f" | {'feeder CPU s/1e9':>16}")
+    head = (
+        f"{'loader':<15} {'Mtok/s':>8} {'CPU s/1e9':>10} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'RSS MB':>7} | "
+        + " | ".join(f"{'stall %':>7} {'p99 ms':>8}" for _ in steps)
+        + f" | {'feeder CPU s/1e9':>16}"
+    )
     print()
     print(f"{'':<15} {'empty loop':^46} | {sim} |")
     print(head)
@@ -279,11 +346,14 @@ def report(results: list[dict[str, Any]], step_ms: str) -> None:
     for r in results:
         e = r["empty"]
         fc = "" if r["feeder_cpu"] is None else f"{r['feeder_cpu']:.1f}"
-        sims = " | ".join(f"{t['stall_fraction'] * 100:>7.2f} {t['wait_p99_ms']:>8.3f}"
-                          for t in r["train"])
-        print(f"{r['variant']:<15} {e['tokens_per_s'] / 1e6:>8.1f} "
-              f"{e['cpu_s_per_1e9_tokens']:>10.1f} {e['wait_p50_ms']:>8.3f} "
-              f"{e['wait_p99_ms']:>8.3f} {r['peak_rss_mb']:>7.0f} | {sims} | {fc:>16}")
+        sims = " | ".join(
+            f"{t['stall_fraction'] * 100:>7.2f} {t['wait_p99_ms']:>8.3f}" for t in r["train"]
+        )
+        print(
+            f"{r['variant']:<15} {e['tokens_per_s'] / 1e6:>8.1f} "
+            f"{e['cpu_s_per_1e9_tokens']:>10.1f} {e['wait_p50_ms']:>8.3f} "
+            f"{e['wait_p99_ms']:>8.3f} {r['peak_rss_mb']:>7.0f} | {sims} | {fc:>16}"
+        )
     by = {r["variant"]: r["empty"] for r in results}
     print()
     for name in ("feeder/numpy", "feeder/torch"):
@@ -293,9 +363,11 @@ def report(results: list[dict[str, Any]], step_ms: str) -> None:
         for base in ("dataloader/w0", "dataloader/w2", "lru-chunks/w2"):
             if base in by:
                 b = by[base]
-                print(f"{name} vs {base}: {f['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, "
-                      f"{f['cpu_s_per_1e9_tokens'] / b['cpu_s_per_1e9_tokens']:.2f}x trainer CPU "
-                      f"per token")
+                print(
+                    f"{name} vs {base}: {f['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, "
+                    f"{f['cpu_s_per_1e9_tokens'] / b['cpu_s_per_1e9_tokens']:.2f}x trainer CPU "
+                    f"per token"
+                )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import os
 import sys
 
 
-def check(address: str, timeout: float, ca: str | None = None,
-          server_name: str | None = None) -> bool:
+def check(
+    address: str, timeout: float, ca: str | None = None, server_name: str | None = None
+) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -50,8 +51,12 @@ def main(argv: list[str]) -> int:
     env = os.environ
     address = argv[1] if len(argv) > 1 else f"127.0.0.1:{env.get('TOKENFEED_PORT') or 50051}"
     timeout = float(env.get("TOKENFEED_HEALTHCHECK_TIMEOUT") or 3)
-    ok = check(address, timeout, env.get("TOKENFEED_HEALTHCHECK_CA"),
-               env.get("TOKENFEED_HEALTHCHECK_SERVER_NAME"))
+    ok = check(
+        address,
+        timeout,
+        env.get("TOKENFEED_HEALTHCHECK_CA"),
+        env.get("TOKENFEED_HEALTHCHECK_SERVER_NAME"),
+    )
     return 0 if ok else 1
 
 

@@ -171,8 +171,18 @@ class FeederProcess:
         self.port_file.unlink(missing_ok=True)
         if getattr(self, "_log", None) is not None:
             self._log.close()
-        argv = [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(self.data_root),
-                "--port", str(self.port), "--port-file", str(self.port_file)]
+        argv = [
+            sys.executable,
+            "-m",
+            "tokenfeed",
+            "serve",
+            "--data-root",
+            str(self.data_root),
+            "--port",
+            str(self.port),
+            "--port-file",
+            str(self.port_file),
+        ]
         for key, value in self.flags.items():
             argv += ["--" + key.replace("_", "-"), str(value)]
         self._log = open(self.log_path, "ab")

@@ -42,8 +42,9 @@ def _cert(subject: str, key, issuer_name: str, issuer_key, ca: bool, san: bool):
 def _pem(obj) -> bytes:  # type: ignore[no-untyped-def]
     if isinstance(obj, x509.Certificate):
         return obj.public_bytes(serialization.Encoding.PEM)
-    return obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return obj.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def make_pki(d: Path) -> dict[str, bytes | Path]:
@@ -53,8 +54,13 @@ def make_pki(d: Path) -> dict[str, bytes | Path]:
     server_key, client_key = _key(), _key()
     server = _cert("feeder", server_key, "test-ca", ca_key, ca=False, san=True)
     client = _cert("trainer", client_key, "test-ca", ca_key, ca=False, san=False)
-    files = {"ca": _pem(ca), "server_cert": _pem(server), "server_key": _pem(server_key),
-             "client_cert": _pem(client), "client_key": _pem(client_key)}
+    files = {
+        "ca": _pem(ca),
+        "server_cert": _pem(server),
+        "server_key": _pem(server_key),
+        "client_cert": _pem(client),
+        "client_key": _pem(client_key),
+    }
     out: dict[str, bytes | Path] = {}
     for name, data in files.items():
         (d / f"{name}.pem").write_bytes(data)

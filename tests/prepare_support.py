@@ -40,8 +40,10 @@ def train_tokenizer(path: Path, docs: list[str], eos: str | None = EOS, vocab: i
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=[eos] if eos else [],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab,
+        special_tokens=[eos] if eos else [],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(docs, trainer)
     kwargs = {"eos_token": eos} if eos else {}
@@ -54,11 +56,13 @@ def sparse_tokenizer(path: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "small": 1, EOS: 2, "big": 70000},
-                                     unk_token="[UNK]"))
+    tok = Tokenizer(
+        models.WordLevel({"[UNK]": 0, "small": 1, EOS: 2, "big": 70000}, unk_token="[UNK]")
+    )
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="[UNK]") \
-        .save_pretrained(str(path))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, unk_token="[UNK]").save_pretrained(
+        str(path)
+    )
     return path
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tokenfeed.server.cache import ChunkCache
 from tokenfeed.core.errors import DataLoss, FailedPrecondition
+from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.metrics import ServerMetrics
 
 

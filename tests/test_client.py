@@ -17,12 +17,12 @@ from conftest import FEEDER_DATASET, make_positional_store, running_feeder
 from prometheus_client import CollectorRegistry
 
 import tokenfeed.client
-from tokenfeed.core import errors
 from tokenfeed.client import Backoff, FeederClient, FeederUnavailable
 from tokenfeed.client.buffers import HostRing, batch_array, views
 from tokenfeed.client.device import resolve_device
 from tokenfeed.client.metrics import ClientMetrics, StallWindow
 from tokenfeed.client.transport import expand, split_addresses
+from tokenfeed.core import errors
 from tokenfeed.core.errors import (
     DataLoss,
     FailedPrecondition,
@@ -38,9 +38,20 @@ from tokenfeed.v1 import feeder_pb2
 
 def test_public_surface_is_small_and_importable() -> None:
     assert sorted(tokenfeed.client.__all__) == [
-        "Backoff", "DataLoss", "FailedPrecondition", "FeederClient", "FeederError",
-        "FeederUnavailable", "InvalidArgument", "NotFound", "PermissionDenied",
-        "ResourceExhausted", "SamplingSpec", "Timeouts", "Unauthenticated"]
+        "Backoff",
+        "DataLoss",
+        "FailedPrecondition",
+        "FeederClient",
+        "FeederError",
+        "FeederUnavailable",
+        "InvalidArgument",
+        "NotFound",
+        "PermissionDenied",
+        "ResourceExhausted",
+        "SamplingSpec",
+        "Timeouts",
+        "Unauthenticated",
+    ]
     for name in tokenfeed.client.__all__:
         assert hasattr(tokenfeed.client, name)
     # the error tree is the core's, one class per outcome
@@ -60,8 +71,9 @@ with running_feeder({str(feeder_root)!r}) as f:
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in {{"torch", "transformers", "datasets"}})
 print(n, heavy)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120).stdout.split(maxsplit=1)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split(maxsplit=1)
     assert int(out[0]) == 10_000 // 16 // 4 and out[1].strip() == "[]"
 
 
@@ -104,10 +116,12 @@ def test_addresses_from_string_list_and_commas() -> None:
 def test_a_name_with_several_records_is_several_endpoints() -> None:
     def records(host: str, port: int, type: int) -> list:  # noqa: A002 - getaddrinfo's name
         assert host == "feeder.ns.svc"
-        return [(socket.AF_INET, type, 6, "", ("10.0.0.1", port)),
-                (socket.AF_INET6, type, 6, "", ("fd00::1", port, 0, 0)),
-                (socket.AF_INET, type, 6, "", ("10.0.0.2", port)),
-                (socket.AF_INET, type, 6, "", ("10.0.0.1", port))]
+        return [
+            (socket.AF_INET, type, 6, "", ("10.0.0.1", port)),
+            (socket.AF_INET6, type, 6, "", ("fd00::1", port, 0, 0)),
+            (socket.AF_INET, type, 6, "", ("10.0.0.2", port)),
+            (socket.AF_INET, type, 6, "", ("10.0.0.1", port)),
+        ]
 
     eps = expand("feeder.ns.svc:50051", getaddrinfo=records)
     assert [e.target for e in eps] == ["10.0.0.1:50051", "10.0.0.2:50051"]
@@ -124,9 +138,17 @@ def test_a_name_with_several_records_is_several_endpoints() -> None:
 def _batch_msg(rows: int, seq_len: int, shift: int, dtype: str = "uint16") -> feeder_pb2.Batch:
     starts = np.arange(rows, dtype=np.int64) * 100
     tokens = (starts[:, None] + np.arange(seq_len + shift)).astype(dtype)
-    return feeder_pb2.Batch(epoch=0, step=0, offset=0, shift=shift, rows=rows,
-                            cols=seq_len + shift, dtype=dtype, tokens=tokens.tobytes(),
-                            starts=starts.tolist())
+    return feeder_pb2.Batch(
+        epoch=0,
+        step=0,
+        offset=0,
+        shift=shift,
+        rows=rows,
+        cols=seq_len + shift,
+        dtype=dtype,
+        tokens=tokens.tobytes(),
+        starts=starts.tolist(),
+    )
 
 
 def test_views_share_one_buffer_flat_and_grouped() -> None:
@@ -216,11 +238,17 @@ def test_metric_names_are_labelled_by_rank_and_registries_can_be_shared() -> Non
     assert reg.get_sample_value("tokenfeed_client_tokens_received_total", {"rank": "0"}) == 100
     assert reg.get_sample_value("tokenfeed_client_bytes_received_total", {"rank": "0"}) == 200
     assert reg.get_sample_value("tokenfeed_client_batches_received_total", {"rank": "0"}) == 1
-    assert reg.get_sample_value(
-        "tokenfeed_client_reconnects_total", {"rank": "1", "reason": "unavailable"}) == 1
+    assert (
+        reg.get_sample_value(
+            "tokenfeed_client_reconnects_total", {"rank": "1", "reason": "unavailable"}
+        )
+        == 1
+    )
     assert reg.get_sample_value("tokenfeed_client_wait_seconds_count", {"rank": "0"}) == 1
-    assert reg.get_sample_value(
-        "tokenfeed_client_wait_seconds_bucket", {"rank": "0", "le": "1e-05"}) == 0
+    assert (
+        reg.get_sample_value("tokenfeed_client_wait_seconds_bucket", {"rank": "0", "le": "1e-05"})
+        == 0
+    )
     for rank in ("0", "1"):
         assert reg.get_sample_value("tokenfeed_client_stall_fraction", {"rank": rank}) is not None
         assert reg.get_sample_value("tokenfeed_client_buffer_occupancy", {"rank": rank}) == 0
@@ -231,16 +259,29 @@ def test_metric_names_are_labelled_by_rank_and_registries_can_be_shared() -> Non
 
 
 def _client(address: str = "127.0.0.1:1", **kw) -> FeederClient:  # type: ignore[no-untyped-def]
-    args = {"dataset": FEEDER_DATASET, "seq_len": 16, "batch_size": 4, "rank": 0,
-            "world_size": 1, **kw}
+    args = {
+        "dataset": FEEDER_DATASET,
+        "seq_len": 16,
+        "batch_size": 4,
+        "rank": 0,
+        "world_size": 1,
+        **kw,
+    }
     return FeederClient(address, **args)
 
 
 def test_fingerprint_ignores_world_size_rank_and_batch_size_only() -> None:
     base = _client().fingerprint
     assert _client(world_size=4, rank=3, batch_size=7).fingerprint == base
-    for change in ({"seed": 1}, {"shuffle": True}, {"stride": 8}, {"shift": 2},
-                   {"split_rate": 0.5}, {"dataset": "other"}, {"shuffle_blocks": 2}):
+    for change in (
+        {"seed": 1},
+        {"shuffle": True},
+        {"stride": 8},
+        {"shift": 2},
+        {"split_rate": 0.5},
+        {"dataset": "other"},
+        {"shuffle_blocks": 2},
+    ):
         assert _client(**change).fingerprint != base, change
 
 
@@ -260,11 +301,15 @@ def test_set_epoch_keeps_a_loaded_position_for_the_same_epoch_only() -> None:
         assert c.state_dict() == state
         c.set_epoch(3)
         assert (c.state_dict()["epoch"], c.state_dict()["offset"], c.state_dict()["step"]) == (
-            3, 0, 0)
+            3,
+            0,
+            0,
+        )
 
 
 def test_rank_and_world_size_default_to_the_torchrun_environment(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "4")
     with FeederClient("127.0.0.1:1", dataset="d", seq_len=8, batch_size=1) as c:
@@ -295,8 +340,15 @@ def _check_positional(batch: dict, seq_len: int) -> None:
 
 
 def test_one_epoch_two_ranks_every_window_exactly_once(feeder) -> None:  # type: ignore[no-untyped-def]
-    kw = {"seq_len": 16, "stride": 8, "batch_size": 4, "world_size": 2, "shuffle": True,
-          "shuffle_blocks": 2, "seed": 7}
+    kw = {
+        "seq_len": 16,
+        "stride": 8,
+        "batch_size": 4,
+        "world_size": 2,
+        "shuffle": True,
+        "shuffle_blocks": 2,
+        "seed": 7,
+    }
     seen: list[int] = []
     for rank in (0, 1):
         with _client(feeder.address, rank=rank, **kw) as c:
@@ -318,8 +370,17 @@ def test_numpy_and_torch_cpu_paths_give_identical_tokens(tmp_path: Path) -> None
     torch = pytest.importorskip("torch")
     # uint16 with ids above 32767, so the widening of the narrow dtype is exercised.
     make_positional_store(tmp_path / "wide", 70_000, 16_384, dtype="uint16")
-    kw = {"dataset": "wide", "seq_len": 64, "stride": 500, "batch_size": 8, "shift": "auto",
-          "shuffle": True, "seed": 3, "rank": 0, "world_size": 1}
+    kw = {
+        "dataset": "wide",
+        "seq_len": 64,
+        "stride": 500,
+        "batch_size": 8,
+        "shift": "auto",
+        "shuffle": True,
+        "seed": 3,
+        "rank": 0,
+        "world_size": 1,
+    }
     with running_feeder(tmp_path) as f:
         with FeederClient(f.address, **kw) as a, FeederClient(f.address, device="cpu", **kw) as b:
             n = 0
@@ -339,8 +400,9 @@ def test_grouped_layout_is_the_original_loaders_view(feeder) -> None:  # type: i
     inputs, labels = batch["input_ids"], batch["labels"]
     assert inputs.shape == labels.shape == (4, 4, 4)
     assert inputs.base is not None and np.shares_memory(inputs, labels)
-    _check_positional({**batch, "input_ids": inputs.reshape(4, 16),
-                       "labels": labels.reshape(4, 16)}, 16)
+    _check_positional(
+        {**batch, "input_ids": inputs.reshape(4, 16), "labels": labels.reshape(4, 16)}, 16
+    )
 
 
 def test_torch_grouped_layout_on_cpu(feeder) -> None:  # type: ignore[no-untyped-def]
@@ -348,8 +410,14 @@ def test_torch_grouped_layout_on_cpu(feeder) -> None:  # type: ignore[no-untyped
     with _client(feeder.address, seq_len=16, shift=2, layout="grouped", device="cpu") as c:
         batch = next(iter(c))
     assert tuple(batch["input_ids"].shape) == (4, 8, 2)
-    _check_positional({**batch, "input_ids": batch["input_ids"].reshape(4, 16).numpy(),
-                       "labels": batch["labels"].reshape(4, 16).numpy()}, 16)
+    _check_positional(
+        {
+            **batch,
+            "input_ids": batch["input_ids"].reshape(4, 16).numpy(),
+            "labels": batch["labels"].reshape(4, 16).numpy(),
+        },
+        16,
+    )
 
 
 @pytest.mark.parametrize("k", [0, 1, 7, 30])
@@ -393,8 +461,14 @@ def test_resume_mid_epoch_then_next_epoch(feeder) -> None:  # type: ignore[no-un
 
 
 def test_validation_split_delivers_every_window_with_a_short_last_step(feeder) -> None:  # type: ignore[no-untyped-def]
-    kw = {"split": "validation", "split_rate": 0.9, "seq_len": 16, "stride": 16,
-          "batch_size": 4, "world_size": 2}
+    kw = {
+        "split": "validation",
+        "split_rate": 0.9,
+        "seq_len": 16,
+        "stride": 16,
+        "batch_size": 4,
+        "world_size": 2,
+    }
     seen, rows = [], []
     for rank in (0, 1):
         with _client(feeder.address, rank=rank, **kw) as c:
@@ -430,8 +504,10 @@ def test_an_error_in_the_reader_thread_reaches_the_loop(tmp_path: Path) -> None:
     # 4 MB of batches, far more than gRPC's flow-control window: when the chunk is
     # corrupted the server cannot have read it yet (a cache of 2 of the 10 chunks).
     store = make_positional_store(tmp_path / "positions", 1_000_000, 100_000)
-    with running_feeder(tmp_path, cache_bytes=800_000) as f, \
-            _client(f.address, seq_len=128, batch_size=8) as c:
+    with (
+        running_feeder(tmp_path, cache_bytes=800_000) as f,
+        _client(f.address, seq_len=128, batch_size=8) as c,
+    ):
         it = iter(c)
         got = [next(it) for _ in range(3)]
         path = store.chunk_path(9)
@@ -463,6 +539,7 @@ def test_bearer_token(tmp_path: Path) -> None:
 def test_metrics_exist_move_and_are_exported(feeder) -> None:  # type: ignore[no-untyped-def]
     reg = CollectorRegistry()
     with _client(feeder.address, rank=1, world_size=2, registry=reg, metrics_port=0) as c:
+
         def value(name: str) -> float:
             v = reg.get_sample_value(name, {"rank": "1"})
             assert v is not None, name
@@ -491,9 +568,11 @@ def test_metrics_exist_move_and_are_exported(feeder) -> None:  # type: ignore[no
 
 
 def _client_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if not t.name.startswith(("tokenfeed-batch",
-                                                                      "tokenfeed-readahead",
-                                                                      "feeder-loop"))}
+    return {
+        t
+        for t in threading.enumerate()
+        if not t.name.startswith(("tokenfeed-batch", "tokenfeed-readahead", "feeder-loop"))
+    }
 
 
 def test_close_leaves_no_thread_or_channel_behind(feeder) -> None:  # type: ignore[no-untyped-def]
@@ -514,11 +593,18 @@ def test_close_leaves_no_thread_or_channel_behind(feeder) -> None:  # type: igno
 
 
 def test_tls_and_mutual_tls(feeder_root: Path, pki) -> None:  # type: ignore[no-untyped-def]
-    with running_feeder(feeder_root, tls_cert=pki["server_cert_path"],
-                        tls_key=pki["server_key_path"], tls_client_ca=pki["ca_path"]) as f:
-        with _client(f.address, root_certificates=pki["ca_path"],
-                     certificate_chain=pki["client_cert_path"],
-                     private_key=pki["client_key_path"]) as c:
+    with running_feeder(
+        feeder_root,
+        tls_cert=pki["server_cert_path"],
+        tls_key=pki["server_key_path"],
+        tls_client_ca=pki["ca_path"],
+    ) as f:
+        with _client(
+            f.address,
+            root_certificates=pki["ca_path"],
+            certificate_chain=pki["client_cert_path"],
+            private_key=pki["client_key_path"],
+        ) as c:
             assert len(_starts(c)) == len(c) * 4
         once = Backoff(max_retries=1, deadline=None, initial=0.01)
         with _client(f.address, root_certificates=pki["ca"], backoff=once) as c:

@@ -18,8 +18,16 @@ pytestmark = pytest.mark.slow
 
 # ~1,500 steps of 4 KiB: much more than the socket buffers hold, so a fault really
 # lands mid-stream.
-KW = {"dataset": "big", "seq_len": 128, "stride": 16, "batch_size": 8, "rank": 0,
-      "world_size": 1, "shuffle": True, "seed": 5}
+KW = {
+    "dataset": "big",
+    "seq_len": 128,
+    "stride": 16,
+    "batch_size": 8,
+    "rank": 0,
+    "world_size": 1,
+    "shuffle": True,
+    "seed": 5,
+}
 FAST = Backoff(initial=0.05, maximum=0.5, deadline=60)
 
 
@@ -43,8 +51,7 @@ def _consume(it, limit: int | None = None) -> list[int]:  # type: ignore[no-unty
     return out
 
 
-def test_feeder_killed_and_restarted_mid_epoch_loses_and_repeats_nothing(
-        feeder_root: Path) -> None:
+def test_feeder_killed_and_restarted_mid_epoch_loses_and_repeats_nothing(feeder_root: Path) -> None:
     with FeederProcess(feeder_root) as proc:
         expected = _expected(proc.address)
         with FeederClient(proc.address, backoff=FAST, prefetch=4, **KW) as c:
@@ -55,7 +62,8 @@ def test_feeder_killed_and_restarted_mid_epoch_loses_and_repeats_nothing(
             seen += _consume(it)
             assert c.reconnects >= 1
             assert c.metrics.registry.get_sample_value(
-                "tokenfeed_client_batches_received_total", {"rank": "0"}) >= len(c)
+                "tokenfeed_client_batches_received_total", {"rank": "0"}
+            ) >= len(c)
     assert seen == expected
 
 
@@ -86,8 +94,7 @@ def test_black_holed_connection_is_detected_and_failed_over(feeder_root: Path) -
         try:
             expected = _expected(f.address)
             quick = Timeouts(keepalive_time=0.5, keepalive_timeout=1.0, connect_timeout=2.0)
-            with FeederClient([proxy.address, f.address], backoff=FAST, timeouts=quick,
-                              **KW) as c:
+            with FeederClient([proxy.address, f.address], backoff=FAST, timeouts=quick, **KW) as c:
                 it = iter(c)
                 seen = _consume(it, limit=20)
                 proxy.blackhole()  # the connection stays open, nothing moves
@@ -118,8 +125,9 @@ def test_gives_up_after_the_retry_budget_with_the_last_error(feeder_root: Path) 
     dead = FeederProcess(feeder_root)
     address = dead.address
     dead.stop()
-    with FeederClient(address, backoff=Backoff(initial=0.01, maximum=0.05, max_retries=3,
-                                               deadline=None), **KW) as c:
+    with FeederClient(
+        address, backoff=Backoff(initial=0.01, maximum=0.05, max_retries=3, deadline=None), **KW
+    ) as c:
         with pytest.raises(FeederUnavailable, match="gave up after 4 attempts") as info:
             next(iter(c))
         assert address in str(info.value)

@@ -49,8 +49,9 @@ def load_yaml_all(path: Path) -> list[Any]:
 
 
 def dashboard_generator() -> Any:
-    spec = importlib.util.spec_from_file_location("tokenfeed_dashboard",
-                                                  DEPLOY / "grafana" / "dashboard.py")
+    spec = importlib.util.spec_from_file_location(
+        "tokenfeed_dashboard", DEPLOY / "grafana" / "dashboard.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -68,8 +69,12 @@ def dashboard_panels() -> list[dict[str, Any]]:
 
 def dashboard_queries() -> list[tuple[str, str]]:
     """(panel title, PromQL) for every query of the committed dashboard."""
-    return [(p["title"], t["expr"]) for p in dashboard_panels()
-            for t in p.get("targets", []) if t.get("expr")]
+    return [
+        (p["title"], t["expr"])
+        for p in dashboard_panels()
+        for t in p.get("targets", [])
+        if t.get("expr")
+    ]
 
 
 def rules() -> list[dict[str, Any]]:
@@ -141,8 +146,9 @@ def exported_series() -> set[str]:
 def metric_names(expr: str) -> set[str]:
     """Names a PromQL expression selects: tokenfeed_*, `up` and recorded `a:b:c` series."""
     no_strings = re.sub(r'"[^"]*"', '""', expr)
-    return set(re.findall(r"(?<![\w:])(tokenfeed_[a-z_]+|up|[a-z_]+:[a-z0-9_:]+)(?![\w:])",
-                          no_strings))
+    return set(
+        re.findall(r"(?<![\w:])(tokenfeed_[a-z_]+|up|[a-z_]+:[a-z0-9_:]+)(?![\w:])", no_strings)
+    )
 
 
 def free_port() -> int:
@@ -156,18 +162,26 @@ def free_port() -> int:
 
 def test_committed_dashboard_is_what_the_generator_makes() -> None:
     assert DASHBOARD_JSON.read_text() == dashboard_generator().render(), (
-        "deploy/grafana/dashboards/tokenfeed.json is stale: "
-        "run python deploy/grafana/dashboard.py")
+        "deploy/grafana/dashboards/tokenfeed.json is stale: run python deploy/grafana/dashboard.py"
+    )
 
 
 def test_dashboard_covers_what_the_issue_asks_for() -> None:
     text = " ".join(expr for _, expr in dashboard_queries())
-    for series in ("tokenfeed_server_tokens_sent_total", "tokenfeed_client_tokens_received_total",
-                   "tokenfeed_client_stall_fraction", "tokenfeed_client_wait_seconds_bucket",
-                   "tokenfeed_cache_hits_total", "tokenfeed_cache_misses_total",
-                   "tokenfeed_cache_resident_bytes", "tokenfeed_chunk_load_seconds_bucket",
-                   "tokenfeed_batch_build_seconds_bucket", "tokenfeed_server_streams_active",
-                   "tokenfeed_server_errors_total", "tokenfeed_client_reconnects_total"):
+    for series in (
+        "tokenfeed_server_tokens_sent_total",
+        "tokenfeed_client_tokens_received_total",
+        "tokenfeed_client_stall_fraction",
+        "tokenfeed_client_wait_seconds_bucket",
+        "tokenfeed_cache_hits_total",
+        "tokenfeed_cache_misses_total",
+        "tokenfeed_cache_resident_bytes",
+        "tokenfeed_chunk_load_seconds_bucket",
+        "tokenfeed_batch_build_seconds_bucket",
+        "tokenfeed_server_streams_active",
+        "tokenfeed_server_errors_total",
+        "tokenfeed_client_reconnects_total",
+    ):
         assert series in text, series
 
 
@@ -182,8 +196,9 @@ def test_dashboard_panels_use_the_datasource_variable_and_fit_the_grid() -> None
             assert panel["targets"], panel["title"]
         g = panel["gridPos"]
         assert g["x"] >= 0 and g["x"] + g["w"] <= 24, panel["title"]
-        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"])
-                for y in range(g["y"], g["y"] + g["h"])}
+        mine = {
+            (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
+        }
         assert not cells & mine, f"{panel['title']} overlaps another panel"
         cells |= mine
 
@@ -191,21 +206,28 @@ def test_dashboard_panels_use_the_datasource_variable_and_fit_the_grid() -> None
 def test_every_metric_in_dashboard_and_rules_is_exported() -> None:
     known = exported_series() | {"up"} | {r["record"] for r in rules() if "record" in r}
     used = {(where, name) for where, expr in dashboard_queries() for name in metric_names(expr)}
-    used |= {(r.get("record") or r["alert"], name) for r in rules()
-             for name in metric_names(r["expr"])}
+    used |= {
+        (r.get("record") or r["alert"], name) for r in rules() for name in metric_names(r["expr"])
+    }
     unknown = sorted((where, name) for where, name in used if name not in known)
     assert not unknown, f"not exported by server/ or client/ metrics.py or recorded: {unknown}"
 
 
 def test_recording_rules_cover_the_issue_and_alerts_have_runbook_text() -> None:
     recorded = {r["record"] for r in rules() if "record" in r}
-    assert {"rank:tokenfeed_client_tokens_received:rate1m",
-            "tokenfeed:client_tokens_received:rate1m",
-            "rank:tokenfeed_client_stall_fraction:avg1m",
-            "instance:tokenfeed_cache_hit_ratio:rate5m"} <= recorded
+    assert {
+        "rank:tokenfeed_client_tokens_received:rate1m",
+        "tokenfeed:client_tokens_received:rate1m",
+        "rank:tokenfeed_client_stall_fraction:avg1m",
+        "instance:tokenfeed_cache_hit_ratio:rate5m",
+    } <= recorded
     alerts = {r["alert"]: r for r in rules() if "alert" in r}
-    assert {"TokenfeedFeederDown", "TokenfeedRankStalled", "TokenfeedCacheHitRatioCollapsing",
-            "TokenfeedErrorRate"} <= set(alerts)
+    assert {
+        "TokenfeedFeederDown",
+        "TokenfeedRankStalled",
+        "TokenfeedCacheHitRatioCollapsing",
+        "TokenfeedErrorRate",
+    } <= set(alerts)
     assert alerts["TokenfeedRankStalled"]["for"] == "5m"
     assert "> 0.05" in alerts["TokenfeedRankStalled"]["expr"]
     for name, rule in alerts.items():
@@ -216,9 +238,13 @@ def test_recording_rules_cover_the_issue_and_alerts_have_runbook_text() -> None:
 def test_alert_inner_expressions() -> None:
     assert alert_inner_expressions('up{job="a"} == 0') == ['up{job="a"}']
     assert alert_inner_expressions('x{a=~"b|c"} > 0.05 and on (i) y < bool 3') == [
-        'x{a=~"b|c"}', "y"]
+        'x{a=~"b|c"}',
+        "y",
+    ]
     assert alert_inner_expressions('up{job="a"} == 0 or absent(up{job="a"})') == [
-        'up{job="a"}', 'up{job="a"}']
+        'up{job="a"}',
+        'up{job="a"}',
+    ]
     assert alert_inner_expressions("a / (b > 1) >= 2") == ["a / (b > 1)"]
     for rule in rules():
         if "alert" in rule:
@@ -234,8 +260,11 @@ def compose() -> dict[str, Any]:
 
 def test_env_example_lists_exactly_the_compose_variables() -> None:
     used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE.read_text()))
-    example = {line.split("=", 1)[0] for line in (ROOT / ".env.example").read_text().splitlines()
-               if line and not line.startswith("#")}
+    example = {
+        line.split("=", 1)[0]
+        for line in (ROOT / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
     assert used == example
     # and every variable has a default in the compose file itself
     without_default = set(re.findall(r"\$\{([A-Z0-9_]+)\}", COMPOSE.read_text()))
@@ -245,8 +274,10 @@ def test_env_example_lists_exactly_the_compose_variables() -> None:
 def test_prometheus_scrapes_the_compose_services_on_their_metrics_ports() -> None:
     services = compose()["services"]
     prom = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
-    jobs = {j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]]
-            for j in prom["scrape_configs"]}
+    jobs = {
+        j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]]
+        for j in prom["scrape_configs"]
+    }
     feeder_env = services["feeder"]["environment"]
     assert jobs["tokenfeed-feeder"] == [f"feeder:{feeder_env['TOKENFEED_METRICS_PORT']}"]
     cmd = services["trainer"]["command"]
@@ -289,7 +320,7 @@ def test_dockerfile_and_dockerignore() -> None:
     assert "EXPOSE 50051 9400" in text
     assert 'CMD ["tokenfeed-healthcheck"]' in text
     pyproject = (ROOT / "pyproject.toml").read_text()
-    sources = re.search(r'^sources = \[(.*)\]$', pyproject, re.MULTILINE)
+    sources = re.search(r"^sources = \[(.*)\]$", pyproject, re.MULTILINE)
     assert sources
     allowed = (ROOT / ".dockerignore").read_text().splitlines()
     for src in re.findall(r'"([^"]+)"', sources.group(1)):
@@ -302,7 +333,7 @@ def test_dockerfile_and_dockerignore() -> None:
 
 
 def k8s_docs() -> dict[str, dict[str, Any]]:
-    """"Kind/name" -> manifest, for every manifest under deploy/k8s."""
+    """ "Kind/name" -> manifest, for every manifest under deploy/k8s."""
     out = {}
     for path in sorted(K8S.glob("*.yaml")):
         if path.name != "kustomization.yaml":
@@ -327,8 +358,10 @@ def test_feeder_service_probes_and_monitor_match_the_pods() -> None:
     (container,) = pod["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": int(env["TOKENFEED_PORT"]),
-                     "metrics": int(env["TOKENFEED_METRICS_PORT"])}
+    assert ports == {
+        "grpc": int(env["TOKENFEED_PORT"]),
+        "metrics": int(env["TOKENFEED_METRICS_PORT"]),
+    }
     assert env["TOKENFEED_HOST"] == "0.0.0.0"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["grpc"], probe
@@ -341,11 +374,15 @@ def test_feeder_service_probes_and_monitor_match_the_pods() -> None:
     assert mon["spec"]["selector"]["matchLabels"].items() <= labels.items()
     endpoint = mon["spec"]["podMetricsEndpoints"][0]
     assert endpoint["port"] == "metrics"
-    assert {"action": "replace", "targetLabel": "job",
-            "replacement": "tokenfeed-feeder"} in endpoint["relabelings"]
+    assert {
+        "action": "replace",
+        "targetLabel": "job",
+        "replacement": "tokenfeed-feeder",
+    } in endpoint["relabelings"]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["store"]["persistentVolumeClaim"]["claimName"] in {
-        name.split("/")[1] for name in docs if name.startswith("PersistentVolumeClaim/")}
+        name.split("/")[1] for name in docs if name.startswith("PersistentVolumeClaim/")
+    }
     # the image's numeric user (Dockerfile USER) is what the pod asserts
     assert pod["spec"]["securityContext"]["runAsUser"] == 10001
 
@@ -369,8 +406,13 @@ def test_prepare_is_an_indexed_job_sharded_by_completion_index() -> None:
 
 
 def run_healthcheck(port: int, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(HEALTHCHECK)], capture_output=True, text=True,
-                          env={**os.environ, "TOKENFEED_PORT": str(port), **env}, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(HEALTHCHECK)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TOKENFEED_PORT": str(port), **env},
+        timeout=60,
+    )
 
 
 def test_healthcheck_reports_serving_draining_and_down(feeder_root: Path) -> None:

@@ -51,8 +51,11 @@ PROMETHEUS = shutil.which("prometheus")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(PROMETHEUS is None, reason="needs the prometheus binary "
-                       "(apt-get install prometheus; CI installs it in .ci/run)"),
+    pytest.mark.skipif(
+        PROMETHEUS is None,
+        reason="needs the prometheus binary "
+        "(apt-get install prometheus; CI installs it in .ci/run)",
+    ),
 ]
 
 RATE_INTERVAL = "10s"  # what Grafana's $__rate_interval becomes at a 1 s scrape interval
@@ -62,8 +65,10 @@ DEADLINE = 120.0  # seconds for all queries to show data (normally a few)
 def prometheus_config(feeder_metrics: int, trainer_metrics: list[int], rule_file: Path) -> dict:
     """The committed config with local targets, 1 s intervals and absolute rule paths."""
     cfg = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
-    targets = {"tokenfeed-feeder": [f"127.0.0.1:{feeder_metrics}"],
-               "tokenfeed-trainer": [f"127.0.0.1:{p}" for p in trainer_metrics]}
+    targets = {
+        "tokenfeed-feeder": [f"127.0.0.1:{feeder_metrics}"],
+        "tokenfeed-trainer": [f"127.0.0.1:{p}" for p in trainer_metrics],
+    }
     jobs = [j for j in cfg["scrape_configs"] if j["job_name"] in targets]
     assert {j["job_name"] for j in jobs} == set(targets), "job names changed in prometheus.yml"
     for job in jobs:
@@ -82,9 +87,15 @@ class Prometheus:
         self.log_path = workdir / "prometheus.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [str(PROMETHEUS), f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                str(PROMETHEUS),
+                f"--config.file={cfg}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -128,9 +139,17 @@ class Trainer(threading.Thread):
 
     def __init__(self, address: str, rank: int, metrics_port: int) -> None:
         super().__init__(name=f"trainer-{rank}", daemon=True)
-        self.client = FeederClient(address, dataset="positions", seq_len=64, batch_size=4,
-                                   shuffle=True, seed=1, rank=rank, world_size=2,
-                                   metrics_port=metrics_port)
+        self.client = FeederClient(
+            address,
+            dataset="positions",
+            seq_len=64,
+            batch_size=4,
+            shuffle=True,
+            seed=1,
+            rank=rank,
+            world_size=2,
+            metrics_port=metrics_port,
+        )
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
         self.batches = 0
@@ -165,19 +184,30 @@ def stack(tmp_path: Path) -> Iterator[Prometheus]:
         feeder_metrics = int(feeder.flags["metrics_port"])
         dead = f"127.0.0.1:{free_port()}"
         trainer_ports = [free_port(), free_port()]
-        trainers = [Trainer(f"{dead},{feeder.address}", 0, trainer_ports[0]),
-                    Trainer(feeder.address, 1, trainer_ports[1])]
+        trainers = [
+            Trainer(f"{dead},{feeder.address}", 0, trainer_ports[0]),
+            Trainer(feeder.address, 1, trainer_ports[1]),
+        ]
         for t in trainers:
             t.start()
         with grpc.insecure_channel(feeder.address) as ch:  # an error counted by code
-            bad = pb.StreamBatchesRequest(params=pb.SamplingParams(
-                dataset="no-such-dataset", split="train", split_rate=1.0, seq_len=64,
-                stride=64, batch_size=1, world_size=1))
+            bad = pb.StreamBatchesRequest(
+                params=pb.SamplingParams(
+                    dataset="no-such-dataset",
+                    split="train",
+                    split_rate=1.0,
+                    seq_len=64,
+                    stride=64,
+                    batch_size=1,
+                    world_size=1,
+                )
+            )
             with pytest.raises(grpc.RpcError) as info:
                 list(pb_grpc.FeederStub(ch).StreamBatches(bad, timeout=10))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
-        prom = Prometheus(tmp_path, prometheus_config(feeder_metrics, trainer_ports,
-                                                      RULES.resolve()))
+        prom = Prometheus(
+            tmp_path, prometheus_config(feeder_metrics, trainer_ports, RULES.resolve())
+        )
         try:
             yield prom
         finally:
@@ -218,8 +248,10 @@ def test_every_dashboard_query_and_rule_returns_data(stack: Prometheus) -> None:
                 exprs[f"alert {rule['alert']} operand {i}: {inner}"] = inner
     missing = wait_for_data(prom, exprs)
     assert not missing, (
-        "no data for:\n" + "\n".join(f"  {w}\n    -> {r}" for w, r in missing.items())
-        + f"\ntargets: {[(t['scrapeUrl'], t['health'], t['lastError']) for t in targets]}")
+        "no data for:\n"
+        + "\n".join(f"  {w}\n    -> {r}" for w, r in missing.items())
+        + f"\ntargets: {[(t['scrapeUrl'], t['health'], t['lastError']) for t in targets]}"
+    )
 
     # every target is up, and every rule evaluates without error
     targets = prom.api("/api/v1/targets")["activeTargets"]

@@ -28,11 +28,11 @@ import pytest
 from conftest import FeederProcess, make_positional_store, running_feeder
 
 from tokenfeed.client import Backoff, FeederClient
-from tokenfeed.server.datasets import Catalog
 from tokenfeed.core.errors import DataLoss
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.server.service import plan_for
 from tokenfeed.core.store import META_NAME
+from tokenfeed.server.datasets import Catalog
+from tokenfeed.server.service import plan_for
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -49,7 +49,7 @@ WAIT_SECONDS = 60.0  # a bound on every poll below, so a hang fails with a messa
 # therefore trained again, exactly as a real job redoes the steps after its last
 # checkpoint. It checks every token (positional store) and can hang after a step
 # (a job stopped at a barrier) so the test kills it at a known position.
-TRAINER = r'''
+TRAINER = r"""
 import json, os, sys, time
 from pathlib import Path
 
@@ -94,10 +94,16 @@ with open(log_path, "a") as log:
         time.sleep(cfg["step_seconds"])
 loader.close()
 (work / "done").touch()
-'''
+"""
 
-SAMPLING = {"dataset": "positions", "seq_len": 32, "stride": 32, "batch_size": 8,
-            "shuffle": True, "seed": 11}
+SAMPLING = {
+    "dataset": "positions",
+    "seq_len": 32,
+    "stride": 32,
+    "batch_size": 8,
+    "shuffle": True,
+    "seed": 11,
+}
 
 
 @pytest.fixture
@@ -111,20 +117,35 @@ def trainer_root(tmp_path: Path) -> Path:
 class Trainer:
     """One trainer rank as a subprocess, with its own work directory."""
 
-    def __init__(self, script: Path, work: Path, address: str, rank: int, world_size: int,
-                 step_seconds: float = 0.0, hang_after: int | None = None) -> None:
+    def __init__(
+        self,
+        script: Path,
+        work: Path,
+        address: str,
+        rank: int,
+        world_size: int,
+        step_seconds: float = 0.0,
+        hang_after: int | None = None,
+    ) -> None:
         self.script, self.work = script, work
         work.mkdir(parents=True, exist_ok=True)
-        self.cfg = {"work": str(work), "address": address, "rank": rank,
-                    "world_size": world_size, "sampling": SAMPLING,
-                    "step_seconds": step_seconds, "hang_after": hang_after}
+        self.cfg = {
+            "work": str(work),
+            "address": address,
+            "rank": rank,
+            "world_size": world_size,
+            "sampling": SAMPLING,
+            "step_seconds": step_seconds,
+            "hang_after": hang_after,
+        }
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
     def start(self) -> None:
         with open(self.work / "stderr", "ab") as err:
-            self.proc = subprocess.Popen([sys.executable, str(self.script),
-                                          json.dumps(self.cfg)], stderr=err)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(self.script), json.dumps(self.cfg)], stderr=err
+            )
 
     def ckpt(self) -> dict | None:
         try:
@@ -140,13 +161,15 @@ class Trainer:
         while not done():
             assert self.proc is not None and self.proc.poll() is None, (
                 f"rank {self.cfg['rank']} exited ({self.proc.returncode}) before {what}:\n"
-                f"{self.stderr()}")
+                f"{self.stderr()}"
+            )
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             time.sleep(0.01)
 
     def wait_step(self, step: int) -> None:
-        self.wait_for(lambda: (self.ckpt() or {"data": {"step": -1}})["data"]["step"] >= step,
-                      f"step {step}")
+        self.wait_for(
+            lambda: (self.ckpt() or {"data": {"step": -1}})["data"]["step"] >= step, f"step {step}"
+        )
 
     def kill(self) -> None:
         """SIGKILL; the trainer must still have been running (killed mid-epoch)."""
@@ -172,13 +195,18 @@ class Trainer:
         return [int(x) for x in lines[: ckpt["log_len"] if ckpt else 0]]
 
 
-def plan_starts(root: Path, world_size: int, rank: int, offset: int = 0,
-                until: int | None = None) -> list[int]:
+def plan_starts(
+    root: Path, world_size: int, rank: int, offset: int = 0, until: int | None = None
+) -> list[int]:
     """The starts the sampling engine plans for `rank` from `offset` (to offset `until`)."""
     p = pb.SamplingParams(split="train", split_rate=1.0, world_size=world_size, **SAMPLING)
     plan = plan_for(SamplingSpec.from_proto(p), Catalog(root).get(SAMPLING["dataset"]))
-    return [s for bp in plan.batches(0, rank, offset)
-            if until is None or bp.offset < until for s in bp.starts.tolist()]
+    return [
+        s
+        for bp in plan.batches(0, rank, offset)
+        if until is None or bp.offset < until
+        for s in bp.starts.tolist()
+    ]
 
 
 def assert_exactly_once(got: list[int], expected: list[int]) -> None:
@@ -204,11 +232,14 @@ def trainers(tmp_path: Path):  # type: ignore[no-untyped-def]
         t.stop()
 
 
-def test_trainers_killed_mid_epoch_resume_exactly_once(trainer_root: Path, tmp_path: Path,
-                                                       trainers) -> None:  # type: ignore[no-untyped-def]
+def test_trainers_killed_mid_epoch_resume_exactly_once(
+    trainer_root: Path, tmp_path: Path, trainers
+) -> None:  # type: ignore[no-untyped-def]
     with FeederProcess(trainer_root) as feeder:
-        ranks = [trainers(tmp_path / f"rank{r}", feeder.address, r, 2, step_seconds=0.02)
-                 for r in range(2)]
+        ranks = [
+            trainers(tmp_path / f"rank{r}", feeder.address, r, 2, step_seconds=0.02)
+            for r in range(2)
+        ]
         ranks[1].wait_step(10)
         ranks[1].kill()  # one rank dies alone...
         ranks[1].start()
@@ -226,12 +257,12 @@ def test_trainers_killed_mid_epoch_resume_exactly_once(trainer_root: Path, tmp_p
     assert_exactly_once(ranks[0].starts() + ranks[1].starts(), per_rank[0] + per_rank[1])
 
 
-def test_resume_with_a_different_world_size_exactly_once(trainer_root: Path, tmp_path: Path,
-                                                         trainers) -> None:  # type: ignore[no-untyped-def]
+def test_resume_with_a_different_world_size_exactly_once(
+    trainer_root: Path, tmp_path: Path, trainers
+) -> None:  # type: ignore[no-untyped-def]
     k = 20  # both ranks checkpoint step k, then the job is killed (e.g. a node lost)
     with FeederProcess(trainer_root) as feeder:
-        old = [trainers(tmp_path / f"old{r}", feeder.address, r, 2, hang_after=k)
-               for r in range(2)]
+        old = [trainers(tmp_path / f"old{r}", feeder.address, r, 2, hang_after=k) for r in range(2)]
         for t in old:
             t.wait_for(lambda t=t: (t.work / "hanging").exists(), f"step {k}")
         for t in old:
@@ -276,8 +307,7 @@ def _check_tokens(batch: dict, seq_len: int) -> None:
     np.testing.assert_array_equal(batch["labels"], want + batch["shift"])
 
 
-def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(
-        tmp_path: Path) -> None:
+def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(tmp_path: Path) -> None:
     # 200,000 tokens in 10 chunks; split_rate 0.5: train is chunks 0-4, validation 5-9.
     root = tmp_path / "data"
     store = make_positional_store(root / "victim", 200_000, 20_000)
@@ -287,11 +317,14 @@ def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(
     # ahead of a client, within HTTP/2 flow control) reaches chunk 4 only after ~40 MiB,
     # long after the byte below is flipped.
     train = dict(dataset="victim", split_rate=0.5, seq_len=256, stride=2, batch_size=8)
-    valid = dict(dataset="victim", split="validation", split_rate=0.5, seq_len=256,
-                 stride=16, batch_size=8)
-    with FeederProcess(root, cache_bytes="256K") as feeder, \
-            FeederClient(feeder.address, **train) as a, \
-            FeederClient(feeder.address, **valid) as b:
+    valid = dict(
+        dataset="victim", split="validation", split_rate=0.5, seq_len=256, stride=16, batch_size=8
+    )
+    with (
+        FeederProcess(root, cache_bytes="256K") as feeder,
+        FeederClient(feeder.address, **train) as a,
+        FeederClient(feeder.address, **valid) as b,
+    ):
         a_it, b_it = iter(a), iter(b)
         a_got = b_got = 0
         for _ in range(3):  # both streams are running
@@ -323,8 +356,12 @@ def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(
         assert names == ["victim"]  # opening checks sizes only; the flip is inside
         with FeederClient(feeder.address, **valid) as again:
             assert sum(1 for _ in again) == len(b)
-    result = subprocess.run([sys.executable, "-m", "tokenfeed", "verify", str(root / "victim")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenfeed", "verify", str(root / "victim")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1, result
     assert "chunk_000004.bin" in result.stderr and "1 problem(s)" in result.stdout
     assert "chunk_000003.bin" not in result.stderr
@@ -346,27 +383,47 @@ def _lie_about_a_chunk(doc: dict) -> None:
 
 # name -> (damage, what the error must say); every store is 4,000 tokens in 4 chunks.
 BROKEN = {
-    "truncated": (lambda p: os.truncate(p / "chunk_000002.bin", 1000),
-                  "chunk_000002.bin has 1000 bytes, expected 1000 tokens x 4"),
-    "lies-total": (lambda p: _edit_meta(p, lambda d: d.update(total_tokens=5000)),
-                   "total_tokens=5000 but its chunks hold 4000"),
-    "lies-chunk": (lambda p: _edit_meta(p, _lie_about_a_chunk),
-                   "chunk_000001.bin has 4000 bytes, expected 900 tokens"),
-    "wrong-dtype": (lambda p: _edit_meta(p, lambda d: d.update(dtype="uint16")),
-                    "chunk_000000.bin has 4000 bytes, expected 1000 tokens x 2"),
-    "unknown-dtype": (lambda p: _edit_meta(p, lambda d: d.update(dtype="float32")),
-                      "unknown token dtype 'float32'"),
-    "missing-chunk": (lambda p: (p / "chunk_000003.bin").unlink(),
-                      "chunk_000003.bin is missing"),
-    "duplicate-chunk": (lambda p: _edit_meta(p, lambda d: d["chunks"].append(d["chunks"][0])),
-                        "chunk(s) ['chunk_000000.bin'] more than once"),
+    "truncated": (
+        lambda p: os.truncate(p / "chunk_000002.bin", 1000),
+        "chunk_000002.bin has 1000 bytes, expected 1000 tokens x 4",
+    ),
+    "lies-total": (
+        lambda p: _edit_meta(p, lambda d: d.update(total_tokens=5000)),
+        "total_tokens=5000 but its chunks hold 4000",
+    ),
+    "lies-chunk": (
+        lambda p: _edit_meta(p, _lie_about_a_chunk),
+        "chunk_000001.bin has 4000 bytes, expected 900 tokens",
+    ),
+    "wrong-dtype": (
+        lambda p: _edit_meta(p, lambda d: d.update(dtype="uint16")),
+        "chunk_000000.bin has 4000 bytes, expected 1000 tokens x 2",
+    ),
+    "unknown-dtype": (
+        lambda p: _edit_meta(p, lambda d: d.update(dtype="float32")),
+        "unknown token dtype 'float32'",
+    ),
+    "missing-chunk": (lambda p: (p / "chunk_000003.bin").unlink(), "chunk_000003.bin is missing"),
+    "duplicate-chunk": (
+        lambda p: _edit_meta(p, lambda d: d["chunks"].append(d["chunks"][0])),
+        "chunk(s) ['chunk_000000.bin'] more than once",
+    ),
 }
 
 
 def _params(dataset: str, **kw) -> pb.SamplingParams:  # type: ignore[no-untyped-def]
-    return pb.SamplingParams(**{"dataset": dataset, "split": "train", "split_rate": 1.0,
-                                "seq_len": 64, "stride": 64, "batch_size": 4,
-                                "world_size": 1, **kw})
+    return pb.SamplingParams(
+        **{
+            "dataset": dataset,
+            "split": "train",
+            "split_rate": 1.0,
+            "seq_len": 64,
+            "stride": 64,
+            "batch_size": 4,
+            "world_size": 1,
+            **kw,
+        }
+    )
 
 
 def _stream_error(stub: pb_grpc.FeederStub, dataset: str) -> grpc.RpcError:
@@ -380,7 +437,8 @@ def _stream_error(stub: pb_grpc.FeederStub, dataset: str) -> grpc.RpcError:
 
 
 def test_malformed_stores_are_skipped_and_refused_never_served(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     root = tmp_path / "data"
     make_positional_store(root / "healthy", 10_000, 1_000)
     for name, (damage, _) in BROKEN.items():
@@ -398,17 +456,23 @@ def test_malformed_stores_are_skipped_and_refused_never_served(
         assert str(root) not in logged
 
         for name, (_, message) in BROKEN.items():
-            for err in (_stream_error(stub, name),
-                        _call_error(lambda name=name: stub.Info(pb.InfoRequest(dataset=name)))):
+            for err in (
+                _stream_error(stub, name),
+                _call_error(lambda name=name: stub.Info(pb.InfoRequest(dataset=name))),
+            ):
                 assert err.code() == grpc.StatusCode.DATA_LOSS, (name, err.details())
                 assert err.details().startswith(f"{name}: ") and message in err.details(), (
-                    err.details())
+                    err.details()
+                )
                 assert str(root) not in err.details()
 
         # Served once (the store stays open, its chunks cycle through the 4 KiB cache),
         # then a chunk is cut short on disk: the next read of it is DATA_LOSS.
-        first = [b for r in stub.StreamBatches(pb.StreamBatchesRequest(
-            params=_params("shrinks"))) for b in r.batches]
+        first = [
+            b
+            for r in stub.StreamBatches(pb.StreamBatchesRequest(params=_params("shrinks")))
+            for b in r.batches
+        ]
         assert len(first) == ((4_000 - 65) // 64 + 1) // 4
         os.truncate(root / "shrinks" / "chunk_000001.bin", 2000)
         got = []
@@ -455,8 +519,14 @@ def test_metrics_expose_no_paths_or_secrets(tmp_path: Path) -> None:
     token_file.write_text(token + "\n")
     metrics_port = _free_port()
     with FeederProcess(root, metrics_port=metrics_port, auth_token_file=token_file) as feeder:
-        with FeederClient(feeder.address, token=token, dataset="positions", seq_len=64,
-                          batch_size=4, backoff=Backoff(max_retries=2, deadline=None)) as c:
+        with FeederClient(
+            feeder.address,
+            token=token,
+            dataset="positions",
+            seq_len=64,
+            batch_size=4,
+            backoff=Backoff(max_retries=2, deadline=None),
+        ) as c:
             assert sum(1 for _ in c) == len(c)
         auth = (("authorization", f"Bearer {token}"),)
         wrong = (("authorization", "Bearer not-" + token),)
@@ -468,24 +538,54 @@ def test_metrics_expose_no_paths_or_secrets(tmp_path: Path) -> None:
                 lambda: stub.Info(pb.InfoRequest(), metadata=wrong),
                 lambda: stub.Info(pb.InfoRequest(dataset="../../etc/passwd"), metadata=auth),
                 lambda: stub.Info(pb.InfoRequest(dataset="etc/passwd"), metadata=auth),
-                lambda: list(stub.StreamBatches(pb.StreamBatchesRequest(
-                    params=_params("etc/passwd")), metadata=auth)),
-                lambda: list(stub.StreamBatches(pb.StreamBatchesRequest(
-                    params=_params(str(root / "positions"))), metadata=auth)),
-                lambda: list(stub.StreamBatches(pb.StreamBatchesRequest(
-                    params=_params("broken")), metadata=auth)),
+                lambda: list(
+                    stub.StreamBatches(
+                        pb.StreamBatchesRequest(params=_params("etc/passwd")), metadata=auth
+                    )
+                ),
+                lambda: list(
+                    stub.StreamBatches(
+                        pb.StreamBatchesRequest(params=_params(str(root / "positions"))),
+                        metadata=auth,
+                    )
+                ),
+                lambda: list(
+                    stub.StreamBatches(
+                        pb.StreamBatchesRequest(params=_params("broken")), metadata=auth
+                    )
+                ),
             ]
             for call in calls:
                 codes.append(_call_error(call).code().name)
-        assert codes == ["UNAUTHENTICATED", "UNAUTHENTICATED", "INVALID_ARGUMENT", "NOT_FOUND",
-                         "NOT_FOUND", "INVALID_ARGUMENT", "DATA_LOSS"]
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
-                                      timeout=10).read().decode()
+        assert codes == [
+            "UNAUTHENTICATED",
+            "UNAUTHENTICATED",
+            "INVALID_ARGUMENT",
+            "NOT_FOUND",
+            "NOT_FOUND",
+            "INVALID_ARGUMENT",
+            "DATA_LOSS",
+        ]
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
     # The calls above were counted...
     assert 'tokenfeed_server_errors_total{code="UNAUTHENTICATED"} 2.0' in text
     assert 'tokenfeed_server_errors_total{code="NOT_FOUND"} 2.0' in text
     assert 'tokenfeed_server_batches_sent_total{dataset="positions",split="train"}' in text
     # ...and nothing in the scrape says where the data lives or what the secrets are.
-    for secret in (str(root), str(tmp_path), "data-root-private", "secret-dir", str(token_file),
-                   token, token[len("tf-secret-"):], "passwd", "etc/", "chunk_000001"):
+    for secret in (
+        str(root),
+        str(tmp_path),
+        "data-root-private",
+        "secret-dir",
+        str(token_file),
+        token,
+        token[len("tf-secret-") :],
+        "passwd",
+        "etc/",
+        "chunk_000001",
+    ):
         assert secret not in text, secret

@@ -21,7 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FeederError, InvalidArgument
-from tokenfeed.core.sampling import Plan
 from tokenfeed.core.store import write_store
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
@@ -35,11 +34,30 @@ INT64 = st.one_of(
     st.integers(-(2**63), 2**63 - 1),
 )
 NAMES = st.one_of(
-    st.sampled_from([
-        "positions", "nested/small", "", ".", "..", "../outside", "/etc", "/positions",
-        "positions/", "positions/..", "nested//small", "escape", "escape/x", "a\\b", "x\x00y",
-        "nope", "nested", "positions/chunk_000000.bin", "ünïcode", "a" * 5000,
-    ]),
+    st.sampled_from(
+        [
+            "positions",
+            "nested/small",
+            "",
+            ".",
+            "..",
+            "../outside",
+            "/etc",
+            "/positions",
+            "positions/",
+            "positions/..",
+            "nested//small",
+            "escape",
+            "escape/x",
+            "a\\b",
+            "x\x00y",
+            "nope",
+            "nested",
+            "positions/chunk_000000.bin",
+            "ünïcode",
+            "a" * 5000,
+        ]
+    ),
     st.text(max_size=30),
 )
 DOUBLES = st.one_of(st.sampled_from([0.0, 0.5, 0.9, 1.0]), st.floats(allow_nan=True))
@@ -69,9 +87,14 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
     name = p.dataset
     sizes = {"positions": TOTAL, "nested/small": 300}
     parts = name.split("/")
-    if (not name or len(name) > 1024 or name.startswith("/") or "\\" in name
-            or any(ord(c) < 32 or ord(c) == 127 for c in name)
-            or any(x in ("", ".", "..") for x in parts)):
+    if (
+        not name
+        or len(name) > 1024
+        or name.startswith("/")
+        or "\\" in name
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or any(x in ("", ".", "..") for x in parts)
+    ):
         return "INVALID_ARGUMENT"
     if name not in sizes:
         return "NOT_FOUND"
@@ -80,10 +103,17 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
     try:
         # The .proto's documented defaults for unset fields.
         plan = make_plan(
-            total_tokens=sizes[name], split=p.split or "train",
-            split_rate=p.split_rate if p.HasField("split_rate") else 1.0, seq_len=p.seq_len,
-            stride=p.stride or p.seq_len, batch_size=p.batch_size, world_size=p.world_size or 1,
-            shift=shift, seed=p.seed, shuffle=p.shuffle, shuffle_blocks=p.shuffle_blocks or 8,
+            total_tokens=sizes[name],
+            split=p.split or "train",
+            split_rate=p.split_rate if p.HasField("split_rate") else 1.0,
+            seq_len=p.seq_len,
+            stride=p.stride or p.seq_len,
+            batch_size=p.batch_size,
+            world_size=p.world_size or 1,
+            shift=shift,
+            seed=p.seed,
+            shuffle=p.shuffle,
+            shuffle_blocks=p.shuffle_blocks or 8,
             block_tokens=1000 if name == "positions" else 100,
         )
         if not 0 <= req.batches_per_message <= 1024 or req.epoch < 0 or req.step < 0:
@@ -120,7 +150,8 @@ def stream_requests(draw) -> pb.StreamBatchesRequest:  # type: ignore[no-untyped
     elif mode in ("auto", "auto_false"):
         params.auto_shift = mode == "auto"
     return pb.StreamBatchesRequest(
-        params=params, epoch=draw(st.one_of(st.integers(0, 3), INT64)),
+        params=params,
+        epoch=draw(st.one_of(st.integers(0, 3), INT64)),
         rank=draw(st.one_of(st.integers(0, 3), INT64)),
         offset=draw(st.one_of(st.integers(0, 50), INT64)),
         step=draw(st.one_of(st.integers(0, 5), INT64)),
@@ -140,15 +171,24 @@ class Canary:
         self._thread.start()
 
     def _run(self) -> None:
-        params = pb.SamplingParams(dataset="positions", split="validation", split_rate=0.5,
-                                   seq_len=16, stride=8, batch_size=4, world_size=1, shuffle=True)
+        params = pb.SamplingParams(
+            dataset="positions",
+            split="validation",
+            split_rate=0.5,
+            seq_len=16,
+            stride=8,
+            batch_size=4,
+            world_size=1,
+            shuffle=True,
+        )
         with grpc.insecure_channel(self.address) as ch:
             stub = feeder_pb2_grpc.FeederStub(ch)
             epoch = 0
             while not self._stop.is_set():
                 try:
                     for msg in stub.StreamBatches(
-                            pb.StreamBatchesRequest(params=params, epoch=epoch), timeout=60):
+                        pb.StreamBatchesRequest(params=params, epoch=epoch), timeout=60
+                    ):
                         for b in msg.batches:
                             rows = np.frombuffer(b.tokens, "<u4").reshape(b.rows, b.cols)
                             want = np.asarray(b.starts)[:, None] + np.arange(b.cols)
@@ -193,8 +233,12 @@ def test_thousands_of_random_requests_get_the_right_status(fuzz_feeder) -> None:
     with grpc.insecure_channel(fuzz_feeder.address) as ch:
         stub = feeder_pb2_grpc.FeederStub(ch)
 
-        @settings(max_examples=2500, deadline=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=2500,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(stream_requests())
         def fuzz(req: pb.StreamBatchesRequest) -> None:
             counter["n"] += 1
@@ -211,29 +255,45 @@ def test_adversarial_requests_quick(fuzz_feeder) -> None:  # type: ignore[no-unt
     """The fixed adversarial cases, in the default run."""
     base = dict(split="train", split_rate=0.9, seq_len=16, stride=16, batch_size=2, world_size=1)
     cases = [
-        dict(dataset="../outside"), dict(dataset="escape"), dict(dataset="/etc/passwd"),
-        dict(dataset=""), dict(dataset="nope"), dict(dataset="positions", seq_len=-5),
-        dict(dataset="positions", seq_len=2**63 - 1), dict(dataset="positions", stride=0),
-        dict(dataset="positions", batch_size=2**62), dict(dataset="positions", world_size=-1),
-        dict(dataset="positions", split_rate=math.nan), dict(dataset="positions", split="dev"),
-        dict(dataset="positions", shift=3), dict(dataset="positions", seq_len=13, auto_shift=True),
-        dict(dataset="positions", seq_len=5000), dict(dataset="positions"),
+        dict(dataset="../outside"),
+        dict(dataset="escape"),
+        dict(dataset="/etc/passwd"),
+        dict(dataset=""),
+        dict(dataset="nope"),
+        dict(dataset="positions", seq_len=-5),
+        dict(dataset="positions", seq_len=2**63 - 1),
+        dict(dataset="positions", stride=0),
+        dict(dataset="positions", batch_size=2**62),
+        dict(dataset="positions", world_size=-1),
+        dict(dataset="positions", split_rate=math.nan),
+        dict(dataset="positions", split="dev"),
+        dict(dataset="positions", shift=3),
+        dict(dataset="positions", seq_len=13, auto_shift=True),
+        dict(dataset="positions", seq_len=5000),
+        dict(dataset="positions"),
     ]
     with grpc.insecure_channel(fuzz_feeder.address) as ch:
         stub = feeder_pb2_grpc.FeederStub(ch)
         for case in cases:
             _check(stub, pb.StreamBatchesRequest(params=pb.SamplingParams(**(base | case))))
-        for extra in (dict(rank=1), dict(offset=-1), dict(offset=10**9), dict(epoch=-1),
-                      dict(batches_per_message=5000)):
-            req = pb.StreamBatchesRequest(params=pb.SamplingParams(dataset="positions", **base),
-                                          **extra)
+        for extra in (
+            dict(rank=1),
+            dict(offset=-1),
+            dict(offset=10**9),
+            dict(epoch=-1),
+            dict(batches_per_message=5000),
+        ):
+            req = pb.StreamBatchesRequest(
+                params=pb.SamplingParams(dataset="positions", **base), **extra
+            )
             _check(stub, req)
 
 
 def _raw_request(dataset: bytes) -> bytes:
     """A StreamBatchesRequest whose dataset name is arbitrary bytes (maybe not UTF-8)."""
-    good = pb.SamplingParams(split="train", split_rate=0.9, seq_len=16, stride=16,
-                             batch_size=2, world_size=1).SerializeToString()
+    good = pb.SamplingParams(
+        split="train", split_rate=0.9, seq_len=16, stride=16, batch_size=2, world_size=1
+    ).SerializeToString()
     params = b"\x0a" + bytes([len(dataset)]) + dataset + good
     return b"\x0a" + bytes([len(params)]) + params
 
@@ -241,8 +301,7 @@ def _raw_request(dataset: bytes) -> bytes:
 @pytest.mark.parametrize("name", [b"\xff\xfe", b"pos\x80itions", b"\xc0\xaf..", b"positions"])
 def test_non_utf8_names_are_invalid_argument(fuzz_feeder, name: bytes) -> None:  # type: ignore[no-untyped-def]
     with grpc.insecure_channel(fuzz_feeder.address) as ch:
-        call = ch.unary_stream("/tokenfeed.v1.Feeder/StreamBatches")(_raw_request(name),
-                                                                       timeout=30)
+        call = ch.unary_stream("/tokenfeed.v1.Feeder/StreamBatches")(_raw_request(name), timeout=30)
         if name == b"positions":  # the same bytes, valid: proves the encoding is right
             assert next(iter(call))
             call.cancel()
@@ -256,8 +315,15 @@ def test_non_utf8_names_are_invalid_argument(fuzz_feeder, name: bytes) -> None: 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(name=NAMES, with_params=st.booleans(), rank=INT64)
 def test_info_fuzz(fuzz_feeder, name: str, with_params: bool, rank: int) -> None:  # type: ignore[no-untyped-def]
-    params = pb.SamplingParams(dataset=name, split="train", split_rate=0.9, seq_len=16,
-                               stride=16, batch_size=2, world_size=1)
+    params = pb.SamplingParams(
+        dataset=name,
+        split="train",
+        split_rate=0.9,
+        seq_len=16,
+        stride=16,
+        batch_size=2,
+        world_size=1,
+    )
     req = pb.InfoRequest(dataset=name, rank=rank)
     if with_params:
         req.params.CopyFrom(params)

@@ -16,7 +16,6 @@ from conftest import make_plan, make_positional_store
 
 from tokenfeed.cli import main
 from tokenfeed.core.errors import DataLoss
-from tokenfeed.core.sampling import Plan
 from tokenfeed.core.store import TokenStore
 
 
@@ -39,9 +38,15 @@ def streaming_dataloader_store(path: Path) -> np.ndarray:
         toks.tofile(path / f"chunk_{i:06d}.bin")
         chunks.append({"file": f"chunk_{i:06d}.bin", "tokens": n})
         all_tokens.append(toks)
-    meta = {"dtype": "uint16", "eos_token_id": 50256, "tokenizer_name_or_path": "gpt2",
-            "tokens_per_chunk": 1000, "chunks": chunks, "total_tokens": sum(sizes),
-            "created_at_unix": 1700000000}
+    meta = {
+        "dtype": "uint16",
+        "eos_token_id": 50256,
+        "tokenizer_name_or_path": "gpt2",
+        "tokens_per_chunk": 1000,
+        "chunks": chunks,
+        "total_tokens": sum(sizes),
+        "created_at_unix": 1700000000,
+    }
     (path / "meta.json").write_text(json.dumps(meta))
     return np.concatenate(all_tokens)
 
@@ -81,14 +86,36 @@ def test_bare_bin_folder_needs_dtype(tmp_path, capsys):
 
 def test_info_text_and_windows_match_the_sampling_engine(positional_store, capsys):
     path = positional_store.path
-    code, out, _ = run(capsys, "info", path, "--seq-len", 64, "--stride", 32,
-                       "--split-rate", 0.9, "--shift", "auto", "--batch-size", 4,
-                       "--world-size", 2)
+    code, out, _ = run(
+        capsys,
+        "info",
+        path,
+        "--seq-len",
+        64,
+        "--stride",
+        32,
+        "--split-rate",
+        0.9,
+        "--shift",
+        "auto",
+        "--batch-size",
+        4,
+        "--world-size",
+        2,
+    )
     assert code == 0
     assert "total_tokens" in out and "10000" in out and "uint32" in out
     for split in ("train", "validation"):
-        plan = make_plan(total_tokens=10_000, split=split, split_rate=0.9, seq_len=64, stride=32,
-                    batch_size=4, world_size=2, shift="auto")
+        plan = make_plan(
+            total_tokens=10_000,
+            split=split,
+            split_rate=0.9,
+            seq_len=64,
+            stride=32,
+            batch_size=4,
+            world_size=2,
+            shift="auto",
+        )
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(split))
         assert f"{plan.num_windows} windows" in line
         assert f"{plan.steps(0)} steps/epoch" in line

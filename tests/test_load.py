@@ -33,8 +33,17 @@ OVERHEAD = 96 * MiB
 
 
 def _params(**kw) -> pb.SamplingParams:  # type: ignore[no-untyped-def]
-    base = dict(dataset="big", split="train", split_rate=1.0, seq_len=256, stride=256,
-                batch_size=16, world_size=64, shuffle=True, seed=1)
+    base = dict(
+        dataset="big",
+        split="train",
+        split_rate=1.0,
+        seq_len=256,
+        stride=256,
+        batch_size=16,
+        world_size=64,
+        shuffle=True,
+        seed=1,
+    )
     return pb.SamplingParams(**(base | kw))
 
 
@@ -53,8 +62,9 @@ def big_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-async def _stream(address: str, rank: int, batches: int, progress: list[int],
-                  delay: float = 0.0) -> list[int]:
+async def _stream(
+    address: str, rank: int, batches: int, progress: list[int], delay: float = 0.0
+) -> list[int]:
     # One connection per stream, as separate trainer processes have (channels to one
     # address in a process would otherwise share one HTTP/2 connection and its window).
     options = [("grpc.use_local_subchannel_pool", 1)]
@@ -84,8 +94,9 @@ def test_64_concurrent_streams_complete_fairly_within_the_memory_bound(big_root:
         snapshots: dict[str, list[int]] = {}
 
         async def main() -> list[list[int]]:
-            tasks = [asyncio.create_task(_stream(proc.address, r, batches, progress))
-                     for r in range(64)]
+            tasks = [
+                asyncio.create_task(_stream(proc.address, r, batches, progress)) for r in range(64)
+            ]
             # Streams start one after another (each is set up on the server in turn);
             # fairness is judged once all of them are being served.
             while min(progress) == 0 and not any(t.done() for t in tasks):
@@ -107,10 +118,12 @@ def test_64_concurrent_streams_complete_fairly_within_the_memory_bound(big_root:
     since = [b - a for a, b in zip(snapshots["all_started"], snapshots["first_done"], strict=True)]
     assert min(snapshots["all_started"]) >= 1 and min(since) >= 1, snapshots
     assert peak < CACHE + OVERHEAD, (idle, peak)
-    print(f"\n64 streams x {batches} batches of 16x257 uint32 in {seconds:.1f} s; "
-          f"server RSS idle {idle / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB "
-          f"(bound: cache {CACHE / MiB:.0f} + {OVERHEAD / MiB:.0f} MiB); once all streams "
-          f"ran, the slowest got {min(since)} batches while the fastest got {max(since)}")
+    print(
+        f"\n64 streams x {batches} batches of 16x257 uint32 in {seconds:.1f} s; "
+        f"server RSS idle {idle / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB "
+        f"(bound: cache {CACHE / MiB:.0f} + {OVERHEAD / MiB:.0f} MiB); once all streams "
+        f"ran, the slowest got {min(since)} batches while the fastest got {max(since)}"
+    )
 
 
 def test_slow_consumers_do_not_hold_back_fast_ones(big_root: Path) -> None:
@@ -120,8 +133,9 @@ def test_slow_consumers_do_not_hold_back_fast_ones(big_root: Path) -> None:
 
         async def fast_alone() -> float:
             t = time.perf_counter()
-            await asyncio.gather(*[_stream(proc.address, r, fast_batches, progress)
-                                   for r in (0, 1)])
+            await asyncio.gather(
+                *[_stream(proc.address, r, fast_batches, progress) for r in (0, 1)]
+            )
             return time.perf_counter() - t
 
         alone = asyncio.run(fast_alone())
@@ -129,12 +143,15 @@ def test_slow_consumers_do_not_hold_back_fast_ones(big_root: Path) -> None:
         progress = [0] * 64
 
         async def mixed() -> float:
-            slow = [asyncio.create_task(_stream(proc.address, r, 10**9, progress, delay=1.0))
-                    for r in range(2, 10)]
+            slow = [
+                asyncio.create_task(_stream(proc.address, r, 10**9, progress, delay=1.0))
+                for r in range(2, 10)
+            ]
             await asyncio.sleep(1.0)  # the slow ones are stalled with full windows by now
             t = time.perf_counter()
-            await asyncio.gather(*[_stream(proc.address, r, fast_batches, progress)
-                                   for r in (0, 1)])
+            await asyncio.gather(
+                *[_stream(proc.address, r, fast_batches, progress) for r in (0, 1)]
+            )
             took = time.perf_counter() - t
             for task in slow:
                 task.cancel()
@@ -148,10 +165,12 @@ def test_slow_consumers_do_not_hold_back_fast_ones(big_root: Path) -> None:
     # Eight stalled streams hold only what HTTP/2 flow control lets them (a few
     # messages each), not a growing backlog.
     assert peak - peak_before < 32 * MiB, (peak_before, peak)
-    print(f"\nfast pair: {2 * fast_batches / alone:.0f} batches/s alone, "
-          f"{2 * fast_batches / with_slow:.0f} batches/s beside 8 slow consumers "
-          f"(ratio {alone / with_slow:.2f}); server peak RSS grew "
-          f"{(peak - peak_before) / MiB:.1f} MiB")
+    print(
+        f"\nfast pair: {2 * fast_batches / alone:.0f} batches/s alone, "
+        f"{2 * fast_batches / with_slow:.0f} batches/s beside 8 slow consumers "
+        f"(ratio {alone / with_slow:.2f}); server peak RSS grew "
+        f"{(peak - peak_before) / MiB:.1f} MiB"
+    )
 
 
 def _fds() -> int:
@@ -173,10 +192,12 @@ def test_a_thousand_vanishing_clients_leak_nothing(big_root: Path) -> None:
         def vanish(n: int) -> None:
             async def one(i: int) -> None:
                 # a fresh connection per client, so resetting it is all the server sees
-                ch = grpc.aio.insecure_channel(proxy.address,
-                                               options=[("grpc.use_local_subchannel_pool", 1)])
+                ch = grpc.aio.insecure_channel(
+                    proxy.address, options=[("grpc.use_local_subchannel_pool", 1)]
+                )
                 call = feeder_pb2_grpc.FeederStub(ch).StreamBatches(
-                    pb.StreamBatchesRequest(params=_params(), rank=i % 64))
+                    pb.StreamBatchesRequest(params=_params(), rank=i % 64)
+                )
                 try:
                     await call.read()
                 finally:
@@ -185,8 +206,9 @@ def test_a_thousand_vanishing_clients_leak_nothing(big_root: Path) -> None:
 
             async def main() -> None:
                 for start in range(0, n, 25):
-                    await asyncio.gather(*[one(i) for i in range(start, min(n, start + 25))],
-                                         return_exceptions=True)
+                    await asyncio.gather(
+                        *[one(i) for i in range(start, min(n, start + 25))], return_exceptions=True
+                    )
 
             asyncio.run(main())
 
@@ -203,8 +225,12 @@ def test_a_thousand_vanishing_clients_leak_nothing(big_root: Path) -> None:
                 last = tasks
                 time.sleep(0.3)
             gc.collect()
-            return (f.call(tasks_on_server()), threading.active_count(), _fds(),
-                    f.registry.get_sample_value("tokenfeed_server_streams_active"))
+            return (
+                f.call(tasks_on_server()),
+                threading.active_count(),
+                _fds(),
+                f.registry.get_sample_value("tokenfeed_server_streams_active"),
+            )
 
         vanish(100)  # warm up: the thread pool, caches and grpc internals reach steady state
         tasks0, threads0, fds0, active0 = settled()
@@ -219,5 +245,7 @@ def test_a_thousand_vanishing_clients_leak_nothing(big_root: Path) -> None:
     assert fds1 <= fds0 + 4  # the test's own sockets may linger a moment
     assert rss1 - rss0 < 48 * MiB, (rss0, rss1)
     assert connections >= 1100
-    print(f"\n1,100 vanished clients: server tasks {tasks0}->{tasks1}, threads "
-          f"{threads0}->{threads1}, fds {fds0}->{fds1}, RSS {rss0 / MiB:.0f}->{rss1 / MiB:.0f} MiB")
+    print(
+        f"\n1,100 vanished clients: server tasks {tasks0}->{tasks1}, threads "
+        f"{threads0}->{threads1}, fds {fds0}->{fds1}, RSS {rss0 / MiB:.0f}->{rss1 / MiB:.0f} MiB"
+    )

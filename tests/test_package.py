@@ -9,7 +9,9 @@ import sys
 def _modules_after(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     return set(out.split())
 

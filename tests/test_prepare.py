@@ -19,13 +19,12 @@ from prepare_support import (
 )
 
 from tokenfeed.cli import main
+from tokenfeed.core.store import META_NAME, TokenStore
 from tokenfeed.prepare.output import PROGRESS_NAME
 from tokenfeed.prepare.pipeline import PrepareConfig, prepare
 from tokenfeed.prepare.sources import IterableSource
-from tokenfeed.core.store import META_NAME, TokenStore
 
 DOCS = make_documents(120)
-
 
 
 @pytest.fixture(scope="session")
@@ -40,8 +39,22 @@ def run(*argv: object) -> int:
 def test_jsonl_store_holds_every_document_then_eos(tmp_path, tok_dir, expected, capsys):
     src = write_jsonl(tmp_path / "corpus.jsonl", DOCS)
     out = tmp_path / "store"
-    assert run("prepare", "--files", src, "--tokenizer", tok_dir, "--output", out,
-               "--tokens-per-chunk", 500, "--batch-size", 16) == 0
+    assert (
+        run(
+            "prepare",
+            "--files",
+            src,
+            "--tokenizer",
+            tok_dir,
+            "--output",
+            out,
+            "--tokens-per-chunk",
+            500,
+            "--batch-size",
+            16,
+        )
+        == 0
+    )
     assert f"{len(expected)} tokens, {len(DOCS)} documents" in capsys.readouterr().out
     store = TokenStore.open(out)
     meta = store.meta
@@ -58,8 +71,19 @@ def test_jsonl_store_holds_every_document_then_eos(tmp_path, tok_dir, expected, 
 
 def test_parquet_and_txt_sources(tmp_path, tok_dir, expected):
     pq = write_parquet(tmp_path / "corpus.parquet", DOCS, field="body")
-    run("prepare", "--files", pq, "--text-field", "body", "--tokenizer", tok_dir,
-        "--output", tmp_path / "pq", "--tokens-per-chunk", 1000)
+    run(
+        "prepare",
+        "--files",
+        pq,
+        "--text-field",
+        "body",
+        "--tokenizer",
+        tok_dir,
+        "--output",
+        tmp_path / "pq",
+        "--tokens-per-chunk",
+        1000,
+    )
     np.testing.assert_array_equal(store_tokens(tmp_path / "pq"), expected)
 
     # a .txt file is one document: the glob's matches are read in sorted order
@@ -68,10 +92,12 @@ def test_parquet_and_txt_sources(tmp_path, tok_dir, expected):
     for i, doc in enumerate(DOCS[:12]):
         (texts / f"doc{i:03d}.txt").write_text(doc)
     (texts / "empty.txt").write_text("")  # an empty document adds nothing, not a lone EOS
-    run("prepare", "--files", f"{texts}/*.txt", "--tokenizer", tok_dir,
-        "--output", tmp_path / "txt")
-    np.testing.assert_array_equal(store_tokens(tmp_path / "txt"),
-                                  expected_tokens(tok_dir, DOCS[:12]))
+    run(
+        "prepare", "--files", f"{texts}/*.txt", "--tokenizer", tok_dir, "--output", tmp_path / "txt"
+    )
+    np.testing.assert_array_equal(
+        store_tokens(tmp_path / "txt"), expected_tokens(tok_dir, DOCS[:12])
+    )
 
 
 def test_max_samples_and_batch_size(tmp_path, tok_dir):
@@ -79,8 +105,21 @@ def test_max_samples_and_batch_size(tmp_path, tok_dir):
     stores = []
     for i, batch in enumerate((1, 7, 1000)):
         out = tmp_path / f"s{i}"
-        run("prepare", "--files", src, "--tokenizer", tok_dir, "--output", out,
-            "--max-samples", 50, "--batch-size", batch, "--tokens-per-chunk", 333)
+        run(
+            "prepare",
+            "--files",
+            src,
+            "--tokenizer",
+            tok_dir,
+            "--output",
+            out,
+            "--max-samples",
+            50,
+            "--batch-size",
+            batch,
+            "--tokens-per-chunk",
+            333,
+        )
         stores.append(out)
     ref = expected_tokens(tok_dir, DOCS[:50])
     for out in stores:  # the batch size changes speed, never bytes
@@ -90,8 +129,24 @@ def test_max_samples_and_batch_size(tmp_path, tok_dir):
 def test_num_proc_gives_the_same_store(tmp_path, tok_dir, expected):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "par"
-    assert run("prepare", "--files", src, "--tokenizer", tok_dir, "--output", out,
-               "--num-proc", 2, "--batch-size", 9, "--tokens-per-chunk", 400) == 0
+    assert (
+        run(
+            "prepare",
+            "--files",
+            src,
+            "--tokenizer",
+            tok_dir,
+            "--output",
+            out,
+            "--num-proc",
+            2,
+            "--batch-size",
+            9,
+            "--tokens-per-chunk",
+            400,
+        )
+        == 0
+    )
     np.testing.assert_array_equal(store_tokens(out), expected)
 
 
@@ -118,14 +173,21 @@ def _source(docs: list[str], stop_after: int | None = None) -> IterableSource:
             if stop_after is not None and i == stop_after:
                 raise Interrupted  # Ctrl-C (or a dropped stream) in the middle of a run
             yield doc
+
     return IterableSource(make, {"corpus": "generated", "documents": len(docs)})
 
 
 @pytest.mark.parametrize("stop_after", [3, 40, 77, 119])
 def test_interrupted_run_resumes_to_identical_bytes(tmp_path, tok_dir, stop_after):
     def cfg(out: Path, stop: int | None) -> PrepareConfig:
-        return PrepareConfig(source=_source(DOCS, stop), tokenizer=str(tok_dir), output=out,
-                             tokens_per_chunk=256, batch_size=5, progress=False)
+        return PrepareConfig(
+            source=_source(DOCS, stop),
+            tokenizer=str(tok_dir),
+            output=out,
+            tokens_per_chunk=256,
+            batch_size=5,
+            progress=False,
+        )
 
     clean = prepare(cfg(tmp_path / "clean", None))
     out = tmp_path / "resumed"
@@ -168,8 +230,19 @@ def test_rerun_existing_output(tmp_path, tok_dir, capsys):
 def test_shards_and_merge(tmp_path, tok_dir, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "sharded"
-    base = ["prepare", "--files", src, "--tokenizer", tok_dir, "--output", out,
-            "--num-shards", 3, "--tokens-per-chunk", 300]
+    base = [
+        "prepare",
+        "--files",
+        src,
+        "--tokenizer",
+        tok_dir,
+        "--output",
+        out,
+        "--num-shards",
+        3,
+        "--tokens-per-chunk",
+        300,
+    ]
     for i in (0, 2):
         assert run(*base, "--shard-index", i) == 0
     assert (out / "part-00000" / META_NAME).is_file()
@@ -191,10 +264,31 @@ def test_shards_and_merge(tmp_path, tok_dir, capsys):
 def test_merge_refuses_an_unfinished_part(tmp_path, tok_dir, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "sharded"
-    assert run("prepare", "--files", src, "--tokenizer", tok_dir, "--output", out,
-               "--num-shards", 2, "--shard-index", 0) == 0
-    cfg = PrepareConfig(source=_source(DOCS, 60), tokenizer=str(tok_dir), output=out,
-                        num_shards=2, shard_index=1, tokens_per_chunk=64, progress=False)
+    assert (
+        run(
+            "prepare",
+            "--files",
+            src,
+            "--tokenizer",
+            tok_dir,
+            "--output",
+            out,
+            "--num-shards",
+            2,
+            "--shard-index",
+            0,
+        )
+        == 0
+    )
+    cfg = PrepareConfig(
+        source=_source(DOCS, 60),
+        tokenizer=str(tok_dir),
+        output=out,
+        num_shards=2,
+        shard_index=1,
+        tokens_per_chunk=64,
+        progress=False,
+    )
     with pytest.raises(Interrupted):
         prepare(cfg)
     assert run("prepare", "merge", out) == 2
@@ -221,8 +315,10 @@ def test_offline_gpt2_is_the_real_gpt2_bpe(tmp_path, monkeypatch):
 
     src = tmp_path / "doc.txt"
     src.write_text("Hello world")
-    assert run("prepare", "--files", src, "--tokenizer", "gpt2-offline",
-               "--output", tmp_path / "g") == 0
+    assert (
+        run("prepare", "--files", src, "--tokenizer", "gpt2-offline", "--output", tmp_path / "g")
+        == 0
+    )
     store = TokenStore.open(tmp_path / "g")
     assert store.meta.tokenizer == "gpt2" and store.meta.dtype == "uint16"
     assert store.read_chunk(0).tolist() == [15496, 995, 50256]
@@ -243,7 +339,6 @@ def test_demo_store(tmp_path, capsys):
     assert "already complete" in capsys.readouterr().out
 
 
-
 @pytest.mark.slow
 def test_sigkilled_prepare_resumes(tmp_path, tok_dir):
     """A real crash: SIGKILL the CLI once chunks are on disk, then re-run the command."""
@@ -252,8 +347,20 @@ def test_sigkilled_prepare_resumes(tmp_path, tok_dir):
     import time
 
     src = write_jsonl(tmp_path / "big.jsonl", make_documents(6_000, seed=3))
-    argv = [sys.executable, "-m", "tokenfeed", "prepare", "--files", str(src),
-            "--tokenizer", str(tok_dir), "--tokens-per-chunk", "2000", "--batch-size", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "tokenfeed",
+        "prepare",
+        "--files",
+        str(src),
+        "--tokenizer",
+        str(tok_dir),
+        "--tokens-per-chunk",
+        "2000",
+        "--batch-size",
+        "1",
+    ]
     out = tmp_path / "crashed"
     proc = subprocess.Popen([*argv, "--output", str(out)], stderr=subprocess.DEVNULL)
     progress = out / PROGRESS_NAME
@@ -273,5 +380,6 @@ def test_sigkilled_prepare_resumes(tmp_path, tok_dir):
     assert done.returncode == 0 and "resumed after" in done.stdout, done.stderr
     clean = subprocess.run([*argv, "--output", str(tmp_path / "clean")], capture_output=True)
     assert clean.returncode == 0
-    assert [c.checksum for c in TokenStore.open(out).meta.chunks] == \
-        [c.checksum for c in TokenStore.open(tmp_path / "clean").meta.chunks]
+    assert [c.checksum for c in TokenStore.open(out).meta.chunks] == [
+        c.checksum for c in TokenStore.open(tmp_path / "clean").meta.chunks
+    ]

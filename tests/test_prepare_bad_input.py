@@ -25,7 +25,6 @@ from tokenfeed.cli import main
 DOCS = make_documents(40)
 
 
-
 def fails(capsys: pytest.CaptureFixture[str], *argv: object) -> str:
     """Run the CLI, expect exit 2, return stderr."""
     capsys.readouterr()
@@ -54,8 +53,20 @@ def test_field_missing_midway_removes_written_chunks(tmp_path, tok_dir, capsys):
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "existing"
     out.mkdir()  # existed before: stays, but empty again
-    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok_dir, "--output", out,
-                "--tokens-per-chunk", 50, "--batch-size", 4)
+    err = fails(
+        capsys,
+        "prepare",
+        "--files",
+        src,
+        "--tokenizer",
+        tok_dir,
+        "--output",
+        out,
+        "--tokens-per-chunk",
+        50,
+        "--batch-size",
+        4,
+    )
     assert f"c.jsonl:{len(rows)}" in err and "title" in err
     assert list(out.iterdir()) == []
 
@@ -63,8 +74,7 @@ def test_field_missing_midway_removes_written_chunks(tmp_path, tok_dir, capsys):
 def test_tokenizer_without_eos(tmp_path, capsys):
     tok = train_tokenizer(tmp_path / "no-eos", DOCS, eos=None)
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok,
-                "--output", tmp_path / "out")
+    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok, "--output", tmp_path / "out")
     assert "no EOS token" in err
     assert not (tmp_path / "out").exists()
 
@@ -72,27 +82,44 @@ def test_tokenizer_without_eos(tmp_path, capsys):
 def test_token_ids_overflowing_the_dtype(tmp_path, capsys):
     tok = sparse_tokenizer(tmp_path / "sparse")  # 4 entries (uint16), but "big" is id 70000
     src = write_jsonl(tmp_path / "c.jsonl", ["small small", "small big small"])
-    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok,
-                "--output", tmp_path / "out")
+    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok, "--output", tmp_path / "out")
     assert "token id 70000" in err and "uint16" in err
     assert not (tmp_path / "out").exists()
 
 
 def test_unknown_files_tokenizer_and_local_dataset(tmp_path, tok_dir, capsys):
     out = tmp_path / "out"
-    err = fails(capsys, "prepare", "--files", tmp_path / "nope*.jsonl", "--tokenizer", tok_dir,
-                "--output", out)
+    err = fails(
+        capsys,
+        "prepare",
+        "--files",
+        tmp_path / "nope*.jsonl",
+        "--tokenizer",
+        tok_dir,
+        "--output",
+        out,
+    )
     assert "no file matches" in err
     (tmp_path / "data.csv").write_text("text\nhello\n")
-    err = fails(capsys, "prepare", "--files", tmp_path / "data.csv", "--tokenizer", tok_dir,
-                "--output", out)
+    err = fails(
+        capsys, "prepare", "--files", tmp_path / "data.csv", "--tokenizer", tok_dir, "--output", out
+    )
     assert "unsupported file type" in err and ".jsonl" in err
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tmp_path / "no-such-tok",
-                "--output", out)
+    err = fails(
+        capsys, "prepare", "--files", src, "--tokenizer", tmp_path / "no-such-tok", "--output", out
+    )
     assert "tokenizer directory" in err and "does not exist" in err
-    err = fails(capsys, "prepare", "--dataset", tmp_path / "no-such-dataset",
-                "--tokenizer", tok_dir, "--output", out)
+    err = fails(
+        capsys,
+        "prepare",
+        "--dataset",
+        tmp_path / "no-such-dataset",
+        "--tokenizer",
+        tok_dir,
+        "--output",
+        out,
+    )
     assert "no such local path" in err
     assert not out.exists()
 
@@ -102,10 +129,22 @@ def test_unknown_hub_dataset(tmp_path, tok_dir):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from tokenfeed.cli import main; sys.exit(main())",
-         "prepare", "--dataset", "no-such-user/no-such-dataset", "--tokenizer", str(tok_dir),
-         "--output", str(out)],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tokenfeed.cli import main; sys.exit(main())",
+            "prepare",
+            "--dataset",
+            "no-such-user/no-such-dataset",
+            "--tokenizer",
+            str(tok_dir),
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert "dataset 'no-such-user/no-such-dataset' not found" in proc.stderr
@@ -121,8 +160,9 @@ def test_non_empty_output_without_overwrite(tmp_path, tok_dir, capsys):
     err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok_dir, "--output", out)
     assert "not empty" in err and "--overwrite" in err
     # --overwrite deletes store files only, never a file tokenfeed did not write
-    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok_dir, "--output", out,
-                "--overwrite")
+    err = fails(
+        capsys, "prepare", "--files", src, "--tokenizer", tok_dir, "--output", out, "--overwrite"
+    )
     assert "notes.txt" in err and "refusing to delete" in err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 

@@ -33,9 +33,23 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 def _prepare(corpus: Path, tok_dir: Path, out: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tokenfeed", "prepare", "--files", str(corpus), "--tokenizer",
-         str(tok_dir), "--output", str(out), "--tokens-per-chunk", "10000"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "tokenfeed",
+            "prepare",
+            "--files",
+            str(corpus),
+            "--tokenizer",
+            str(tok_dir),
+            "--output",
+            str(out),
+            "--tokens-per-chunk",
+            "10000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -72,9 +86,7 @@ def test_disk_full_is_a_clear_error_and_resumes_once_there_is_room(
     ]
 
 
-def test_read_only_output_is_a_clear_error(
-    small_disk: Path, corpus: Path, tok_dir: Path
-) -> None:
+def test_read_only_output_is_a_clear_error(small_disk: Path, corpus: Path, tok_dir: Path) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     r = _prepare(corpus, tok_dir, small_disk / "store")
     assert r.returncode == 2, r.stderr

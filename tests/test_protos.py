@@ -20,7 +20,8 @@ def _generated(root: Path) -> list[Path]:
 
 def test_generated_code_is_in_sync(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), str(tmp_path)], check=True,
+        [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), str(tmp_path)],
+        check=True,
         capture_output=True,
     )
     fresh = _generated(tmp_path)

@@ -27,8 +27,10 @@ from tokenfeed.core.sampling import (
 def epoch_starts(plan: Plan, epoch: int = 0, offset: int = 0, step: int = 0) -> list[list]:
     """Per rank, the list of (step, offset, shift, starts tuple) of one epoch."""
     return [
-        [(b.step, b.offset, b.shift, tuple(b.starts.tolist()))
-         for b in plan.batches(epoch, rank, offset, step)]
+        [
+            (b.step, b.offset, b.shift, tuple(b.starts.tolist()))
+            for b in plan.batches(epoch, rank, offset, step)
+        ]
         for rank in range(plan.world_size)
     ]
 
@@ -66,8 +68,16 @@ def plans(draw, auto=False):  # type: ignore[no-untyped-def]
 def test_readme_example_literally() -> None:
     # seq_len 8, stride 4, shift 2 over T = 0, 1, 2, ...
     T = np.arange(1000)
-    plan = make_plan(total_tokens=1000, split="train", split_rate=1.0, seq_len=8, stride=4,
-                batch_size=2, world_size=1, shift=2)
+    plan = make_plan(
+        total_tokens=1000,
+        split="train",
+        split_rate=1.0,
+        seq_len=8,
+        stride=4,
+        batch_size=2,
+        world_size=1,
+        shift=2,
+    )
     batch = next(plan.batches(epoch=0, rank=0))
     rows = [T[s : s + 8 + 2] for s in batch.starts]
     assert rows[0][:8].tolist() == list(range(0, 8))
@@ -156,8 +166,10 @@ def test_elastic_resume_is_exactly_once(plan: Plan, new_world: int, pick: int) -
 
 
 def _with(plan: Plan, **changes) -> Plan:  # type: ignore[no-untyped-def]
-    fields = asdict(plan.spec) | {"total_tokens": plan.total_tokens,
-                                  "block_tokens": plan.block_tokens}
+    fields = asdict(plan.spec) | {
+        "total_tokens": plan.total_tokens,
+        "block_tokens": plan.block_tokens,
+    }
     return make_plan(**(fields | changes))
 
 
@@ -174,16 +186,35 @@ def test_auto_shift_is_one_proper_divisor_per_step_shared_by_ranks(plan: Plan) -
 
 
 def test_auto_shift_draws_every_divisor() -> None:
-    plan = make_plan(total_tokens=100_000, split="train", split_rate=1.0, seq_len=12, stride=1,
-                batch_size=1, world_size=1, shift="auto", seed=7)
+    plan = make_plan(
+        total_tokens=100_000,
+        split="train",
+        split_rate=1.0,
+        seq_len=12,
+        stride=1,
+        batch_size=1,
+        world_size=1,
+        shift="auto",
+        seed=7,
+    )
     seen = Counter(b.shift for b, _ in zip(plan.batches(0, 0), range(2000), strict=False))
     assert set(seen) == {2, 3, 4, 6}
     assert min(seen.values()) > 350  # about 500 each if uniform
 
 
 def test_epochs_and_seeds_give_different_orders() -> None:
-    plan = make_plan(total_tokens=50_000, split="train", split_rate=1.0, seq_len=16, stride=16,
-                batch_size=4, world_size=2, shuffle=True, shuffle_blocks=4, block_tokens=2000)
+    plan = make_plan(
+        total_tokens=50_000,
+        split="train",
+        split_rate=1.0,
+        seq_len=16,
+        stride=16,
+        batch_size=4,
+        world_size=2,
+        shuffle=True,
+        shuffle_blocks=4,
+        block_tokens=2000,
+    )
     e0, e1 = epoch_starts(plan, 0), epoch_starts(plan, 1)
     assert e0 != e1
     assert epoch_starts(_with(plan, seed=1), 0) != e0
@@ -202,8 +233,13 @@ def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 3000), st.integers(1, 200), st.integers(1, 10), st.integers(0, 99),
-       st.randoms(use_true_random=False))
+@given(
+    st.integers(1, 3000),
+    st.integers(1, 200),
+    st.integers(1, 10),
+    st.integers(0, 99),
+    st.randoms(use_true_random=False),
+)
 def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> None:  # type: ignore[no-untyped-def]
     """Ascending positions take the run-by-run path, others are sorted first: same map."""
     order = EpochOrder(n, wpb, shuffle_blocks, seed, epoch=1, shuffle=True)
@@ -219,13 +255,13 @@ def test_rounds_are_the_batches_in_bulk(plan: Plan, pick: int) -> None:
     epoch's last batch, and flatten to exactly `batches()`."""
     rank = pick % plan.world_size
     steps = plan.steps(rank)
-    offset = min((pick // 7 % (steps + 1)) * plan.batch_size * plan.world_size,
-                 plan.num_windows)
+    offset = min((pick // 7 % (steps + 1)) * plan.batch_size * plan.world_size, plan.num_windows)
     rounds = list(plan.rounds(3, rank, offset, step=5))
     flat = [b for r in rounds for b in r.batches()]
     want = list(plan.batches(3, rank, offset, step=5))
     assert [(b.step, b.offset, b.shift, b.starts.tolist()) for b in flat] == [
-        (b.step, b.offset, b.shift, b.starts.tolist()) for b in want]
+        (b.step, b.offset, b.shift, b.starts.tolist()) for b in want
+    ]
     assert [b.step for b in flat] == list(range(5, 5 + len(flat)))
     rows = [n for r in rounds for n in r.rows]
     assert all(n == plan.batch_size for n in rows[:-1])
@@ -250,8 +286,15 @@ def test_block_shuffle_touches_only_its_group_blocks(
 
 
 def test_no_shuffle_is_index_order() -> None:
-    plan = make_plan(total_tokens=1000, split="validation", split_rate=0.5, seq_len=4, stride=3,
-                batch_size=2, world_size=2)
+    plan = make_plan(
+        total_tokens=1000,
+        split="validation",
+        split_rate=0.5,
+        seq_len=4,
+        stride=3,
+        batch_size=2,
+        world_size=2,
+    )
     r0, r1 = epoch_starts(plan)
     assert [b[3] for b in r0][:2] == [(500, 503), (512, 515)]
     assert [b[3] for b in r1][:2] == [(506, 509), (518, 521)]
@@ -259,8 +302,15 @@ def test_no_shuffle_is_index_order() -> None:
 
 def test_validation_short_last_step_goes_to_ranks_in_order() -> None:
     # 11 windows, B=2, W=3: steps of 6; the last step has 5 windows: rank0 2, rank1 2, rank2 1
-    plan = make_plan(total_tokens=15, split="validation", split_rate=0.0, seq_len=4, stride=1,
-                batch_size=2, world_size=3)
+    plan = make_plan(
+        total_tokens=15,
+        split="validation",
+        split_rate=0.0,
+        seq_len=4,
+        stride=1,
+        batch_size=2,
+        world_size=3,
+    )
     assert plan.num_windows == 11
     sizes = [[len(b[3]) for b in r] for r in epoch_starts(plan)]
     assert sizes == [[2, 2], [2, 2], [2, 1]]
@@ -283,15 +333,27 @@ def test_split_rate_is_the_decimal_the_user_wrote(rate: float) -> None:
     d = Fraction(str(rate))
     for total in (10**6, 10**9 + 7, 12_345):
         assert split_bounds(total, "train", spec.split_fraction) == (
-            0, total * d.numerator // d.denominator)
+            0,
+            total * d.numerator // d.denominator,
+        )
     plan = make_plan(total_tokens=10**6, split="train", split_rate=0.7, seq_len=1, batch_size=1)
     assert plan.split_end == 700_000
 
 
 def test_virtual_store_of_a_trillion_tokens() -> None:
     """Deep offsets in a 10^12-token store: valid windows, no list of starts built."""
-    plan = make_plan(total_tokens=10**12, split="train", split_rate=0.99, seq_len=1024, stride=512,
-                batch_size=16, world_size=64, shift="auto", shuffle=True, seed=3)
+    plan = make_plan(
+        total_tokens=10**12,
+        split="train",
+        split_rate=0.99,
+        seq_len=1024,
+        stride=512,
+        batch_size=16,
+        world_size=64,
+        shift="auto",
+        shuffle=True,
+        seed=3,
+    )
     offset = plan.num_windows // 2 // 1024 * 1024
     batch = next(plan.batches(epoch=9, rank=63, offset=offset, step=offset // 1024))
     assert len(batch.starts) == 16 and len(set(batch.starts.tolist())) == 16
@@ -320,15 +382,29 @@ def test_virtual_store_of_a_trillion_tokens() -> None:
     ],
 )
 def test_bad_parameters_are_clear_errors(kwargs, error, text) -> None:  # type: ignore[no-untyped-def]
-    base = dict(total_tokens=100, split="train", split_rate=1.0, seq_len=8, stride=4,
-                batch_size=2, world_size=1)
+    base = dict(
+        total_tokens=100,
+        split="train",
+        split_rate=1.0,
+        seq_len=8,
+        stride=4,
+        batch_size=2,
+        world_size=1,
+    )
     with pytest.raises(error, match=text):
         make_plan(**(base | kwargs))
 
 
 def test_bad_rank_and_offset() -> None:
-    plan = make_plan(total_tokens=100, split="train", split_rate=1.0, seq_len=8, stride=4,
-                batch_size=2, world_size=2)
+    plan = make_plan(
+        total_tokens=100,
+        split="train",
+        split_rate=1.0,
+        seq_len=8,
+        stride=4,
+        batch_size=2,
+        world_size=2,
+    )
     with pytest.raises(InvalidArgument, match="rank"):
         next(plan.batches(0, 2))
     with pytest.raises(InvalidArgument, match="offset"):
@@ -343,8 +419,9 @@ def test_shuffle_spreads_windows_evenly_over_positions() -> None:
     n, seeds = 48, 3000
     counts = np.zeros((n, n))
     for seed in range(seeds):
-        order = EpochOrder(n, windows_per_block=6, shuffle_blocks=8, seed=seed, epoch=0,
-                           shuffle=True)
+        order = EpochOrder(
+            n, windows_per_block=6, shuffle_blocks=8, seed=seed, epoch=0, shuffle=True
+        )
         counts[np.arange(n), order.windows(np.arange(n))] += 1
     expected = seeds / n
     # a biased permutation family (e.g. a weak round function) leaves cells near 0 or 2x

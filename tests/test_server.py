@@ -33,8 +33,15 @@ from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 
 def params(**kw) -> pb.SamplingParams:  # type: ignore[no-untyped-def]
-    base = dict(dataset=FEEDER_DATASET, split="train", split_rate=0.9, seq_len=64, stride=48,
-                batch_size=4, world_size=1)
+    base = dict(
+        dataset=FEEDER_DATASET,
+        split="train",
+        split_rate=0.9,
+        seq_len=64,
+        stride=48,
+        batch_size=4,
+        world_size=1,
+    )
     base.update(kw)
     return pb.SamplingParams(**base)
 
@@ -66,8 +73,9 @@ def expected(root: Path, p: pb.SamplingParams, epoch=0, rank=0, offset=0, step=0
     return list(plan_for(SamplingSpec.from_proto(p), ds).batches(epoch, rank, offset, step))
 
 
-def assert_matches(batches: list[pb.Batch], plans: list[sampling.BatchPlan], seq_len: int,
-                   modulo: int = 1 << 32) -> None:
+def assert_matches(
+    batches: list[pb.Batch], plans: list[sampling.BatchPlan], seq_len: int, modulo: int = 1 << 32
+) -> None:
     assert len(batches) == len(plans)
     for b, bp in zip(batches, plans, strict=True):
         assert (b.epoch, b.step, b.offset, b.shift) == (bp.epoch, bp.step, bp.offset, bp.shift)
@@ -87,8 +95,15 @@ def test_info_lists_every_store_with_metadata_and_split_counts(feeder_root: Path
         by_name = {d.name: d for d in resp.datasets}
         assert sorted(by_name) == [FEEDER_DATASET, "web/en"]
         d = by_name["web/en"]
-        assert (d.total_tokens, d.num_chunks, d.dtype, d.vocab_size, d.eos_token_id,
-                d.tokenizer, d.tokens_per_chunk) == (5_000, 8, "uint16", 65536, 0, "positions", 700)
+        assert (
+            d.total_tokens,
+            d.num_chunks,
+            d.dtype,
+            d.vocab_size,
+            d.eos_token_id,
+            d.tokenizer,
+            d.tokens_per_chunk,
+        ) == (5_000, 8, "uint16", 65536, 0, "positions", 700)
         assert list(d.splits) == []  # no params, no split counts
 
         p = params(batch_size=3, world_size=2)
@@ -98,7 +113,10 @@ def test_info_lists_every_store_with_metadata_and_split_counts(feeder_root: Path
         for s in d.splits:
             plan = plan_for(SamplingSpec.from_proto(p).with_(split=s.name), ds)
             assert (s.tokens, s.windows, s.steps) == (
-                plan.split_end - plan.split_begin, plan.num_windows, plan.steps(1))
+                plan.split_end - plan.split_begin,
+                plan.num_windows,
+                plan.steps(1),
+            )
         assert [s.name for s in d.splits] == ["train", "validation"]
         assert d.splits[0].tokens == 9_000 and d.splits[0].steps > 0
 
@@ -112,12 +130,15 @@ def test_info_errors_and_broken_stores(feeder_root: Path) -> None:
         assert names == [FEEDER_DATASET]  # a broken store is logged and left out
         err = call_error(f.address, pb.InfoRequest(dataset="broken"), "Info")
         assert err.code() == grpc.StatusCode.DATA_LOSS and "chunk_000001.bin is missing" in (
-            err.details())
-        err = call_error(f.address, pb.InfoRequest(dataset=FEEDER_DATASET,
-                                                   params=params(stride=-1)), "Info")
+            err.details()
+        )
+        err = call_error(
+            f.address, pb.InfoRequest(dataset=FEEDER_DATASET, params=params(stride=-1)), "Info"
+        )
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stride" in err.details()
-        err = call_error(f.address, pb.InfoRequest(dataset=FEEDER_DATASET, params=params(),
-                                                   rank=1), "Info")
+        err = call_error(
+            f.address, pb.InfoRequest(dataset=FEEDER_DATASET, params=params(), rank=1), "Info"
+        )
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "rank" in err.details()
 
 
@@ -132,8 +153,15 @@ def test_unset_fields_mean_the_documented_defaults(feeder) -> None:  # type: ign
     got = stream(feeder.address, bare)
     assert_matches(got, expected(feeder.data_root, spec.to_proto()), 100)
     assert [b.starts[0] for b in got[:2]] == [0, 400] and len(got) == 99 // 4
-    (d,) = stub(feeder.address).Info(pb.InfoRequest(
-        dataset=FEEDER_DATASET, params=pb.SamplingParams(seq_len=100, batch_size=200))).datasets
+    (d,) = (
+        stub(feeder.address)
+        .Info(
+            pb.InfoRequest(
+                dataset=FEEDER_DATASET, params=pb.SamplingParams(seq_len=100, batch_size=200)
+            )
+        )
+        .datasets
+    )
     train = d.splits[0]
     assert (train.tokens, train.windows, train.steps) == (10_000, 99, 0)
 
@@ -174,10 +202,19 @@ def test_worker_thread_path_sends_the_same(feeder_root, monkeypatch, per_message
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.integers(0, 2**62), st.integers(0, 2**40), st.sampled_from(["uint16", "uint32", ""]),
-    st.lists(st.tuples(
-        st.integers(0, 2**62), st.integers(0, 64), st.integers(0, 5), st.integers(0, 40),
-    ), min_size=1, max_size=4),
+    st.integers(0, 2**62),
+    st.integers(0, 2**40),
+    st.sampled_from(["uint16", "uint32", ""]),
+    st.lists(
+        st.tuples(
+            st.integers(0, 2**62),
+            st.integers(0, 64),
+            st.integers(0, 5),
+            st.integers(0, 40),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
     st.data(),
 )
 def test_wire_encoding_matches_protobuf(epoch, step, dtype, batches, data) -> None:  # type: ignore[no-untyped-def]
@@ -185,15 +222,34 @@ def test_wire_encoding_matches_protobuf(epoch, step, dtype, batches, data) -> No
     consecutive batches of any shape (empty ones too), starts of any size."""
     itemsize = 2
     offsets, shifts, rows, cols = (list(x) for x in zip(*batches, strict=True))
-    starts = [data.draw(st.lists(st.integers(0, 2**63 - 1), min_size=r, max_size=r))
-              for r in rows]
-    heads, tails = wire.frames(epoch, step, offsets, shifts, rows, cols, dtype, itemsize,
-                               np.array([s for ss in starts for s in ss], dtype=np.int64))
+    starts = [data.draw(st.lists(st.integers(0, 2**63 - 1), min_size=r, max_size=r)) for r in rows]
+    heads, tails = wire.frames(
+        epoch,
+        step,
+        offsets,
+        shifts,
+        rows,
+        cols,
+        dtype,
+        itemsize,
+        np.array([s for ss in starts for s in ss], dtype=np.int64),
+    )
     msgs, parts = [], []
     for i, (offset, shift, r, c) in enumerate(batches):
         payload = bytes(range(256)) * (r * c * itemsize // 256) + bytes(r * c * itemsize % 256)
-        msgs.append(pb.Batch(epoch=epoch, step=step + i, offset=offset, shift=shift, rows=r,
-                             cols=c, dtype=dtype, tokens=payload, starts=starts[i]))
+        msgs.append(
+            pb.Batch(
+                epoch=epoch,
+                step=step + i,
+                offset=offset,
+                shift=shift,
+                rows=r,
+                cols=c,
+                dtype=dtype,
+                tokens=payload,
+                starts=starts[i],
+            )
+        )
         parts += [heads[i], payload, tails[i]]
     assert b"".join(parts) == pb.StreamBatchesResponse(batches=msgs).SerializeToString()
 
@@ -201,20 +257,28 @@ def test_wire_encoding_matches_protobuf(epoch, step, dtype, batches, data) -> No
 def test_wire_encoding_of_a_large_batch() -> None:
     payload = b"".join(bytes([i]) * 70_000 for i in range(5))  # multi-byte length varints
     starts = np.array([0, 1, 2, 3, 2**40], dtype=np.int64)
-    want = pb.StreamBatchesResponse(batches=[pb.Batch(
-        step=3, rows=5, cols=35_000, dtype="uint16", tokens=payload, starts=starts.tolist(),
-    )]).SerializeToString()
+    want = pb.StreamBatchesResponse(
+        batches=[
+            pb.Batch(
+                step=3,
+                rows=5,
+                cols=35_000,
+                dtype="uint16",
+                tokens=payload,
+                starts=starts.tolist(),
+            )
+        ]
+    ).SerializeToString()
     heads, tails = wire.frames(0, 3, [0], [0], [5], [35_000], "uint16", 2, starts)
     assert heads[0] + payload + tails[0] == want
 
 
 def test_resume_at_an_offset_and_every_rank(feeder) -> None:  # type: ignore[no-untyped-def]
-    p = params(shuffle=True, seed=1, world_size=3, batch_size=2, split="validation",
-               split_rate=0.5)
+    p = params(shuffle=True, seed=1, world_size=3, batch_size=2, split="validation", split_rate=0.5)
     plans = expected(feeder.data_root, p, epoch=2, rank=1)
     mid = plans[len(plans) // 2]
     got = stream(feeder.address, p, epoch=2, rank=1, offset=mid.offset, step=mid.step)
-    assert_matches(got, plans[len(plans) // 2:], p.seq_len)
+    assert_matches(got, plans[len(plans) // 2 :], p.seq_len)
     seen = []
     for rank in range(3):
         for b in stream(feeder.address, p, epoch=2, rank=rank):
@@ -299,8 +363,9 @@ def test_invalid_argument(feeder, pkw, rkw, message) -> None:  # type: ignore[no
 def test_batch_larger_than_max_batch_bytes(feeder_root: Path) -> None:
     with running_feeder(feeder_root, max_batch_bytes=4 * 65 * 4 * 2 - 1) as f:
         assert len(stream(f.address, params(seq_len=64))) > 0  # 4 x 65 x 4 bytes fits
-        err = call_error(f.address, pb.StreamBatchesRequest(params=params(seq_len=64),
-                                                            batches_per_message=2))
+        err = call_error(
+            f.address, pb.StreamBatchesRequest(params=params(seq_len=64), batches_per_message=2)
+        )
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "exceeds the server's --max-batch-bytes 2079" in err.details()
 
@@ -335,8 +400,9 @@ def test_not_found_and_nothing_outside_the_root(tmp_path: Path, feeder_root: Pat
 
 
 def test_failed_precondition_when_the_split_is_too_short(feeder) -> None:  # type: ignore[no-untyped-def]
-    err = call_error(feeder.address, pb.StreamBatchesRequest(params=params(split="validation",
-                                                                           split_rate=0.999)))
+    err = call_error(
+        feeder.address, pb.StreamBatchesRequest(params=params(split="validation", split_rate=0.999))
+    )
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "too short for one window" in err.details()
     err = call_error(feeder.address, pb.StreamBatchesRequest(params=params(batch_size=1000)))
@@ -354,7 +420,8 @@ def test_corrupt_chunk_is_data_loss_for_its_streams_only(feeder_root: Path) -> N
     with running_feeder(feeder_root) as f:
         good_result: list[int] = []
         slow = threading.Thread(
-            target=lambda: good_result.append(len(stream(f.address, params(batch_size=1)))))
+            target=lambda: good_result.append(len(stream(f.address, params(batch_size=1))))
+        )
         slow.start()
         err = call_error(f.address, pb.StreamBatchesRequest(params=params(dataset="bad")))
         assert err.code() == grpc.StatusCode.DATA_LOSS
@@ -367,8 +434,10 @@ def test_corrupt_chunk_is_data_loss_for_its_streams_only(feeder_root: Path) -> N
         # the server still serves the healthy parts of the bad store
         assert len(stream(f.address, params(dataset="bad", split="validation"))) > 0
     assert registry_metrics.get_sample_value("tokenfeed_cache_checksum_failures_total") >= 1
-    assert registry_metrics.get_sample_value(
-        "tokenfeed_server_errors_total", {"code": "DATA_LOSS"}) >= 1
+    assert (
+        registry_metrics.get_sample_value("tokenfeed_server_errors_total", {"code": "DATA_LOSS"})
+        >= 1
+    )
 
 
 def test_resource_exhausted_beyond_max_streams(feeder_root: Path) -> None:
@@ -406,13 +475,28 @@ def test_health_and_reflection(feeder) -> None:  # type: ignore[no-untyped-def]
             r = h.Check(health_pb2.HealthCheckRequest(service=service))
             assert r.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        (resp,) = list(refl.ServerReflectionInfo(iter([
-            reflection_pb2.ServerReflectionRequest(list_services="")])))
+        (resp,) = list(
+            refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
+        )
         names = {s.name for s in resp.list_services_response.service}
-        assert {"tokenfeed.v1.Feeder", "grpc.health.v1.Health",
-                "grpc.reflection.v1alpha.ServerReflection"} <= names
-        (resp,) = list(refl.ServerReflectionInfo(iter([
-            reflection_pb2.ServerReflectionRequest(file_containing_symbol="tokenfeed.v1.Feeder")])))
+        assert {
+            "tokenfeed.v1.Feeder",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= names
+        (resp,) = list(
+            refl.ServerReflectionInfo(
+                iter(
+                    [
+                        reflection_pb2.ServerReflectionRequest(
+                            file_containing_symbol="tokenfeed.v1.Feeder"
+                        )
+                    ]
+                )
+            )
+        )
         assert resp.file_descriptor_response.file_descriptor_proto
 
 
@@ -447,8 +531,8 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
     pinned views) give the same, right tokens."""
     import json
 
-    from tokenfeed.server.cache import ChunkCache
     from tokenfeed.core.store import checksum
+    from tokenfeed.server.cache import ChunkCache
 
     root = tmp_path / "root"
     make_positional_store(root / "gaps", 3_000, 700)

@@ -17,9 +17,17 @@ from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 # one step per message, ~8,900 of them: a stream that is still open when SIGTERM comes
-LONG = pb.StreamBatchesRequest(params=pb.SamplingParams(
-    dataset=FEEDER_DATASET, split="train", split_rate=0.9, seq_len=64, stride=1, batch_size=1,
-    world_size=1))
+LONG = pb.StreamBatchesRequest(
+    params=pb.SamplingParams(
+        dataset=FEEDER_DATASET,
+        split="train",
+        split_rate=0.9,
+        seq_len=64,
+        stride=1,
+        batch_size=1,
+        world_size=1,
+    )
+)
 
 
 def free_port() -> int:
@@ -36,10 +44,14 @@ def wait_for_log(proc: FeederProcess, text: str) -> None:
 
 def test_sigterm_drains_and_exits_zero(feeder_root: Path) -> None:
     metrics_port = free_port()
-    with FeederProcess(feeder_root, grace_seconds=2, metrics_port=metrics_port,
-                       cache_bytes="1M") as proc:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
-                                      timeout=10).read().decode()
+    with FeederProcess(
+        feeder_root, grace_seconds=2, metrics_port=metrics_port, cache_bytes="1M"
+    ) as proc:
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
         for name in SERIES:
             assert name in text
         assert "tokenfeed_cache_capacity_bytes 1.048576e+06" in text
@@ -60,8 +72,11 @@ def test_sigterm_drains_and_exits_zero(feeder_root: Path) -> None:
                 for msg in open_stream:
                     steps.append(msg.batches[0].step)
             except grpc.RpcError as e:
-                assert e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
-                                    grpc.StatusCode.ABORTED), e
+                assert e.code() in (
+                    grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.ABORTED,
+                ), e
             assert steps == list(range(len(steps)))
         assert proc.proc.wait(60) == 0
         assert "stopped" in proc.log()

@@ -9,8 +9,8 @@ import pytest
 from conftest import FEEDER_DATASET, running_feeder
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tokenfeed.server.config import ServerConfig
 from tokenfeed.core.errors import InvalidArgument
+from tokenfeed.server.config import ServerConfig
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -20,11 +20,16 @@ INFO = pb.InfoRequest(dataset=FEEDER_DATASET)
 def test_bearer_token_checked_on_every_call(feeder_root: Path, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
-    with running_feeder(feeder_root, auth_token_file=token_file) as f, \
-            grpc.insecure_channel(f.address) as ch:
+    with (
+        running_feeder(feeder_root, auth_token_file=token_file) as f,
+        grpc.insecure_channel(f.address) as ch,
+    ):
         s = pb_grpc.FeederStub(ch)
-        for metadata in (None, [("authorization", "Bearer wrong")],
-                         [("authorization", "s3cret-token")]):
+        for metadata in (
+            None,
+            [("authorization", "Bearer wrong")],
+            [("authorization", "s3cret-token")],
+        ):
             with pytest.raises(grpc.RpcError) as info:
                 s.Info(INFO, metadata=metadata)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -38,8 +43,12 @@ def test_bearer_token_checked_on_every_call(feeder_root: Path, tmp_path: Path) -
         # health stays open for orchestrator probes
         r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
         assert r.status == health_pb2.HealthCheckResponse.SERVING
-        assert f.registry.get_sample_value(
-            "tokenfeed_server_errors_total", {"code": "UNAUTHENTICATED"}) == 6
+        assert (
+            f.registry.get_sample_value(
+                "tokenfeed_server_errors_total", {"code": "UNAUTHENTICATED"}
+            )
+            == 6
+        )
 
 
 # ------------------------------------------------------------------------------ TLS
@@ -51,8 +60,9 @@ def _info(address: str, creds: grpc.ChannelCredentials) -> pb.InfoResponse:
 
 
 def test_tls_server_certificate(feeder_root: Path, pki) -> None:  # type: ignore[no-untyped-def]
-    with running_feeder(feeder_root, tls_cert=pki["server_cert_path"],
-                        tls_key=pki["server_key_path"]) as f:
+    with running_feeder(
+        feeder_root, tls_cert=pki["server_cert_path"], tls_key=pki["server_key_path"]
+    ) as f:
         assert _info(f.address, grpc.ssl_channel_credentials(pki["ca"])).datasets
         with grpc.insecure_channel(f.address) as ch, pytest.raises(grpc.RpcError) as info:
             pb_grpc.FeederStub(ch).Info(INFO, timeout=10)  # plaintext to a TLS port
@@ -60,10 +70,15 @@ def test_tls_server_certificate(feeder_root: Path, pki) -> None:  # type: ignore
 
 
 def test_tls_client_certificates_required(feeder_root: Path, pki) -> None:  # type: ignore[no-untyped-def]
-    with running_feeder(feeder_root, tls_cert=pki["server_cert_path"],
-                        tls_key=pki["server_key_path"], tls_client_ca=pki["ca_path"]) as f:
+    with running_feeder(
+        feeder_root,
+        tls_cert=pki["server_cert_path"],
+        tls_key=pki["server_key_path"],
+        tls_client_ca=pki["ca_path"],
+    ) as f:
         with_cert = grpc.ssl_channel_credentials(
-            pki["ca"], private_key=pki["client_key"], certificate_chain=pki["client_cert"])
+            pki["ca"], private_key=pki["client_key"], certificate_chain=pki["client_cert"]
+        )
         assert _info(f.address, with_cert).datasets
         with pytest.raises(grpc.RpcError) as info:
             _info(f.address, grpc.ssl_channel_credentials(pki["ca"]))  # no client cert
@@ -71,15 +86,20 @@ def test_tls_client_certificates_required(feeder_root: Path, pki) -> None:  # ty
 
 
 def test_config_validation_and_loud_warning(feeder_root: Path, tmp_path: Path, pki) -> None:  # type: ignore[no-untyped-def]
-    env = {"TOKENFEED_DATA_ROOT": str(feeder_root), "TOKENFEED_CACHE_BYTES": "512M",
-           "TOKENFEED_PORT": "6000"}
+    env = {
+        "TOKENFEED_DATA_ROOT": str(feeder_root),
+        "TOKENFEED_CACHE_BYTES": "512M",
+        "TOKENFEED_PORT": "6000",
+    }
     cfg = ServerConfig.from_sources({"port": 7000}, env)
     assert (cfg.cache_bytes, cfg.port, cfg.host) == (512 << 20, 7000, "127.0.0.1")
     assert cfg.insecure_warning() is None
     exposed = ServerConfig.from_sources({"host": "0.0.0.0"}, env)
     assert "neither TLS nor an auth token" in exposed.insecure_warning()  # type: ignore[operator]
-    tls = ServerConfig.from_sources({"host": "0.0.0.0", "tls_cert": pki["server_cert_path"],
-                                     "tls_key": pki["server_key_path"]}, env)
+    tls = ServerConfig.from_sources(
+        {"host": "0.0.0.0", "tls_cert": pki["server_cert_path"], "tls_key": pki["server_key_path"]},
+        env,
+    )
     assert tls.insecure_warning() is None
     bad = [
         ({}, {}, "TOKENFEED_DATA_ROOT"),

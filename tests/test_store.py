@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenfeed.core.errors import DataLoss, InvalidArgument, NotFound
 from tokenfeed.core.dtypes import dtype_for_vocab
+from tokenfeed.core.errors import DataLoss, InvalidArgument, NotFound
 from tokenfeed.core.store import (
     META_NAME,
     StoreWriter,
@@ -34,8 +34,16 @@ def test_dtype_follows_the_vocabulary() -> None:
 def test_round_trip_across_chunks(tmp_path: Path, dtype: str) -> None:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 50_000, size=2_503).astype(dtype)
-    meta = write_store(tmp_path, tokens, dtype=dtype, tokens_per_chunk=1000, eos_token_id=1,
-                       vocab_size=50_000, tokenizer="t", source={"files": ["x"]})
+    meta = write_store(
+        tmp_path,
+        tokens,
+        dtype=dtype,
+        tokens_per_chunk=1000,
+        eos_token_id=1,
+        vocab_size=50_000,
+        tokenizer="t",
+        source={"files": ["x"]},
+    )
     assert [c.tokens for c in meta.chunks] == [1000, 1000, 503]
     store = TokenStore.open(tmp_path)
     assert store.total_tokens == 2503 and store.num_chunks == 3
@@ -45,8 +53,18 @@ def test_round_trip_across_chunks(tmp_path: Path, dtype: str) -> None:
     assert raw == tokens[1000:2000].astype(np.dtype(dtype).newbyteorder("<")).tobytes()
     assert store.chunk_of(999) == 0 and store.chunk_of(1000) == 1 and store.chunk_of(2502) == 2
     doc = json.loads((tmp_path / META_NAME).read_text())
-    for key in ("dtype", "eos_token_id", "tokenizer_name_or_path", "tokens_per_chunk", "chunks",
-                "total_tokens", "created_at_unix", "format_version", "vocab_size", "source"):
+    for key in (
+        "dtype",
+        "eos_token_id",
+        "tokenizer_name_or_path",
+        "tokens_per_chunk",
+        "chunks",
+        "total_tokens",
+        "created_at_unix",
+        "format_version",
+        "vocab_size",
+        "source",
+    ):
         assert key in doc
     assert doc["chunks"][0]["checksum"] == checksum(tokens[:1000])
     assert store.verify() == []
@@ -76,12 +94,22 @@ def test_streaming_dataloader_store_is_read_as_is(tmp_path: Path) -> None:
     tokens = np.arange(300, dtype=np.uint16)
     tokens[:150].tofile(tmp_path / "chunk_00000.bin")
     tokens[150:].tofile(tmp_path / "chunk_00001.bin")
-    (tmp_path / META_NAME).write_text(json.dumps({
-        "dtype": "uint16", "eos_token_id": 50256, "tokenizer_name_or_path": "gpt2",
-        "tokens_per_chunk": 150, "total_tokens": 300, "created_at_unix": 1700000000,
-        "chunks": [{"file": "chunk_00000.bin", "tokens": 150},
-                   {"file": "chunk_00001.bin", "tokens": 150}],
-    }))
+    (tmp_path / META_NAME).write_text(
+        json.dumps(
+            {
+                "dtype": "uint16",
+                "eos_token_id": 50256,
+                "tokenizer_name_or_path": "gpt2",
+                "tokens_per_chunk": 150,
+                "total_tokens": 300,
+                "created_at_unix": 1700000000,
+                "chunks": [
+                    {"file": "chunk_00000.bin", "tokens": 150},
+                    {"file": "chunk_00001.bin", "tokens": 150},
+                ],
+            }
+        )
+    )
     store = TokenStore.open(tmp_path)
     assert store.meta.tokenizer == "gpt2" and store.meta.eos_token_id == 50256
     assert np.array_equal(np.concatenate(list(iter_tokens(store))), tokens)
@@ -102,8 +130,9 @@ def test_bare_bin_folder_needs_a_dtype(tmp_path: Path) -> None:
 
 
 def _store(tmp_path: Path) -> Path:
-    write_store(tmp_path, np.arange(3000) % 50_000, dtype="uint16", tokens_per_chunk=1000,
-                vocab_size=50_000)
+    write_store(
+        tmp_path, np.arange(3000) % 50_000, dtype="uint16", tokens_per_chunk=1000, vocab_size=50_000
+    )
     return tmp_path
 
 

@@ -40,26 +40,49 @@ def targets(*pairs: tuple[str, str]) -> list[G.Target]:
 def quantiles(metric: str, by: str, label: str) -> list[tuple[str, str]]:
     """p50 and p99 of a histogram, per `by` label set."""
     return [
-        (f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket[{RATE}])))",
-         f"p{int(q * 100)} {label}")
+        (
+            f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket[{RATE}])))",
+            f"p{int(q * 100)} {label}",
+        )
         for q in (0.5, 0.99)
     ]
 
 
-def timeseries(title: str, pairs: list[tuple[str, str]], unit: str, description: str,
-               **kw: object) -> G.TimeSeries:
-    return G.TimeSeries(title=title, description=description, dataSource=DATASOURCE,
-                        targets=targets(*pairs), unit=unit, tooltipMode="multi",
-                        legendDisplayMode="table", legendPlacement="right",
-                        legendCalcs=["lastNotNull", "max"], **kw)
+def timeseries(
+    title: str, pairs: list[tuple[str, str]], unit: str, description: str, **kw: object
+) -> G.TimeSeries:
+    return G.TimeSeries(
+        title=title,
+        description=description,
+        dataSource=DATASOURCE,
+        targets=targets(*pairs),
+        unit=unit,
+        tooltipMode="multi",
+        legendDisplayMode="table",
+        legendPlacement="right",
+        legendCalcs=["lastNotNull", "max"],
+        **kw,
+    )
 
 
-def stat(title: str, expr: str, unit: str, description: str, legend: str = "",
-         thresholds: list[G.Threshold] | None = None) -> G.Stat:
-    return G.Stat(title=title, description=description, dataSource=DATASOURCE,
-                  targets=[target(expr, legend)], format=unit, reduceCalc="lastNotNull",
-                  graphMode="area",
-                  thresholds=thresholds or [G.Threshold("green", 0, 0.0)])
+def stat(
+    title: str,
+    expr: str,
+    unit: str,
+    description: str,
+    legend: str = "",
+    thresholds: list[G.Threshold] | None = None,
+) -> G.Stat:
+    return G.Stat(
+        title=title,
+        description=description,
+        dataSource=DATASOURCE,
+        targets=[target(expr, legend)],
+        format=unit,
+        reduceCalc="lastNotNull",
+        graphMode="area",
+        thresholds=thresholds or [G.Threshold("green", 0, 0.0)],
+    )
 
 
 def row(title: str) -> G.RowPanel:
@@ -69,108 +92,289 @@ def row(title: str) -> G.RowPanel:
 STALL_LIMIT = 0.05  # the TokenfeedRankStalled alert's threshold
 
 OVERVIEW = [
-    (stat("Tokens/s received (all ranks)",
-          f"sum(rate(tokenfeed_client_tokens_received_total[{RATE}]))", "short",
-          "input_ids tokens per second the trainers receive, summed over ranks"), 4),
-    (stat("Tokens/s served (all feeders)",
-          f"sum(rate(tokenfeed_server_tokens_sent_total[{RATE}]))", "short",
-          "tokens per second the feeders send (rows x (seq_len + shift))"), 4),
-    (stat("Worst rank stall", "max(tokenfeed_client_stall_fraction)", "percentunit",
-          "largest fraction of wall time any rank's loop waited in next() (30 s window); "
-          "above 5% the feeder is the bottleneck",
-          thresholds=[G.Threshold("green", 0, 0.0), G.Threshold("red", 1, STALL_LIMIT)]), 4),
-    (stat("Cache hit ratio",
-          f"sum(rate(tokenfeed_cache_hits_total[{RATE}])) / (sum(rate(tokenfeed_cache_hits_total"
-          f"[{RATE}])) + sum(rate(tokenfeed_cache_misses_total[{RATE}])))", "percentunit",
-          "chunk requests served from memory, all feeders",
-          thresholds=[G.Threshold("red", 0, 0.0), G.Threshold("green", 1, 0.5)]), 4),
-    (stat("Active streams", "sum(tokenfeed_server_streams_active)", "short",
-          "StreamBatches calls in progress (about one per rank)"), 4),
-    (stat("Feeders up", 'sum(up{job="tokenfeed-feeder"})', "short",
-          "feeder replicas Prometheus scrapes successfully"), 4),
+    (
+        stat(
+            "Tokens/s received (all ranks)",
+            f"sum(rate(tokenfeed_client_tokens_received_total[{RATE}]))",
+            "short",
+            "input_ids tokens per second the trainers receive, summed over ranks",
+        ),
+        4,
+    ),
+    (
+        stat(
+            "Tokens/s served (all feeders)",
+            f"sum(rate(tokenfeed_server_tokens_sent_total[{RATE}]))",
+            "short",
+            "tokens per second the feeders send (rows x (seq_len + shift))",
+        ),
+        4,
+    ),
+    (
+        stat(
+            "Worst rank stall",
+            "max(tokenfeed_client_stall_fraction)",
+            "percentunit",
+            "largest fraction of wall time any rank's loop waited in next() (30 s window); "
+            "above 5% the feeder is the bottleneck",
+            thresholds=[G.Threshold("green", 0, 0.0), G.Threshold("red", 1, STALL_LIMIT)],
+        ),
+        4,
+    ),
+    (
+        stat(
+            "Cache hit ratio",
+            f"sum(rate(tokenfeed_cache_hits_total[{RATE}])) / (sum(rate(tokenfeed_cache_hits_total"
+            f"[{RATE}])) + sum(rate(tokenfeed_cache_misses_total[{RATE}])))",
+            "percentunit",
+            "chunk requests served from memory, all feeders",
+            thresholds=[G.Threshold("red", 0, 0.0), G.Threshold("green", 1, 0.5)],
+        ),
+        4,
+    ),
+    (
+        stat(
+            "Active streams",
+            "sum(tokenfeed_server_streams_active)",
+            "short",
+            "StreamBatches calls in progress (about one per rank)",
+        ),
+        4,
+    ),
+    (
+        stat(
+            "Feeders up",
+            'sum(up{job="tokenfeed-feeder"})',
+            "short",
+            "feeder replicas Prometheus scrapes successfully",
+        ),
+        4,
+    ),
 ]
 
 THROUGHPUT = [
-    (timeseries("Tokens/s served and received", [
-        (f"sum(rate(tokenfeed_server_tokens_sent_total[{RATE}]))", "served (all feeders)"),
-        (f"sum(rate(tokenfeed_client_tokens_received_total[{RATE}]))", "received (all ranks)"),
-        (f"sum by (rank) (rate(tokenfeed_client_tokens_received_total[{RATE}]))",
-         "rank {{rank}}"),
-    ], "short", "Served counts seq_len + shift tokens per row, received counts seq_len."), 12),
-    (timeseries("Bytes/s on the wire", [
-        (f"sum by (dataset, split) (rate(tokenfeed_server_bytes_sent_total[{RATE}]))",
-         "sent {{dataset}}/{{split}}"),
-        (f"sum by (rank) (rate(tokenfeed_client_bytes_received_total[{RATE}]))",
-         "rank {{rank}} received"),
-    ], "Bps", "Token payload bytes (narrow dtype: 2 bytes per token for GPT-2)."), 12),
-    (timeseries("Batches/s", [
-        (f"sum by (dataset, split) (rate(tokenfeed_server_batches_sent_total[{RATE}]))",
-         "sent {{dataset}}/{{split}}"),
-        (f"sum by (rank) (rate(tokenfeed_client_batches_received_total[{RATE}]))",
-         "rank {{rank}}"),
-    ], "short", "Batches per second per dataset/split and per rank."), 12),
-    (timeseries("Active streams", [
-        ("sum by (instance) (tokenfeed_server_streams_active)", "{{instance}}"),
-    ], "short", "StreamBatches calls in progress per feeder replica."), 12),
+    (
+        timeseries(
+            "Tokens/s served and received",
+            [
+                (f"sum(rate(tokenfeed_server_tokens_sent_total[{RATE}]))", "served (all feeders)"),
+                (
+                    f"sum(rate(tokenfeed_client_tokens_received_total[{RATE}]))",
+                    "received (all ranks)",
+                ),
+                (
+                    f"sum by (rank) (rate(tokenfeed_client_tokens_received_total[{RATE}]))",
+                    "rank {{rank}}",
+                ),
+            ],
+            "short",
+            "Served counts seq_len + shift tokens per row, received counts seq_len.",
+        ),
+        12,
+    ),
+    (
+        timeseries(
+            "Bytes/s on the wire",
+            [
+                (
+                    f"sum by (dataset, split) (rate(tokenfeed_server_bytes_sent_total[{RATE}]))",
+                    "sent {{dataset}}/{{split}}",
+                ),
+                (
+                    f"sum by (rank) (rate(tokenfeed_client_bytes_received_total[{RATE}]))",
+                    "rank {{rank}} received",
+                ),
+            ],
+            "Bps",
+            "Token payload bytes (narrow dtype: 2 bytes per token for GPT-2).",
+        ),
+        12,
+    ),
+    (
+        timeseries(
+            "Batches/s",
+            [
+                (
+                    f"sum by (dataset, split) (rate(tokenfeed_server_batches_sent_total[{RATE}]))",
+                    "sent {{dataset}}/{{split}}",
+                ),
+                (
+                    f"sum by (rank) (rate(tokenfeed_client_batches_received_total[{RATE}]))",
+                    "rank {{rank}}",
+                ),
+            ],
+            "short",
+            "Batches per second per dataset/split and per rank.",
+        ),
+        12,
+    ),
+    (
+        timeseries(
+            "Active streams",
+            [
+                ("sum by (instance) (tokenfeed_server_streams_active)", "{{instance}}"),
+            ],
+            "short",
+            "StreamBatches calls in progress per feeder replica.",
+        ),
+        12,
+    ),
 ]
 
 TRAINERS = [
-    (timeseries("Stall fraction per rank", [
-        ("max by (rank) (tokenfeed_client_stall_fraction)", "rank {{rank}}"),
-    ], "percentunit", "Fraction of wall time the training loop waited for data over the "
-       "client's 30 s window. The alert fires above 5% for 5 minutes.",
-       valueMin=0, thresholds=[G.Threshold("green", 0, 0.0),
-                               G.Threshold("red", 1, STALL_LIMIT)],
-       thresholdsStyleMode="line"), 12),
-    (timeseries("next() wait percentiles",
-                quantiles("tokenfeed_client_wait_seconds", "rank", "rank {{rank}}"), "s",
-                "How long the training loop blocks per batch: microseconds when the "
-                "double buffer is full, the feeder's latency when it is not."), 12),
-    (timeseries("Buffer occupancy", [
-        ("max by (rank) (tokenfeed_client_buffer_occupancy)", "rank {{rank}}"),
-    ], "short", "Batches ready in each client's ring (prefetch); 0 means the loop "
-       "is about to wait.", valueMin=0), 12),
-    (timeseries("Reconnects", [
-        (f"sum by (rank, reason) (increase(tokenfeed_client_reconnects_total[{RATE}]))",
-         "rank {{rank}} {{reason}}"),
-    ], "short", "Stream re-openings by cause (unavailable, ended_early, resolve, ...): "
-       "each resumes at the first batch not yet delivered.", drawStyle="bars"), 12),
+    (
+        timeseries(
+            "Stall fraction per rank",
+            [
+                ("max by (rank) (tokenfeed_client_stall_fraction)", "rank {{rank}}"),
+            ],
+            "percentunit",
+            "Fraction of wall time the training loop waited for data over the "
+            "client's 30 s window. The alert fires above 5% for 5 minutes.",
+            valueMin=0,
+            thresholds=[G.Threshold("green", 0, 0.0), G.Threshold("red", 1, STALL_LIMIT)],
+            thresholdsStyleMode="line",
+        ),
+        12,
+    ),
+    (
+        timeseries(
+            "next() wait percentiles",
+            quantiles("tokenfeed_client_wait_seconds", "rank", "rank {{rank}}"),
+            "s",
+            "How long the training loop blocks per batch: microseconds when the "
+            "double buffer is full, the feeder's latency when it is not.",
+        ),
+        12,
+    ),
+    (
+        timeseries(
+            "Buffer occupancy",
+            [
+                ("max by (rank) (tokenfeed_client_buffer_occupancy)", "rank {{rank}}"),
+            ],
+            "short",
+            "Batches ready in each client's ring (prefetch); 0 means the loop is about to wait.",
+            valueMin=0,
+        ),
+        12,
+    ),
+    (
+        timeseries(
+            "Reconnects",
+            [
+                (
+                    f"sum by (rank, reason) (increase(tokenfeed_client_reconnects_total[{RATE}]))",
+                    "rank {{rank}} {{reason}}",
+                ),
+            ],
+            "short",
+            "Stream re-openings by cause (unavailable, ended_early, resolve, ...): "
+            "each resumes at the first batch not yet delivered.",
+            drawStyle="bars",
+        ),
+        12,
+    ),
 ]
 
 FEEDER = [
-    (timeseries("Cache requests/s", [
-        (f"sum by (instance) (rate(tokenfeed_cache_hits_total[{RATE}]))", "hits {{instance}}"),
-        (f"sum by (instance) (rate(tokenfeed_cache_misses_total[{RATE}]))",
-         "misses {{instance}}"),
-        (f"sum by (instance) (rate(tokenfeed_cache_evictions_total[{RATE}]))",
-         "evictions {{instance}}"),
-    ], "short", "Chunk requests served from memory (hits) or loaded from disk (misses), "
-       "and chunks evicted to make room."), 8),
-    (timeseries("Cache hit ratio", [
-        (f"sum by (instance) (rate(tokenfeed_cache_hits_total[{RATE}])) / (sum by (instance) "
-         f"(rate(tokenfeed_cache_hits_total[{RATE}])) + sum by (instance) "
-         f"(rate(tokenfeed_cache_misses_total[{RATE}])))", "{{instance}}"),
-    ], "percentunit", "Below 50% for 10 minutes the working set no longer fits in "
-       "--cache-bytes (alert TokenfeedCacheHitRatioCollapsing).", valueMin=0, valueMax=1), 8),
-    (timeseries("Cache bytes", [
-        ("sum by (instance) (tokenfeed_cache_resident_bytes)", "resident {{instance}}"),
-        ("sum by (instance) (tokenfeed_cache_capacity_bytes)", "capacity {{instance}}"),
-    ], "bytes", "Bytes held by the chunk cache against its --cache-bytes bound."), 8),
-    (timeseries("Chunk load latency",
-                quantiles("tokenfeed_chunk_load_seconds", "instance", "{{instance}}"), "s",
-                "Time to read and checksum one chunk from the store (cache misses)."), 8),
-    (timeseries("Batch build latency",
-                quantiles("tokenfeed_batch_build_seconds", "instance", "{{instance}}"), "s",
-                "Time to assemble one batch from cached chunks, off the event loop."), 8),
-    (timeseries("Errors by code", [
-        (f"sum by (code) (rate(tokenfeed_server_errors_total[{RATE}]))", "{{code}}"),
-        (f"sum(rate(tokenfeed_cache_checksum_failures_total[{RATE}]))", "checksum failures"),
-    ], "reqps", "Calls ended with an error, by gRPC status code; checksum failures mean a "
-       "corrupt chunk (clients get DATA_LOSS).", drawStyle="bars"), 8),
+    (
+        timeseries(
+            "Cache requests/s",
+            [
+                (
+                    f"sum by (instance) (rate(tokenfeed_cache_hits_total[{RATE}]))",
+                    "hits {{instance}}",
+                ),
+                (
+                    f"sum by (instance) (rate(tokenfeed_cache_misses_total[{RATE}]))",
+                    "misses {{instance}}",
+                ),
+                (
+                    f"sum by (instance) (rate(tokenfeed_cache_evictions_total[{RATE}]))",
+                    "evictions {{instance}}",
+                ),
+            ],
+            "short",
+            "Chunk requests served from memory (hits) or loaded from disk (misses), "
+            "and chunks evicted to make room.",
+        ),
+        8,
+    ),
+    (
+        timeseries(
+            "Cache hit ratio",
+            [
+                (
+                    f"sum by (instance) (rate(tokenfeed_cache_hits_total[{RATE}])) / "
+                    f"(sum by (instance) (rate(tokenfeed_cache_hits_total[{RATE}])) "
+                    f"+ sum by (instance) (rate(tokenfeed_cache_misses_total[{RATE}])))",
+                    "{{instance}}",
+                ),
+            ],
+            "percentunit",
+            "Below 50% for 10 minutes the working set no longer fits in "
+            "--cache-bytes (alert TokenfeedCacheHitRatioCollapsing).",
+            valueMin=0,
+            valueMax=1,
+        ),
+        8,
+    ),
+    (
+        timeseries(
+            "Cache bytes",
+            [
+                ("sum by (instance) (tokenfeed_cache_resident_bytes)", "resident {{instance}}"),
+                ("sum by (instance) (tokenfeed_cache_capacity_bytes)", "capacity {{instance}}"),
+            ],
+            "bytes",
+            "Bytes held by the chunk cache against its --cache-bytes bound.",
+        ),
+        8,
+    ),
+    (
+        timeseries(
+            "Chunk load latency",
+            quantiles("tokenfeed_chunk_load_seconds", "instance", "{{instance}}"),
+            "s",
+            "Time to read and checksum one chunk from the store (cache misses).",
+        ),
+        8,
+    ),
+    (
+        timeseries(
+            "Batch build latency",
+            quantiles("tokenfeed_batch_build_seconds", "instance", "{{instance}}"),
+            "s",
+            "Time to assemble one batch from cached chunks, off the event loop.",
+        ),
+        8,
+    ),
+    (
+        timeseries(
+            "Errors by code",
+            [
+                (f"sum by (code) (rate(tokenfeed_server_errors_total[{RATE}]))", "{{code}}"),
+                (
+                    f"sum(rate(tokenfeed_cache_checksum_failures_total[{RATE}]))",
+                    "checksum failures",
+                ),
+            ],
+            "reqps",
+            "Calls ended with an error, by gRPC status code; checksum failures mean a "
+            "corrupt chunk (clients get DATA_LOSS).",
+            drawStyle="bars",
+        ),
+        8,
+    ),
 ]
 
-SECTIONS = [("Overview", OVERVIEW, 4), ("Throughput", THROUGHPUT, 8),
-            ("Trainers", TRAINERS, 8), ("Feeder", FEEDER, 8)]
+SECTIONS = [
+    ("Overview", OVERVIEW, 4),
+    ("Throughput", THROUGHPUT, 8),
+    ("Trainers", TRAINERS, 8),
+    ("Feeder", FEEDER, 8),
+]
 
 
 def layout() -> list[G.Panel]:
@@ -202,10 +406,13 @@ def dashboard() -> G.Dashboard:
         timezone="browser",
         refresh="5s",
         time=G.Time("now-15m", "now"),
-        templating=G.Templating(list=[
-            G.Template(name="datasource", label="Data source", query="prometheus",
-                       type="datasource"),
-        ]),
+        templating=G.Templating(
+            list=[
+                G.Template(
+                    name="datasource", label="Data source", query="prometheus", type="datasource"
+                ),
+            ]
+        ),
         panels=layout(),
     ).auto_panel_ids()
 
@@ -217,8 +424,11 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if the committed JSON differs from the generated one")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 if the committed JSON differs from the generated one",
+    )
     args = parser.parse_args(argv)
     text = render()
     if args.check:

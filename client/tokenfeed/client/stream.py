@@ -72,7 +72,8 @@ class Backoff:
 
     def exhausted(self, failures: int, outage_seconds: float) -> bool:
         return (self.max_retries is not None and failures > self.max_retries) or (
-            self.deadline is not None and outage_seconds > self.deadline)
+            self.deadline is not None and outage_seconds > self.deadline
+        )
 
 
 END = object()  # the epoch is complete
@@ -99,10 +100,18 @@ class StreamRequest:
 class StreamReader(threading.Thread):
     """Reads one epoch for one rank, from (offset, step), into `out`."""
 
-    def __init__(self, channels: Channels, request: StreamRequest, offset: int, step: int,
-                 out: Handoff, stage: Callable[[feeder_pb2.Batch], Any],
-                 backoff: Backoff, on_reconnect: Callable[[str], None],
-                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        channels: Channels,
+        request: StreamRequest,
+        offset: int,
+        step: int,
+        out: Handoff,
+        stage: Callable[[feeder_pb2.Batch], Any],
+        backoff: Backoff,
+        on_reconnect: Callable[[str], None],
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(name=f"tokenfeed-reader-rank{request.rank}", daemon=True)
         self.channels, self.request = channels, request
         self.offset, self.step = offset, step
@@ -159,10 +168,15 @@ class StreamReader(threading.Thread):
                 stub = self.channels.stub()
                 call = stub.StreamBatches(
                     feeder_pb2.StreamBatchesRequest(
-                        params=req.params, epoch=req.epoch, rank=req.rank,
-                        offset=self.offset, step=self.step,
-                        batches_per_message=req.batches_per_message),
-                    metadata=self.metadata)
+                        params=req.params,
+                        epoch=req.epoch,
+                        rank=req.rank,
+                        offset=self.offset,
+                        step=self.step,
+                        batches_per_message=req.batches_per_message,
+                    ),
+                    metadata=self.metadata,
+                )
                 with self._call_lock:
                     self._call = call
                 if self._stop_event.is_set():
@@ -206,16 +220,21 @@ class StreamReader(threading.Thread):
             if self.backoff.exhausted(failures, now - outage_start):
                 raise FeederUnavailable(
                     f"gave up after {failures} attempts over {now - outage_start:.1f} s; "
-                    f"last failure at {address}: {message} ({reason})")
+                    f"last failure at {address}: {message} ({reason})"
+                )
             self.reconnects += 1
             self.on_reconnect(reason)
             self.channels.rotate()
             self._stop_event.wait(self.backoff.delay(failures - 1))
 
 
-def call_with_retry(channels: Channels, call: Callable[[Any], Any], backoff: Backoff,
-                    on_reconnect: Callable[[str], None],
-                    rng: random.Random | None = None) -> Any:
+def call_with_retry(
+    channels: Channels,
+    call: Callable[[Any], Any],
+    backoff: Backoff,
+    on_reconnect: Callable[[str], None],
+    rng: random.Random | None = None,
+) -> Any:
     """`call(stub)` for a unary RPC, retried like the stream (backoff, next address)."""
     failures, outage_start = 0, time.monotonic()
     while True:
@@ -233,7 +252,8 @@ def call_with_retry(channels: Channels, call: Callable[[Any], Any], backoff: Bac
         if backoff.exhausted(failures, elapsed):
             raise FeederUnavailable(
                 f"gave up after {failures} attempts over {elapsed:.1f} s; last failure at "
-                f"{channels.current}: {message} ({reason})")
+                f"{channels.current}: {message} ({reason})"
+            )
         on_reconnect(reason)
         channels.rotate()
         time.sleep(backoff.delay(failures - 1, rng))

@@ -31,14 +31,16 @@ from tokenfeed.core.errors import FeederError, error_for
 from tokenfeed.v1 import feeder_pb2_grpc
 
 # Worth another attempt (possibly at another address): the request itself is fine.
-RETRYABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.INTERNAL,  # e.g. a stream reset mid-message by a dying peer
-    grpc.StatusCode.RESOURCE_EXHAUSTED,  # the server's stream limit; frees up
-    grpc.StatusCode.CANCELLED,  # cancelled by the server (ours are never retried)
-})
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,  # e.g. a stream reset mid-message by a dying peer
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # the server's stream limit; frees up
+        grpc.StatusCode.CANCELLED,  # cancelled by the server (ours are never retried)
+    }
+)
 
 
 def status_of(error: grpc.RpcError) -> grpc.StatusCode:
@@ -61,7 +63,7 @@ def to_feeder_error(error: grpc.RpcError, address: str) -> FeederError:
 
 
 def split_addresses(address: str | Sequence[str]) -> list[str]:
-    """"a:1,b:2" or ["a:1", "b:2"] -> ["a:1", "b:2"] (order kept, blanks dropped)."""
+    """ "a:1,b:2" or ["a:1", "b:2"] -> ["a:1", "b:2"] (order kept, blanks dropped)."""
     parts = address.split(",") if isinstance(address, str) else list(address)
     out = [p.strip() for p in parts if p and p.strip()]
     if not out:
@@ -127,16 +129,24 @@ class Security:
     token: str | None = None
 
     @classmethod
-    def build(cls, tls: bool = False,
-              root_certificates: bytes | str | os.PathLike[str] | None = None,
-              certificate_chain: bytes | str | os.PathLike[str] | None = None,
-              private_key: bytes | str | os.PathLike[str] | None = None,
-              token: str | None = None) -> Security:
+    def build(
+        cls,
+        tls: bool = False,
+        root_certificates: bytes | str | os.PathLike[str] | None = None,
+        certificate_chain: bytes | str | os.PathLike[str] | None = None,
+        private_key: bytes | str | os.PathLike[str] | None = None,
+        token: str | None = None,
+    ) -> Security:
         if (certificate_chain is None) != (private_key is None):
             raise ValueError("certificate_chain and private_key go together (mutual TLS)")
         tls = bool(tls or root_certificates or certificate_chain)
-        return cls(tls, _read(root_certificates), _read(certificate_chain),
-                   _read(private_key), token.strip() if token else None)
+        return cls(
+            tls,
+            _read(root_certificates),
+            _read(certificate_chain),
+            _read(private_key),
+            token.strip() if token else None,
+        )
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -177,8 +187,7 @@ class Timeouts:
 class Channels:
     """A channel to the current endpoint, rotating through the addresses on failure."""
 
-    def __init__(self, address: str | Sequence[str], security: Security,
-                 options: Timeouts) -> None:
+    def __init__(self, address: str | Sequence[str], security: Security, options: Timeouts) -> None:
         self.addresses = split_addresses(address)
         self.security, self.options = security, options
         self._endpoints: list[Endpoint] = []
@@ -205,8 +214,10 @@ class Channels:
                 opts = self.options.grpc_options(ep, self.security)
                 if self.security.tls:
                     creds = grpc.ssl_channel_credentials(
-                        self.security.root_certificates, self.security.private_key,
-                        self.security.certificate_chain)
+                        self.security.root_certificates,
+                        self.security.private_key,
+                        self.security.certificate_chain,
+                    )
                     self._channel = grpc.secure_channel(ep.target, creds, options=opts)
                 else:
                     self._channel = grpc.insecure_channel(ep.target, options=opts)

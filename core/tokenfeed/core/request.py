@@ -73,8 +73,9 @@ class SamplingSpec:
     """What defines a stream's order; identical on every rank of a job.
 
     `stride` and `shuffle_blocks` 0 (or None) take their defaults (seq_len, 8), as on
-    the wire, and are stored resolved, so two specs that mean the same compare equal. Invalid values raise InvalidArgument
-    naming the field; what depends on the data (a split too short) is the Plan's.
+    the wire, and are stored resolved, so two specs that mean the same compare equal.
+    Invalid values raise InvalidArgument naming the field; what depends on the data (a
+    split too short) is the Plan's.
     """
 
     dataset: str
@@ -104,9 +105,7 @@ class SamplingSpec:
         stride = self.stride or self.seq_len
         object.__setattr__(self, "stride", _int("stride", stride, 1, MAX_PARAM))
         blocks = self.shuffle_blocks or DEFAULT_SHUFFLE_BLOCKS
-        object.__setattr__(
-            self, "shuffle_blocks", _int("shuffle_blocks", blocks, 1, MAX_PARAM)
-        )
+        object.__setattr__(self, "shuffle_blocks", _int("shuffle_blocks", blocks, 1, MAX_PARAM))
         _int("seed", self.seed, 0, MAX_SEED)
         if not isinstance(self.shuffle, bool):
             raise InvalidArgument(f"shuffle must be True or False, got {self.shuffle!r}")
@@ -160,9 +159,15 @@ class SamplingSpec:
 
     def to_proto(self) -> pb.SamplingParams:
         p = pb.SamplingParams(
-            dataset=self.dataset, split=self.split, split_rate=self.split_rate,
-            seq_len=self.seq_len, stride=self.stride, batch_size=self.batch_size,
-            seed=self.seed, shuffle=self.shuffle, shuffle_blocks=self.shuffle_blocks,
+            dataset=self.dataset,
+            split=self.split,
+            split_rate=self.split_rate,
+            seq_len=self.seq_len,
+            stride=self.stride,
+            batch_size=self.batch_size,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            shuffle_blocks=self.shuffle_blocks,
             world_size=self.world_size,
         )
         if self.shift == AUTO:
@@ -199,35 +204,62 @@ class SamplingSpec:
     # ----------------------------------------------------------- command line
 
     @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser, *, dataset: bool = True,
-                      seq_len_default: int | None = 1024,
-                      batch_size_default: int | None = 16) -> None:
+    def add_arguments(
+        parser: argparse.ArgumentParser,
+        *,
+        dataset: bool = True,
+        seq_len_default: int | None = 1024,
+        batch_size_default: int | None = 16,
+    ) -> None:
         """The spec's flags (--seq-len, --stride, ...) with the defaults above."""
         a = parser.add_argument
         if dataset:
             a("--dataset", default="demo", help="dataset name on the feeder (default %(default)s)")
         a("--split", default="train", choices=SPLITS)
-        a("--split-rate", type=float, default=1.0,
-          help="fraction of tokens in the train split, read as a decimal (default 1.0)")
-        a("--seq-len", type=int, default=seq_len_default,
-          help="tokens per window" + (" (default %(default)s)" if seq_len_default else ""))
+        a(
+            "--split-rate",
+            type=float,
+            default=1.0,
+            help="fraction of tokens in the train split, read as a decimal (default 1.0)",
+        )
+        a(
+            "--seq-len",
+            type=int,
+            default=seq_len_default,
+            help="tokens per window" + (" (default %(default)s)" if seq_len_default else ""),
+        )
         a("--stride", type=int, default=0, help="window stride (default: seq-len)")
-        a("--batch-size", type=int, default=batch_size_default,
-          help="windows per rank per step" + (" (default %(default)s)" if batch_size_default
-                                              else ""))
+        a(
+            "--batch-size",
+            type=int,
+            default=batch_size_default,
+            help="windows per rank per step"
+            + (" (default %(default)s)" if batch_size_default else ""),
+        )
         a("--shift", default="1", help="label shift: an integer or 'auto' (default 1)")
         a("--seed", type=int, default=0)
         a("--shuffle", action=argparse.BooleanOptionalAction, default=False)
-        a("--shuffle-blocks", type=int, default=0,
-          help=f"blocks mixed per shuffle group (default {DEFAULT_SHUFFLE_BLOCKS})")
+        a(
+            "--shuffle-blocks",
+            type=int,
+            default=0,
+            help=f"blocks mixed per shuffle group (default {DEFAULT_SHUFFLE_BLOCKS})",
+        )
         a("--world-size", type=int, default=1, help="ranks of the job (default 1)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> SamplingSpec:
         fields = dict(
-            dataset=getattr(args, "dataset", None) or "-", seq_len=args.seq_len,
-            batch_size=args.batch_size, split=args.split, split_rate=args.split_rate,
-            stride=args.stride, shift=args.shift, seed=args.seed, shuffle=args.shuffle,
-            shuffle_blocks=args.shuffle_blocks, world_size=args.world_size,
+            dataset=getattr(args, "dataset", None) or "-",
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            split=args.split,
+            split_rate=args.split_rate,
+            stride=args.stride,
+            shift=args.shift,
+            seed=args.seed,
+            shuffle=args.shuffle,
+            shuffle_blocks=args.shuffle_blocks,
+            world_size=args.world_size,
         )
         return cls(**(fields | overrides))

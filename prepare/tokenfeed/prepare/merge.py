@@ -16,8 +16,8 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
-from tokenfeed.prepare import output as out
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from tokenfeed.core.store import (
     META_NAME,
@@ -27,6 +27,7 @@ from tokenfeed.core.store import (
     chunk_name,
     write_meta,
 )
+from tokenfeed.prepare import output as out
 
 _AGREE = ("dtype", "eos_token_id", "vocab_size", "tokenizer", "tokens_per_chunk")
 
@@ -55,7 +56,7 @@ def _open_parts(output: Path) -> list[TokenStore]:
     num_shards = {s.meta.source.get("num_shards") for s in stores}
     if len(num_shards) != 1 or None in num_shards:
         raise InvalidArgument(f"the parts in {output} disagree on --num-shards: {num_shards}")
-    n = int(num_shards.pop())
+    n = int(num_shards.pop() or 0)
     indices = [s.meta.source.get("shard_index") for s in stores]
     missing = [out.part_dir(output, i).name for i in range(n) if i not in indices]
     if missing:
@@ -68,7 +69,7 @@ def _open_parts(output: Path) -> list[TokenStore]:
     return sorted(stores, key=lambda s: s.meta.source["shard_index"])
 
 
-def _common_meta(stores: list[TokenStore], output: Path) -> dict:
+def _common_meta(stores: list[TokenStore], output: Path) -> dict[str, Any]:
     first = stores[0].meta
     base = {k: v for k, v in first.source.items() if k != "shard_index"}
     for s in stores[1:]:
@@ -110,11 +111,14 @@ def merge(output: str | os.PathLike[str], keep_parts: bool = False) -> StoreMeta
             chunks.append(Chunk(name, c.tokens, c.checksum))
     first = stores[0].meta
     meta = StoreMeta(
-        dtype=first.dtype, chunks=tuple(chunks), eos_token_id=first.eos_token_id,
-        vocab_size=first.vocab_size, tokenizer=first.tokenizer,
+        dtype=first.dtype,
+        chunks=tuple(chunks),
+        eos_token_id=first.eos_token_id,
+        vocab_size=first.vocab_size,
+        tokenizer=first.tokenizer,
         tokens_per_chunk=first.tokens_per_chunk,
-        source=base | {"merged_parts": len(stores),
-                       "part_tokens": [s.total_tokens for s in stores]},
+        source=base
+        | {"merged_parts": len(stores), "part_tokens": [s.total_tokens for s in stores]},
         created_at_unix=time.time(),
     )
     write_meta(output, meta)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenfeed.core.errors import DataLoss, InvalidArgument
 from tokenfeed.core.atomic import write_json
+from tokenfeed.core.errors import DataLoss, InvalidArgument
 from tokenfeed.core.store import META_NAME, StoreMeta
 
 PROGRESS_NAME = ".prepare-progress.json"

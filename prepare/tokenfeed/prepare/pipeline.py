@@ -38,6 +38,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tokenfeed.core.errors import FeederError, InvalidArgument
+from tokenfeed.core.store import DEFAULT_TOKENS_PER_CHUNK, Chunk, StoreMeta, StoreWriter
 from tokenfeed.prepare import output as out
 from tokenfeed.prepare.tokenize import (
     Encoder,
@@ -47,8 +49,6 @@ from tokenfeed.prepare.tokenize import (
     init_worker,
     load_tokenizer,
 )
-from tokenfeed.core.errors import FeederError, InvalidArgument
-from tokenfeed.core.store import DEFAULT_TOKENS_PER_CHUNK, StoreMeta, StoreWriter
 
 DEFAULT_BATCH_SIZE = 256
 
@@ -112,8 +112,11 @@ def describe(cfg: PrepareConfig, tok: TokenizerInfo) -> dict[str, Any]:
         "max_samples": cfg.max_samples,
     }
     if cfg.num_shards > 1:
-        desc |= {"num_shards": cfg.num_shards, "shard_index": cfg.shard_index,
-                 "sharding": "interleaved: document j -> shard j % num_shards"}
+        desc |= {
+            "num_shards": cfg.num_shards,
+            "shard_index": cfg.shard_index,
+            "sharding": "interleaved: document j -> shard j % num_shards",
+        }
     return desc
 
 
@@ -131,8 +134,9 @@ def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _encoded(cfg: PrepareConfig, tok: Any, info: TokenizerInfo,
-             batches: Iterator[list[str]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _encoded(
+    cfg: PrepareConfig, tok: Any, info: TokenizerInfo, batches: Iterator[list[str]]
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Encode batches in order: inline, or in a process pool with bounded read-ahead."""
     if cfg.num_proc == 1:
         # One encoding thread, one batch ahead: the Rust tokenizer runs without the GIL
@@ -145,17 +149,20 @@ def _encoded(cfg: PrepareConfig, tok: Any, info: TokenizerInfo,
     # An executor (not multiprocessing.Pool) so a worker that dies fails the run
     # (BrokenProcessPool) instead of hanging it.
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(cfg.num_proc, mp_context=ctx, initializer=init_worker,
-                             initargs=(info.spec, info)) as pool:
-        yield from _in_order(lambda batch: pool.submit(encode_in_worker, batch), batches,
-                             2 * cfg.num_proc)
+    with ProcessPoolExecutor(
+        cfg.num_proc, mp_context=ctx, initializer=init_worker, initargs=(info.spec, info)
+    ) as pool:
+        yield from _in_order(
+            lambda batch: pool.submit(encode_in_worker, batch), batches, 2 * cfg.num_proc
+        )
 
 
-def _in_order(submit: Callable[[Any], Future], items: Iterable[Any],
-              depth: int) -> Iterator[Any]:
+def _in_order(
+    submit: Callable[[Any], Future[Any]], items: Iterable[Any], depth: int
+) -> Iterator[Any]:
     """`submit(item)` for each item with at most `depth` in flight; results in order.
     Leaving early cancels whatever has not started."""
-    pending: collections.deque[Future] = collections.deque()
+    pending: collections.deque[Future[Any]] = collections.deque()
     try:
         for item in items:
             pending.append(submit(item))
@@ -172,8 +179,15 @@ def _progress_bar(cfg: PrepareConfig, path: Path, initial: int) -> Any:
     from tqdm import tqdm
 
     disable = None if cfg.progress is None else not cfg.progress
-    return tqdm(desc=f"prepare {path.name}", unit="tok", unit_scale=True, initial=initial,
-                file=sys.stderr, disable=disable, dynamic_ncols=True)
+    return tqdm(
+        desc=f"prepare {path.name}",
+        unit="tok",
+        unit_scale=True,
+        initial=initial,
+        file=sys.stderr,
+        disable=disable,
+        dynamic_ncols=True,
+    )
 
 
 def prepare(cfg: PrepareConfig) -> PrepareResult:
@@ -185,9 +199,10 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     path = cfg.store_path
     claim = out.claim_output(path, source, cfg.overwrite, "prepare")
     if claim.complete is not None:
-        return PrepareResult(path, claim.complete, 0, 0, time.perf_counter() - t0,
-                             already_complete=True)
-    done_chunks: tuple = ()
+        return PrepareResult(
+            path, claim.complete, 0, 0, time.perf_counter() - t0, already_complete=True
+        )
+    done_chunks: tuple[Chunk, ...] = ()
     docs_done = carry = 0
     if claim.resume is not None:
         out.drop_unrecorded_chunks(path, claim.resume)
@@ -195,9 +210,14 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         docs_done = int(claim.progress.get("documents_done", 0)) if claim.progress else 0
         carry = int(claim.progress.get("carry_tokens", 0)) if claim.progress else 0
     writer = StoreWriter(
-        path, dtype=info.dtype, tokens_per_chunk=cfg.tokens_per_chunk,
-        eos_token_id=info.eos_token_id, vocab_size=info.vocab_size, tokenizer=info.name,
-        source=source, chunks=tuple(done_chunks),
+        path,
+        dtype=info.dtype,
+        tokens_per_chunk=cfg.tokens_per_chunk,
+        eos_token_id=info.eos_token_id,
+        vocab_size=info.vocab_size,
+        tokenizer=info.name,
+        source=source,
+        chunks=tuple(done_chunks),
     )
     if claim.resume is None:  # the directory is this command's from the first moment
         out.write_progress(path, writer.meta(), {"documents_done": 0, "carry_tokens": 0})
@@ -218,9 +238,14 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
                     completed += sum(c.tokens for c in new)
                     k = int(np.searchsorted(ends, completed, side="right"))
                     prev_end = int(ends[k - 1]) if k else position
-                    out.write_progress(path, writer.meta(), {
-                        "documents_done": docs + k, "carry_tokens": completed - prev_end,
-                    })
+                    out.write_progress(
+                        path,
+                        writer.meta(),
+                        {
+                            "documents_done": docs + k,
+                            "carry_tokens": completed - prev_end,
+                        },
+                    )
                 position = int(ends[-1])
                 docs += len(lengths)
                 written += int(tokens.size)
@@ -231,10 +256,20 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         out.abandon(claim)  # bad input: nothing half-written stays behind
         raise
     except BaseException:
-        print(f"tokenfeed prepare: stopped; progress is saved in {path}: re-run the same "
-              "command to resume after the last completed chunk", file=sys.stderr)
+        print(
+            f"tokenfeed prepare: stopped; progress is saved in {path}: re-run the same "
+            "command to resume after the last completed chunk",
+            file=sys.stderr,
+        )
         raise
     (path / out.PROGRESS_NAME).unlink(missing_ok=True)
     seconds = time.perf_counter() - t0
-    return PrepareResult(path, meta, docs, written, seconds, resumed_chunks=len(done_chunks),
-                         stats={"setup_seconds": t_setup, "run_seconds": seconds - t_setup})
+    return PrepareResult(
+        path,
+        meta,
+        docs,
+        written,
+        seconds,
+        resumed_chunks=len(done_chunks),
+        stats={"setup_seconds": t_setup, "run_seconds": seconds - t_setup},
+    )

@@ -66,8 +66,13 @@ class HFSource:
             raise NotFound(f"dataset {dataset}: no such local path")
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "huggingface", "dataset": self.dataset, "name": self.name,
-                "split": self.split, "text_field": self.text_field}
+        return {
+            "kind": "huggingface",
+            "dataset": self.dataset,
+            "name": self.name,
+            "split": self.split,
+            "text_field": self.text_field,
+        }
 
     def _open(self) -> Any:
         try:
@@ -75,9 +80,7 @@ class HFSource:
         except ImportError:
             raise NotFound("--dataset needs datasets: pip install 'tokenfeed[prepare]'") from None
         try:
-            return datasets.load_dataset(
-                self.dataset, self.name, split=self.split, streaming=True
-            )
+            return datasets.load_dataset(self.dataset, self.name, split=self.split, streaming=True)
         except (FileNotFoundError, ConnectionError) as e:
             raise NotFound(
                 f"dataset {self.dataset!r} not found locally or on the Hugging Face Hub "
@@ -98,7 +101,8 @@ def expand_globs(patterns: Iterable[str]) -> list[Path]:
     seen: set[Path] = set()
     for pattern in patterns:
         matches = sorted(
-            Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True)
+            Path(p)
+            for p in glob.glob(os.path.expanduser(pattern), recursive=True)
             if os.path.isfile(p)
         )
         if not matches:
@@ -129,8 +133,11 @@ class FileSource:
         self.text_field = text_field
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "files", "text_field": self.text_field,
-                "files": [[str(p.resolve()), p.stat().st_size] for p in self.files]}
+        return {
+            "kind": "files",
+            "text_field": self.text_field,
+            "files": [[str(p.resolve()), p.stat().st_size] for p in self.files],
+        }
 
     def __iter__(self) -> Iterator[str]:
         for path in self.files:

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
 from tokenfeed.core.dtypes import dtype_for_vocab, numpy_dtype
+from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
 
 OFFLINE_GPT2 = "gpt2-offline"
 GPT2_EOS = "<|endoftext|>"
@@ -118,8 +118,9 @@ def load_tokenizer(spec: str) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise NotFound("tokenfeed prepare needs transformers: pip install 'tokenfeed[prepare]'") \
-            from None
+        raise NotFound(
+            "tokenfeed prepare needs transformers: pip install 'tokenfeed[prepare]'"
+        ) from None
     if spec == OFFLINE_GPT2:
         where: str = str(offline_gpt2_dir())
     elif _looks_like_path(spec):
@@ -182,13 +183,17 @@ def batch_encoder(tok: Any) -> Any:
     backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
     fast = getattr(backend, "encode_batch_fast", None)
     if fast is not None:
+
         def encode(texts: list[str]) -> list[list[int]]:
             return [e.ids for e in fast(texts, add_special_tokens=False)]
+
         return encode
 
     def encode_slow(texts: list[str]) -> list[list[int]]:
-        return tok(texts, add_special_tokens=False, return_attention_mask=False,
-                   verbose=False)["input_ids"]
+        return tok(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)[
+            "input_ids"
+        ]
+
     return encode_slow
 
 
@@ -207,8 +212,9 @@ class Encoder:
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         encoded = self.encode(texts)
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-        flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64,
-                           count=int(lengths.sum()))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum())
+        )
         ends = np.cumsum(lengths)[lengths > 0]
         tokens = np.insert(flat, ends, self.info.eos_token_id)  # EOS after each document
         lengths[lengths > 0] += 1  # an empty document gets no lone EOS

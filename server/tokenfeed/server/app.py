@@ -23,12 +23,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from tokenfeed.core.atomic import write_atomic
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.config import ServerConfig
 from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.metrics import ServerMetrics, serve_http
 from tokenfeed.server.service import SERVICE_NAME, FeederService
-from tokenfeed.core.atomic import write_atomic
 from tokenfeed.v1 import feeder_pb2
 
 log = logging.getLogger("tokenfeed.server")
@@ -37,7 +37,7 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 _REQUEST_LIMIT = 1 << 20  # requests are small; responses are bounded by --max-batch-bytes
 
 
-class BearerTokenAuth(grpc.aio.ServerInterceptor):
+class BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Every call must carry `authorization: Bearer <token>` (compared in constant time).
 
     The health service is exempt so orchestrator probes (Kubernetes gRPC probes send
@@ -94,8 +94,12 @@ class FeederServer:
         self.datasets = Catalog(config.data_root)
         self.executor = ThreadPoolExecutor(config.num_workers, thread_name_prefix="tokenfeed-batch")
         self.service = FeederService(
-            self.datasets, self.cache, self.metrics, self.executor,
-            max_streams=config.max_streams, max_batch_bytes=config.max_batch_bytes,
+            self.datasets,
+            self.cache,
+            self.metrics,
+            self.executor,
+            max_streams=config.max_streams,
+            max_batch_bytes=config.max_batch_bytes,
         )
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
@@ -206,7 +210,10 @@ async def serve(config: ServerConfig) -> int:
     await server.start()
     log.info(
         "tokenfeed feeder serving %s on %s (tls=%s, auth=%s, cache %d bytes)%s",
-        config.data_root, server.address, config.tls, config.auth_token_file is not None,
+        config.data_root,
+        server.address,
+        config.tls,
+        config.auth_token_file is not None,
         config.cache_bytes,
         f", metrics on :{server.metrics_port}" if server.metrics_port else "",
     )

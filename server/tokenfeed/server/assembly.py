@@ -21,8 +21,9 @@ from __future__ import annotations
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from functools import partial
+from typing import Any, cast
 
 import numpy as np
 
@@ -68,11 +69,19 @@ class LocatedRound:
         self.crossing = np.flatnonzero(crossing).tolist()  # ascending row indices
         self.batch_crosses = (  # per batch: does any of its rows cross?
             np.logical_or.reduceat(crossing, self.row_lo[:-1]).tolist()
-            if self.crossing else [False] * len(self.cols)
+            if self.crossing
+            else [False] * len(self.cols)
         )
         self.heads, self.tails = wire.frames(
-            rnd.epoch, rnd.step, rnd.offsets, rnd.shifts, rnd.rows, self.cols,
-            store.meta.dtype, store.dtype.itemsize, starts,
+            rnd.epoch,
+            rnd.step,
+            rnd.offsets,
+            rnd.shifts,
+            rnd.rows,
+            self.cols,
+            store.meta.dtype,
+            store.dtype.itemsize,
+            starts,
         )
 
     def __len__(self) -> int:
@@ -125,7 +134,7 @@ def pin_views(
     entries = cache.pin_resident([keys[c] for c in chunks])
     if entries is None:
         return None
-    return entries, {c: e.view for c, e in zip(chunks, entries, strict=True)}
+    return entries, {c: cast(memoryview, e.view) for c, e in zip(chunks, entries, strict=True)}
 
 
 def row_parts(
@@ -157,9 +166,9 @@ def gather(ds: Dataset, cache: ChunkCache, starts: list[int], cols: int) -> byte
         for c, a, b in _pieces(bounds, store.chunk_of(s), s, s + cols):
             needed.setdefault(c, []).append((r * cols + a - s, a, b))
     for c in sorted(needed):
-        load: Callable[[], np.ndarray] = lambda c=c: store.read_chunk(c)  # noqa: E731
+        load = partial(store.read_chunk, c)
         with cache.pinned(ds.chunk_key(c), store.chunk_nbytes(c), load) as chunk:
-            view = memoryview(chunk).cast("B")
+            view = chunk.data.cast("B")
             for at, a, b in needed[c]:  # `at`: the piece's token position in `out`
                 src, n = (a - bounds[c]) * size, (b - a) * size
                 out[at * size : at * size + n] = view[src : src + n]
@@ -177,13 +186,22 @@ class MessageBuilder:
     """
 
     def __init__(
-        self, ds: Dataset, plan: sampling.Plan, rounds: Iterator[sampling.Round],
-        per_message: int, cache: ChunkCache, metrics: ServerMetrics,
+        self,
+        ds: Dataset,
+        plan: sampling.Plan,
+        rounds: Iterator[sampling.Round],
+        per_message: int,
+        cache: ChunkCache,
+        metrics: ServerMetrics,
     ) -> None:
         self.ds, self.plan, self.cache, self.metrics = ds, plan, cache, metrics
         self.per_message = per_message
-        self.message_bytes = per_message * plan.batch_size * (
-            plan.seq_len + plan.max_shift) * ds.store.dtype.itemsize
+        self.message_bytes = (
+            per_message
+            * plan.batch_size
+            * (plan.seq_len + plan.max_shift)
+            * ds.store.dtype.itemsize
+        )
         self.group_messages = max(1, min(GROUP_MESSAGES, GROUP_BYTES // self.message_bytes))
         self.lookahead = max(LOOKAHEAD_BATCHES, self.group_messages * per_message)
         self._source = rounds
@@ -233,7 +251,7 @@ class MessageBuilder:
                 continue
             self._asked[c] = self._groups
             if nbytes := store.chunk_nbytes(c):
-                self.cache.prefetch(self.ds.chunk_key(c), nbytes, lambda c=c: store.read_chunk(c))
+                self.cache.prefetch(self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))
 
     def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int]]:
         """The next n messages as spans of rounds, and the cursor after them."""

@@ -206,6 +206,7 @@ class ChunkCache:
                 leader = entry is None
                 if leader:
                     entry = self._insert(key, nbytes)
+                assert entry is not None
                 entry.pins += 1
             self.stats.misses += 1
             if self.metrics is not None:
@@ -262,15 +263,13 @@ class ChunkCache:
         try:
             data = load()
             if data.nbytes != entry.nbytes:
-                raise DataLoss(
-                    f"chunk {key!r} loaded {data.nbytes} bytes, expected {entry.nbytes}"
-                )
+                raise DataLoss(f"chunk {key!r} loaded {data.nbytes} bytes, expected {entry.nbytes}")
         except BaseException as e:  # noqa: BLE001 - handed to every waiter
             self._fail(key, entry, e, log_it=True)
             return
         if self.metrics is not None:
             self.metrics.chunk_load_seconds.observe(time.perf_counter() - t0)
-        view = memoryview(data).cast("B")
+        view = data.data.cast("B")
         with self._cond:
             entry.data, entry.view = data, view
             entry.done.set()

@@ -43,52 +43,65 @@ class ServerMetrics:
         self.registry = registry
         ds = ("dataset", "split")
         self.streams_active = Gauge(
-            "tokenfeed_server_streams_active", "StreamBatches calls in progress",
+            "tokenfeed_server_streams_active",
+            "StreamBatches calls in progress",
             registry=registry,
         )
         self.batches_sent = Counter(
             "tokenfeed_server_batches_sent", "Batches sent", ds, registry=registry
         )
         self.tokens_sent = Counter(
-            "tokenfeed_server_tokens_sent", "Tokens sent (rows x (seq_len + shift))", ds,
+            "tokenfeed_server_tokens_sent",
+            "Tokens sent (rows x (seq_len + shift))",
+            ds,
             registry=registry,
         )
         self.bytes_sent = Counter(
             "tokenfeed_server_bytes_sent", "Token payload bytes sent", ds, registry=registry
         )
         self.errors = Counter(
-            "tokenfeed_server_errors", "Calls ended with an error, by gRPC status code",
-            ("code",), registry=registry,
+            "tokenfeed_server_errors",
+            "Calls ended with an error, by gRPC status code",
+            ("code",),
+            registry=registry,
         )
         self.cache_hits = Counter(
             "tokenfeed_cache_hits", "Chunk requests served from the cache", registry=registry
         )
         self.cache_misses = Counter(
-            "tokenfeed_cache_misses", "Chunk requests that had to load (or wait for) a chunk",
+            "tokenfeed_cache_misses",
+            "Chunk requests that had to load (or wait for) a chunk",
             registry=registry,
         )
         self.cache_evictions = Counter(
             "tokenfeed_cache_evictions", "Chunks evicted to make room", registry=registry
         )
         self.cache_checksum_failures = Counter(
-            "tokenfeed_cache_checksum_failures", "Chunk loads that failed (corrupt/short chunk)",
+            "tokenfeed_cache_checksum_failures",
+            "Chunk loads that failed (corrupt/short chunk)",
             registry=registry,
         )
         self.cache_resident_bytes = Gauge(
-            "tokenfeed_cache_resident_bytes", "Bytes held (or being loaded) by the chunk cache",
+            "tokenfeed_cache_resident_bytes",
+            "Bytes held (or being loaded) by the chunk cache",
             registry=registry,
         )
         self.cache_capacity_bytes = Gauge(
-            "tokenfeed_cache_capacity_bytes", "Byte bound of the chunk cache (--cache-bytes)",
+            "tokenfeed_cache_capacity_bytes",
+            "Byte bound of the chunk cache (--cache-bytes)",
             registry=registry,
         )
         self.chunk_load_seconds = Histogram(
-            "tokenfeed_chunk_load_seconds", "Time to read and verify one chunk",
-            buckets=_LOAD_BUCKETS, registry=registry,
+            "tokenfeed_chunk_load_seconds",
+            "Time to read and verify one chunk",
+            buckets=_LOAD_BUCKETS,
+            registry=registry,
         )
         self.batch_build_seconds = Histogram(
-            "tokenfeed_batch_build_seconds", "Time to assemble one batch from cached chunks",
-            buckets=_BUILD_BUCKETS, registry=registry,
+            "tokenfeed_batch_build_seconds",
+            "Time to assemble one batch from cached chunks",
+            buckets=_BUILD_BUCKETS,
+            registry=registry,
         )
 
 

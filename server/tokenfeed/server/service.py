@@ -33,7 +33,7 @@ from tokenfeed.core.errors import FeederError, InvalidArgument
 from tokenfeed.core.request import MAX_PARAM, SPLITS, SamplingSpec
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
-from tokenfeed.server.datasets import Dataset, Catalog
+from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.v1 import feeder_pb2 as pb
 
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 try:  # what a write to a call that already ended (client gone, drain) raises
     from grpc._cython.cygrpc import ExecuteBatchError as _CallEnded
 except ImportError:  # pragma: no cover - grpc's internals moved; fall back to the checks
-    _CallEnded = ()  # type: ignore[assignment,misc]
+    _CallEnded = ()
 
 SERVICE_NAME = "tokenfeed.v1.Feeder"
 INLINE_MAX_BYTES = 1 << 20  # messages up to this size from cached chunks: built on the loop
@@ -58,7 +58,8 @@ def plan_for(spec: SamplingSpec, ds: Dataset) -> sampling.Plan:
     meta = ds.store.meta
     block_tokens = meta.tokens_per_chunk or max((c.tokens for c in meta.chunks), default=0)
     return sampling.Plan(
-        spec, ds.store.total_tokens,
+        spec,
+        ds.store.total_tokens,
         block_tokens=max(1, min(block_tokens or sampling.DEFAULT_BLOCK_TOKENS, MAX_PARAM)),
     )
 
@@ -198,7 +199,8 @@ class FeederService:
             raise InvalidArgument(f"rank must be in [0, world_size={spec.world_size}), got {rank}")
         tokens, windows = sampling.split_windows(spec, ds.store.total_tokens)
         steps = sampling.steps_per_epoch(
-            windows, spec.batch_size, spec.world_size, rank, spec.split)
+            windows, spec.batch_size, spec.world_size, rank, spec.split
+        )
         return pb.SplitInfo(name=spec.split, tokens=tokens, windows=windows, steps=steps)
 
     # --------------------------------------------------------- StreamBatches
@@ -239,7 +241,8 @@ class FeederService:
             )
         if self.active_streams >= self.max_streams:
             await self._abort(
-                context, "RESOURCE_EXHAUSTED",
+                context,
+                "RESOURCE_EXHAUSTED",
                 f"the feeder already serves {self.active_streams} streams (--max-streams "
                 f"{self.max_streams}); retry later or add a replica",
             )

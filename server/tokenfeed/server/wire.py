@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _tag(message: type, field: str, wire_type: int) -> bytes:
+def _tag(message: Any, field: str, wire_type: int) -> bytes:
     return varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | wire_type)
 
 
@@ -53,7 +54,15 @@ _TOKENS = _tag(pb.Batch, "tokens", _LEN)
 _STARTS = _tag(pb.Batch, "starts", _LEN)
 _BATCH = _tag(pb.StreamBatchesResponse, "batches", _LEN)
 assert [f.name for f in sorted(pb.Batch.DESCRIPTOR.fields, key=lambda f: f.number)] == [
-    "epoch", "step", "offset", "shift", "rows", "cols", "dtype", "tokens", "starts"
+    "epoch",
+    "step",
+    "offset",
+    "shift",
+    "rows",
+    "cols",
+    "dtype",
+    "tokens",
+    "starts",
 ], "frames() writes Batch's fields in this order"
 
 
@@ -71,8 +80,14 @@ def _middle_fields(shift: int, rows: int, cols: int, dtype: str, payload: int) -
 
 
 def frames(
-    epoch: int, step: int, offsets: Sequence[int], shifts: Sequence[int],
-    rows: Sequence[int], cols: Sequence[int], dtype: str, itemsize: int,
+    epoch: int,
+    step: int,
+    offsets: Sequence[int],
+    shifts: Sequence[int],
+    rows: Sequence[int],
+    cols: Sequence[int],
+    dtype: str,
+    itemsize: int,
     starts: np.ndarray,
 ) -> tuple[list[bytes], list[bytes]]:
     """(heads, tails) of consecutive batches (steps step, step + 1, ...): batch i of a
@@ -97,10 +112,14 @@ def frames(
         a, b = at[i], at[i + 1]
         tail = _STARTS + varint(b - a) + values[a:b] if b > a else b""
         payload = n_rows * n_cols * itemsize
-        fields = b"".join((
-            epoch_field, _int_field(_STEP, step + i), _int_field(_OFFSET, offset),
-            _middle_fields(shift, n_rows, n_cols, dtype, payload),
-        ))
+        fields = b"".join(
+            (
+                epoch_field,
+                _int_field(_STEP, step + i),
+                _int_field(_OFFSET, offset),
+                _middle_fields(shift, n_rows, n_cols, dtype, payload),
+            )
+        )
         heads.append(_BATCH + varint(len(fields) + payload + len(tail)) + fields)
         tails.append(tail)
     return heads, tails

@@ -1,6 +1,6 @@
 """The token store: its format (meta.py), the reader and the writer.
 
-    from tokenfeed.core.store import TokenStore, StoreWriter, write_store
+from tokenfeed.core.store import TokenStore, StoreWriter, write_store
 """
 
 from tokenfeed.core.store.meta import (

@@ -37,7 +37,7 @@ DEFAULT_TOKENS_PER_CHUNK = 1 << 24  # 32 MiB of uint16: big sequential reads, fe
 def checksum(data: bytes | memoryview | np.ndarray) -> str:
     """Checksum of a chunk's bytes, as stored in meta.json (`crc32:%08x`)."""
     if isinstance(data, np.ndarray):
-        data = memoryview(np.ascontiguousarray(data)).cast("B")
+        data = np.ascontiguousarray(data).data.cast("B")
     return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
@@ -91,8 +91,7 @@ class StoreMeta:
         """Parse meta.json (ours or the Streaming-Dataloader's); DataLoss if it lies."""
         try:
             chunks = tuple(
-                Chunk(str(c["file"]), int(c["tokens"]), c.get("checksum"))
-                for c in doc["chunks"]
+                Chunk(str(c["file"]), int(c["tokens"]), c.get("checksum")) for c in doc["chunks"]
             )
             meta = cls(
                 dtype=str(doc["dtype"]),
@@ -131,5 +130,3 @@ class StoreMeta:
 
 def _opt_int(v: Any) -> int | None:
     return None if v is None else int(v)
-
-

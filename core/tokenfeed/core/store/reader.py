@@ -19,6 +19,7 @@ from tokenfeed.core.dtypes import numpy_dtype
 from tokenfeed.core.errors import ChecksumMismatch, DataLoss, FeederError, InvalidArgument, NotFound
 from tokenfeed.core.store.meta import META_NAME, Chunk, StoreMeta, checksum
 
+
 class TokenStore:
     """Read access to one store: metadata, chunk boundaries, verified chunk reads."""
 

@@ -25,6 +25,7 @@ from tokenfeed.core.store.meta import (
     chunk_name,
 )
 
+
 def write_meta(path: Path, meta: StoreMeta) -> None:
     """Write meta.json atomically: the moment a store becomes complete."""
     write_json(path / META_NAME, meta.to_json())
@@ -88,7 +89,7 @@ class StoreWriter:
     def _flush(self) -> Chunk:
         data = self._buf[: self._fill]
         name = chunk_name(len(self.chunks))
-        write_atomic(self.path / name, memoryview(data).cast("B"))
+        write_atomic(self.path / name, data.data.cast("B"))
         chunk = Chunk(name, int(self._fill), checksum(data))
         self.chunks.append(chunk)
         self._fill = 0
@@ -119,12 +120,8 @@ class StoreWriter:
         return meta
 
 
-def write_store(
-    path: str | os.PathLike[str], tokens: np.ndarray, **kwargs: Any
-) -> StoreMeta:
+def write_store(path: str | os.PathLike[str], tokens: np.ndarray, **kwargs: Any) -> StoreMeta:
     """Write a whole token array as a store (small stores, tests, imports)."""
     writer = StoreWriter(path, **kwargs)
     writer.add(tokens)
     return writer.finish()
-
-
