@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tokenfeed.core.errors import DataLoss, FailedPrecondition
+from tokenfeed.core.errors import ChecksumMismatch, DataLoss, FailedPrecondition
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.metrics import ServerMetrics
 
@@ -84,7 +84,7 @@ def test_failed_load_reaches_every_waiter_is_counted_and_not_cached() -> None:
 
     def bad() -> np.ndarray:
         release.wait(30)
-        raise DataLoss("chunk 0 is corrupt (checksum ...)")
+        raise ChecksumMismatch("chunk 0 is corrupt (checksum ...)")
 
     errors = []
 
@@ -105,7 +105,16 @@ def test_failed_load_reaches_every_waiter_is_counted_and_not_cached() -> None:
         t.join(30)
     assert len(errors) == 4 and all("corrupt" in m for m in errors)
     assert metrics.registry.get_sample_value("tokenfeed_cache_checksum_failures_total") == 1
+    assert metrics.registry.get_sample_value("tokenfeed_cache_load_failures_total") == 1
     assert cache.resident_bytes == 0
+
+    def missing() -> np.ndarray:
+        raise DataLoss("chunk 1 is missing")
+
+    with pytest.raises(DataLoss, match="missing"), cache.pinned(1, 10, missing):
+        pass  # a missing chunk is a load failure, not a checksum failure
+    assert metrics.registry.get_sample_value("tokenfeed_cache_checksum_failures_total") == 1
+    assert metrics.registry.get_sample_value("tokenfeed_cache_load_failures_total") == 2
     with cache.pinned(0, 10, lambda: chunk(0, 10)) as data:  # fixed on disk: loads again
         assert data.nbytes == 10
     cache.close()

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import running_feeder
-from prometheus_client import CollectorRegistry
-
-from tokenfeed.client.metrics import ClientMetrics
-from tokenfeed.server.metrics import ServerMetrics
+from support import free_port, registered_series
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -131,30 +127,12 @@ def alert_inner_expressions(expr: str) -> list[str]:
     return out
 
 
-def exported_series() -> set[str]:
-    """Every sample name the feeder and the client export (from their metrics modules)."""
-    names: set[str] = set()
-    reg = CollectorRegistry()
-    ServerMetrics(reg)
-    ClientMetrics(rank=0, registry=reg)
-    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
-    for family in reg.collect():
-        names.update(family.name + s for s in suffixes[family.type])
-    return names
-
-
 def metric_names(expr: str) -> set[str]:
     """Names a PromQL expression selects: tokenfeed_*, `up` and recorded `a:b:c` series."""
     no_strings = re.sub(r'"[^"]*"', '""', expr)
     return set(
         re.findall(r"(?<![\w:])(tokenfeed_[a-z_]+|up|[a-z_]+:[a-z0-9_:]+)(?![\w:])", no_strings)
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------ dashboard
@@ -204,7 +182,7 @@ def test_dashboard_panels_use_the_datasource_variable_and_fit_the_grid() -> None
 
 
 def test_every_metric_in_dashboard_and_rules_is_exported() -> None:
-    known = exported_series() | {"up"} | {r["record"] for r in rules() if "record" in r}
+    known = registered_series() | {"up"} | {r["record"] for r in rules() if "record" in r}
     used = {(where, name) for where, expr in dashboard_queries() for name in metric_names(expr)}
     used |= {
         (r.get("record") or r["alert"], name) for r in rules() for name in metric_names(r["expr"])

