@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from tokenfeed.cli.bench import measure
-from tokenfeed.cli.process import wait_for_port
+from tokenfeed.cli.process import serve_argv, wait_for_port
 from tokenfeed.core.sampling import Plan
 from tokenfeed.core.store import TokenStore, write_store
 
@@ -270,18 +270,7 @@ def main() -> None:
         np.save(root / "starts.npy", epoch_starts(TokenStore.open(root / DATASET)))
         port_file = root / "port"
         feeder = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenfeed",
-                "serve",
-                "--data-root",
-                str(root),
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-            ],
+            serve_argv(root, port_file),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

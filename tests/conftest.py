@@ -166,25 +166,13 @@ class FeederProcess:
 
     def start(self) -> None:
         import subprocess
-        import sys
+
+        from tokenfeed.cli.process import serve_argv
 
         self.port_file.unlink(missing_ok=True)
         if getattr(self, "_log", None) is not None:
             self._log.close()
-        argv = [
-            sys.executable,
-            "-m",
-            "tokenfeed",
-            "serve",
-            "--data-root",
-            str(self.data_root),
-            "--port",
-            str(self.port),
-            "--port-file",
-            str(self.port_file),
-        ]
-        for key, value in self.flags.items():
-            argv += ["--" + key.replace("_", "-"), str(value)]
+        argv = serve_argv(self.data_root, self.port_file, self.port, **self.flags)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
         try:

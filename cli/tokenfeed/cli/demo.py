@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenfeed.cli.process import stop, wait_for_port
+from tokenfeed.cli.process import serve_argv, stop, wait_for_port
 
 WORLD_SIZE = 2
 DATASET = "demo"
@@ -138,22 +138,7 @@ def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[byte
     port_file, log = workdir / "port", workdir / "feeder.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenfeed",
-                "serve",
-                "--data-root",
-                str(data_root),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
+            serve_argv(data_root, port_file), stdout=out, stderr=subprocess.STDOUT
         )
     try:
         port = wait_for_port(proc, port_file)

@@ -6,9 +6,20 @@ Used by the programs (demo), the benchmarks and the tests.
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+def serve_argv(data_root: Path, port_file: Path, port: int = 0, **flags: object) -> list[str]:
+    """The command line of `tokenfeed serve` on 127.0.0.1 writing its port to `port_file`;
+    `flags` are more flags by name (cache_bytes="1M" -> --cache-bytes 1M)."""
+    argv = [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(data_root)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file)]
+    for key, value in flags.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    return argv
 
 
 def wait_for_port(proc: subprocess.Popen[Any], port_file: Path, timeout: float = 60.0) -> int:

@@ -22,7 +22,6 @@ error after writing started removes what was written.
 
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from tokenfeed.core.errors import DataLoss, FeederError, InvalidArgument, NotFound
+from tokenfeed.core.errors import DataLoss, FeederError, InvalidArgument
 from tokenfeed.core.store import DEFAULT_TOKENS_PER_CHUNK, StoreMeta, StoreWriter
+from tokenfeed.prepare.sources import expand_globs
 
 LLMC_HEADER_INTS = 256
 LLMC_HEADER_BYTES = LLMC_HEADER_INTS * 4
@@ -87,20 +87,6 @@ def llmc_file(path: Path) -> TokenFile:
             f"but the file has {size} bytes ({'truncated' if size < expected else 'extra data'})"
         )
     return TokenFile(path, dtype, LLMC_HEADER_BYTES, count)
-
-
-def _expand(patterns: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for pattern in patterns:
-        matches = sorted(
-            Path(p)
-            for p in glob.glob(os.path.expanduser(pattern), recursive=True)
-            if os.path.isfile(p)
-        )
-        if not matches:
-            raise NotFound(f"no file matches {pattern!r}")
-        files += [p for p in matches if p not in files]
-    return files
 
 
 def write_tokens(
@@ -175,7 +161,7 @@ def import_files(
     """Import token files; returns {store path: meta} (see the module docstring)."""
     if tokens_per_chunk < 1:
         raise InvalidArgument("--tokens-per-chunk must be >= 1")
-    files = _expand(paths)
+    files = expand_globs(paths, suffixes=None)
     output = Path(output)
     common: dict[str, Any] = dict(
         tokens_per_chunk=tokens_per_chunk,

@@ -78,7 +78,9 @@ class HFSource:
         try:
             import datasets
         except ImportError:
-            raise ImportError("--dataset needs datasets: pip install 'tokenfeed[prepare]'") from None
+            raise ImportError(
+                "--dataset needs datasets: pip install 'tokenfeed[prepare]'"
+            ) from None
         try:
             return datasets.load_dataset(self.dataset, self.name, split=self.split, streaming=True)
         except (FileNotFoundError, ConnectionError) as e:
@@ -95,8 +97,12 @@ class HFSource:
             yield _text_of(row, self.text_field, f"{where} row {i}")
 
 
-def expand_globs(patterns: Iterable[str]) -> list[Path]:
-    """Every file the globs match, in the documented order; NotFound for a glob with none."""
+def expand_globs(
+    patterns: Iterable[str], suffixes: tuple[str, ...] | None = SUFFIXES
+) -> list[Path]:
+    """Every file the globs match, in the documented order (each glob's matches sorted,
+    a file matched twice kept once); NotFound for a glob with none, InvalidArgument for
+    a file whose name ends in none of `suffixes` (None: any file)."""
     files: list[Path] = []
     seen: set[Path] = set()
     for pattern in patterns:
@@ -108,7 +114,7 @@ def expand_globs(patterns: Iterable[str]) -> list[Path]:
         if not matches:
             raise NotFound(f"no file matches {pattern!r}")
         for p in matches:
-            if not p.name.endswith(SUFFIXES):
+            if suffixes is not None and not p.name.endswith(suffixes):
                 raise InvalidArgument(
                     f"{p}: unsupported file type; --files reads {', '.join(SUFFIXES)}"
                 )
