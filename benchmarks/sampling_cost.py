@@ -84,7 +84,7 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).parent))
     try:
-        from serve_throughput import bare_message_seconds  # type: ignore[import-not-found]
+        from serve_throughput import bare_message_seconds
     except ImportError:
         print("(serve_throughput.bare_message_seconds not available: no send-cost ratio)")
         return

@@ -43,7 +43,7 @@ SEQ_LEN, BATCH, STRIDE = 1024, 16, 256
 METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
 
 
-def request(per_message: int, epoch: int):  # type: ignore[no-untyped-def]
+def request(per_message: int, epoch: int):
     from tokenfeed.v1 import feeder_pb2 as pb
 
     params = pb.SamplingParams(
@@ -173,7 +173,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tuple:  # type: ignore[type-arg]
+def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tuple:
     port_file = tmp / f"port-{kind}-{per_message}"
     port_file.unlink(missing_ok=True)
     if kind == "bare":
@@ -206,7 +206,7 @@ def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tup
 
 def measure(
     kind: str, streams: int, per_message: int, seconds: float, data_root: Path, tmp: Path
-) -> dict:  # type: ignore[type-arg]
+) -> dict:
     proc, address = start_server(kind, data_root, per_message, tmp)
     client = [sys.executable, __file__, "--client", address, "--per-message", str(per_message)]
     try:
@@ -258,7 +258,7 @@ def make_store(root: Path, total: int) -> None:
     )
 
 
-def median_row(runs: list[dict]) -> dict:  # type: ignore[type-arg]
+def median_row(runs: list[dict]) -> dict:
     """The run with the median tokens/s (its CPU figures come with it)."""
     return sorted(runs, key=lambda r: r["tokens_s"])[len(runs) // 2]
 
@@ -294,7 +294,7 @@ def main() -> None:
         plan = [
             (k_, int(s_), int(m_)) for k_, s_, m_ in (x.split(":") for x in args.only.split(","))
         ]
-    runs: dict[tuple, list[dict]] = {row: [] for row in plan}  # type: ignore[type-arg]
+    runs: dict[tuple, list[dict]] = {row: [] for row in plan}
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as d:
         tmp = Path(d)
         make_store(tmp / "data", args.tokens)
@@ -331,7 +331,7 @@ def main() -> None:
         )
     tf = {(r["streams"], r["per_message"]): r for r in rows if r["kind"] == "tokenfeed"}
 
-    def each(a: tuple, b: tuple, pick: str = "tokenfeed") -> str:  # type: ignore[type-arg]
+    def each(a: tuple, b: tuple, pick: str = "tokenfeed") -> str:
         """The ratio in each repeat, so the spread shows beside the median."""
         num = runs[("tokenfeed", *a)]
         den = runs[(pick, *b)]

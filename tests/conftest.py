@@ -13,7 +13,7 @@ from tokenfeed.core.sampling import DEFAULT_BLOCK_TOKENS, Plan
 from tokenfeed.core.store import TokenStore, write_store
 
 
-def make_plan(total_tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, **spec) -> Plan:  # type: ignore[no-untyped-def]
+def make_plan(total_tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, **spec) -> Plan:
     """A sampling Plan from SamplingSpec fields (dataset defaults to "t")."""
     return Plan(SamplingSpec(**{"dataset": "t", **spec}), total_tokens, block_tokens)
 
@@ -65,7 +65,7 @@ FEEDER_DATASET = "positions"  # 10,000 tokens in chunks of 1,000 (uint32, token 
 class InProcessFeeder:
     """A FeederServer on its own event loop thread; `.address` is "127.0.0.1:<port>"."""
 
-    def __init__(self, data_root: Path, registry=None, **config) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, data_root: Path, registry=None, **config) -> None:
         import asyncio
         import threading
 
@@ -98,10 +98,10 @@ class InProcessFeeder:
         started.wait(30)
         if self._error is not None:
             raise self._error
-        self.port = int(self.server.port)  # type: ignore[arg-type]
+        self.port = int(self.server.port)
         self.address = f"127.0.0.1:{self.port}"
 
-    def call(self, coro):  # type: ignore[no-untyped-def]
+    def call(self, coro):
         """Run a coroutine on the server's loop (e.g. `self.server.drain(0)`) and wait."""
         import asyncio
 
@@ -117,7 +117,7 @@ class InProcessFeeder:
 
 
 @contextlib.contextmanager
-def running_feeder(data_root: Path, **config):  # type: ignore[no-untyped-def]
+def running_feeder(data_root: Path, **config):
     """An in-process feeder over `data_root` for the duration of the block."""
     f = InProcessFeeder(data_root, **config)
     try:
@@ -135,7 +135,7 @@ def feeder_root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def feeder(feeder_root: Path):  # type: ignore[no-untyped-def]
+def feeder(feeder_root: Path):
     """An in-process feeder on 127.0.0.1:<port> serving `feeder_root`."""
     with running_feeder(feeder_root) as f:
         yield f
@@ -148,7 +148,7 @@ class FeederProcess:
     restart reuses the port, so clients can reconnect to the same address.
     """
 
-    def __init__(self, data_root: Path, **flags) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, data_root: Path, **flags) -> None:
         import tempfile
 
         self.data_root = Path(data_root)
@@ -191,7 +191,7 @@ class FeederProcess:
 
         deadline = time.monotonic() + timeout
         try:
-            self.port = wait_for_port(self.proc, self.port_file, timeout)  # type: ignore[arg-type]
+            self.port = wait_for_port(self.proc, self.port_file, timeout)
         except RuntimeError as e:
             raise RuntimeError(f"{e}:\n{self.log()}") from None
         if "tls_cert" in self.flags:
@@ -241,7 +241,7 @@ class FeederProcess:
     def __enter__(self) -> FeederProcess:
         return self
 
-    def __exit__(self, *exc) -> None:  # type: ignore[no-untyped-def]
+    def __exit__(self, *exc) -> None:
         self.stop()
 
 

@@ -78,7 +78,7 @@ class FaultProxy:
             t.join(timeout=5)
 
     # ------------------------------------------------------------- plumbing
-    def _spawn(self, target, *args) -> None:  # type: ignore[no-untyped-def]
+    def _spawn(self, target, *args) -> None:
         t = threading.Thread(target=target, args=args, daemon=True, name="faultproxy")
         t.start()
         self._threads.append(t)

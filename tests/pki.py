@@ -17,7 +17,7 @@ def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
 
-def _cert(subject: str, key, issuer_name: str, issuer_key, ca: bool, san: bool):  # type: ignore[no-untyped-def]
+def _cert(subject: str, key, issuer_name: str, issuer_key, ca: bool, san: bool):
     now = datetime.datetime.now(datetime.timezone.utc)
     b = (
         x509.CertificateBuilder()
@@ -39,7 +39,7 @@ def _cert(subject: str, key, issuer_name: str, issuer_key, ca: bool, san: bool):
     return b.sign(issuer_key, hashes.SHA256())
 
 
-def _pem(obj) -> bytes:  # type: ignore[no-untyped-def]
+def _pem(obj) -> bytes:
     if isinstance(obj, x509.Certificate):
         return obj.public_bytes(serialization.Encoding.PEM)
     return obj.private_bytes(

@@ -8,7 +8,9 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.client.metrics import ClientMetrics
@@ -41,3 +43,17 @@ def registered_series(server: bool = True, client: bool = True) -> set[str]:
     if client:
         ClientMetrics(rank=0, registry=reg)
     return {f.name + s for f in reg.collect() for s in _SUFFIXES[f.type]}
+
+
+def positional_rows(starts: Any, cols: int, modulo: int | None = None) -> np.ndarray:
+    """The rows a positional store (token i == i, mod the dtype) holds at `starts`."""
+    rows = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(cols)
+    return rows if modulo is None else rows % modulo
+
+
+def assert_positional_batch(batch: dict[str, Any], seq_len: int) -> None:
+    """A client batch from a positional store: input_ids and labels are the windows
+    at `starts`, labels shifted by the batch's shift."""
+    want = positional_rows(batch["starts"], seq_len + batch["shift"])
+    np.testing.assert_array_equal(np.asarray(batch["input_ids"]), want[:, :seq_len])
+    np.testing.assert_array_equal(np.asarray(batch["labels"]), want[:, batch["shift"] :])

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
+from support import wait_until
 
 from tokenfeed.core.errors import ChecksumMismatch, DataLoss, FailedPrecondition
 from tokenfeed.server.cache import ChunkCache
@@ -60,8 +61,7 @@ def test_concurrent_requests_share_one_load() -> None:
     for t in threads:
         t.start()
     # every reader has asked (misses are counted before waiting) before the load ends
-    while cache.stats.misses + cache.stats.hits < 16:
-        threading.Event().wait(0.001)
+    wait_until(lambda: cache.stats.misses + cache.stats.hits >= 16, 30, "16 readers asking")
     release.set()
     for t in threads:
         t.join(30)
@@ -98,8 +98,7 @@ def test_failed_load_reaches_every_waiter_is_counted_and_not_cached() -> None:
     threads = [threading.Thread(target=reader) for _ in range(4)]
     for t in threads:
         t.start()
-    while cache.stats.misses < 4:
-        threading.Event().wait(0.001)
+    wait_until(lambda: cache.stats.misses >= 4, 30, "4 readers waiting for the load")
     release.set()
     for t in threads:
         t.join(30)

@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import FEEDER_DATASET, make_positional_store, running_feeder
 from prometheus_client import CollectorRegistry
+from support import assert_positional_batch, wait_until
 
 import tokenfeed.client
 from tokenfeed.client import Backoff, FeederClient, FeederUnavailable
@@ -128,8 +128,8 @@ def test_a_name_with_several_records_is_several_endpoints() -> None:
     assert {e.authority for e in eps} == {"feeder.ns.svc"}  # TLS still checks the name
     # One record: keep the name. IP literals: no lookup at all.
     assert [e.target for e in expand("localhost:1")] == ["localhost:1"]
-    assert expand("[::1]:5", getaddrinfo=None)[0].target == "[::1]:5"  # type: ignore[arg-type]
-    assert expand("127.0.0.1:5", getaddrinfo=None)[0].target == "127.0.0.1:5"  # type: ignore[arg-type]
+    assert expand("[::1]:5", getaddrinfo=None)[0].target == "[::1]:5"
+    assert expand("127.0.0.1:5", getaddrinfo=None)[0].target == "127.0.0.1:5"
 
 
 # ----------------------------------------------------------------------------- buffers
@@ -258,7 +258,7 @@ def test_metric_names_are_labelled_by_rank_and_registries_can_be_shared() -> Non
 # ------------------------------------------------------------------------- state dicts
 
 
-def _client(address: str = "127.0.0.1:1", **kw) -> FeederClient:  # type: ignore[no-untyped-def]
+def _client(address: str = "127.0.0.1:1", **kw) -> FeederClient:
     args = {
         "dataset": FEEDER_DATASET,
         "seq_len": 16,
@@ -331,15 +331,7 @@ def _starts(client: FeederClient, limit: int | None = None) -> list[int]:
     return out
 
 
-def _check_positional(batch: dict, seq_len: int) -> None:
-    starts = np.asarray(batch["starts"])
-    shift = batch["shift"]
-    inputs, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
-    assert (inputs == starts[:, None] + np.arange(seq_len)).all()
-    assert (labels == starts[:, None] + shift + np.arange(seq_len)).all()
-
-
-def test_one_epoch_two_ranks_every_window_exactly_once(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_one_epoch_two_ranks_every_window_exactly_once(feeder) -> None:
     kw = {
         "seq_len": 16,
         "stride": 8,
@@ -354,7 +346,7 @@ def test_one_epoch_two_ranks_every_window_exactly_once(feeder) -> None:  # type:
         with _client(feeder.address, rank=rank, **kw) as c:
             steps = 0
             for batch in c:
-                _check_positional(batch, 16)
+                assert_positional_batch(batch, 16)
                 assert batch["step"] == steps and batch["input_ids"].shape == (4, 16)
                 seen.extend(batch["starts"].tolist())
                 steps += 1
@@ -394,23 +386,23 @@ def test_numpy_and_torch_cpu_paths_give_identical_tokens(tmp_path: Path) -> None
             assert n == len(a) and int(y["input_ids"].max()) > 32_767
 
 
-def test_grouped_layout_is_the_original_loaders_view(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_grouped_layout_is_the_original_loaders_view(feeder) -> None:
     with _client(feeder.address, seq_len=16, shift=4, layout="grouped") as c:
         batch = next(iter(c))
     inputs, labels = batch["input_ids"], batch["labels"]
     assert inputs.shape == labels.shape == (4, 4, 4)
     assert inputs.base is not None and np.shares_memory(inputs, labels)
-    _check_positional(
+    assert_positional_batch(
         {**batch, "input_ids": inputs.reshape(4, 16), "labels": labels.reshape(4, 16)}, 16
     )
 
 
-def test_torch_grouped_layout_on_cpu(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_torch_grouped_layout_on_cpu(feeder) -> None:
     pytest.importorskip("torch")
     with _client(feeder.address, seq_len=16, shift=2, layout="grouped", device="cpu") as c:
         batch = next(iter(c))
     assert tuple(batch["input_ids"].shape) == (4, 8, 2)
-    _check_positional(
+    assert_positional_batch(
         {
             **batch,
             "input_ids": batch["input_ids"].reshape(4, 16).numpy(),
@@ -422,7 +414,7 @@ def test_torch_grouped_layout_on_cpu(feeder) -> None:  # type: ignore[no-untyped
 
 @pytest.mark.parametrize("k", [0, 1, 7, 30])
 @pytest.mark.parametrize("new_world", [2, 3, 1])
-def test_resume_after_k_steps_is_exactly_once(feeder, k: int, new_world: int) -> None:  # type: ignore[no-untyped-def]
+def test_resume_after_k_steps_is_exactly_once(feeder, k: int, new_world: int) -> None:
     """Two ranks train k steps and checkpoint; the job resumes with `new_world` ranks."""
     kw = {"seq_len": 16, "stride": 16, "batch_size": 3, "shuffle": True, "seed": 11}
     seen: list[int] = []
@@ -445,7 +437,7 @@ def test_resume_after_k_steps_is_exactly_once(feeder, k: int, new_world: int) ->
     assert len(seen) == windows - tail  # nothing lost
 
 
-def test_resume_mid_epoch_then_next_epoch(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_resume_mid_epoch_then_next_epoch(feeder) -> None:
     with _client(feeder.address, seq_len=16, batch_size=8, shuffle=True) as c:
         c.set_epoch(1)
         first = _starts(c, limit=5)
@@ -460,7 +452,7 @@ def test_resume_mid_epoch_then_next_epoch(feeder) -> None:  # type: ignore[no-un
         assert _starts(c, limit=1) != first[:8]
 
 
-def test_validation_split_delivers_every_window_with_a_short_last_step(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_validation_split_delivers_every_window_with_a_short_last_step(feeder) -> None:
     kw = {
         "split": "validation",
         "split_rate": 0.9,
@@ -474,7 +466,7 @@ def test_validation_split_delivers_every_window_with_a_short_last_step(feeder) -
         with _client(feeder.address, rank=rank, **kw) as c:
             n = 0
             for batch in c:
-                _check_positional(batch, 16)
+                assert_positional_batch(batch, 16)
                 rows.append(batch["input_ids"].shape[0])
                 seen += batch["starts"].tolist()
                 n += 1
@@ -484,12 +476,12 @@ def test_validation_split_delivers_every_window_with_a_short_last_step(feeder) -
     assert sorted(rows)[0] < 4  # 62 = 7 * 8 + 6: rank 0 gets 4, rank 1 gets 2
 
 
-def test_batches_per_message_packs_without_changing_the_batches(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_batches_per_message_packs_without_changing_the_batches(feeder) -> None:
     with _client(feeder.address) as a, _client(feeder.address, batches_per_message=5) as b:
         assert _starts(a) == _starts(b)
 
 
-def test_non_retryable_errors_surface_at_once_with_the_servers_message(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_non_retryable_errors_surface_at_once_with_the_servers_message(feeder) -> None:
     with _client(feeder.address, dataset="nope") as c, pytest.raises(NotFound, match="nope"):
         iter(c)
     with pytest.raises(InvalidArgument, match="must divide seq_len"):
@@ -536,7 +528,7 @@ def test_bearer_token(tmp_path: Path) -> None:
             assert len(_starts(c)) == len(c) * 4
 
 
-def test_metrics_exist_move_and_are_exported(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_exist_move_and_are_exported(feeder) -> None:
     reg = CollectorRegistry()
     with _client(feeder.address, rank=1, world_size=2, registry=reg, metrics_port=0) as c:
 
@@ -548,8 +540,9 @@ def test_metrics_exist_move_and_are_exported(feeder) -> None:  # type: ignore[no
         assert value("tokenfeed_client_tokens_received_total") == 0
         it = iter(c)
         next(it)
-        while value("tokenfeed_client_buffer_occupancy") < 2:  # the thread fills the buffer
-            time.sleep(0.01)
+        wait_until(  # the thread fills the buffer
+            lambda: value("tokenfeed_client_buffer_occupancy") >= 2, 30, "a full buffer"
+        )
         n = 1 + sum(1 for _ in it)
         assert value("tokenfeed_client_batches_received_total") == n == len(c)
         assert value("tokenfeed_client_tokens_received_total") == n * 4 * 16
@@ -575,7 +568,7 @@ def _client_threads() -> set[threading.Thread]:
     }
 
 
-def test_close_leaves_no_thread_or_channel_behind(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_close_leaves_no_thread_or_channel_behind(feeder) -> None:
     before = _client_threads()
     for stop_after in (0, 2, None):  # never iterated, mid-epoch, after the end
         c = _client(feeder.address, metrics_port=0, prefetch=3)
@@ -584,15 +577,12 @@ def test_close_leaves_no_thread_or_channel_behind(feeder) -> None:  # type: igno
                 _starts(c, limit=stop_after) if stop_after else None
             else:
                 _starts(c)
-    deadline = time.monotonic() + 10
-    while _client_threads() != before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _client_threads() == before
+    wait_until(lambda: _client_threads() == before, 10, "the client threads to end")
     with pytest.raises(RuntimeError, match="closed"):
         iter(c)
 
 
-def test_tls_and_mutual_tls(feeder_root: Path, pki) -> None:  # type: ignore[no-untyped-def]
+def test_tls_and_mutual_tls(feeder_root: Path, pki) -> None:
     with running_feeder(
         feeder_root,
         tls_cert=pki["server_cert_path"],
@@ -614,7 +604,7 @@ def test_tls_and_mutual_tls(feeder_root: Path, pki) -> None:  # type: ignore[no-
         _client(certificate_chain=pki["client_cert"])
 
 
-def test_the_next_epoch_streams_ahead_and_is_adopted_only_when_asked_for(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_the_next_epoch_streams_ahead_and_is_adopted_only_when_asked_for(feeder) -> None:
     with _client(feeder.address, shuffle=True) as ref:
         ref.set_epoch(1)
         epoch1 = _starts(ref)

@@ -42,7 +42,7 @@ def _expected(feeder_address: str) -> list[int]:
         return [s for b in c for s in b["starts"].tolist()]
 
 
-def _consume(it, limit: int | None = None) -> list[int]:  # type: ignore[no-untyped-def]
+def _consume(it, limit: int | None = None) -> list[int]:
     out: list[int] = []
     for i, batch in enumerate(it):
         out += batch["starts"].tolist()

@@ -10,7 +10,7 @@ from faultproxy import FaultProxy
 
 
 @pytest.fixture
-def echo():  # type: ignore[no-untyped-def]
+def echo():
     server = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -39,7 +39,7 @@ def echo():  # type: ignore[no-untyped-def]
     server.close()
 
 
-def test_pass_reset_and_blackhole(echo) -> None:  # type: ignore[no-untyped-def]
+def test_pass_reset_and_blackhole(echo) -> None:
     proxy = FaultProxy(echo).start()
     try:
         with socket.create_connection((proxy.host, proxy.port), timeout=5) as s:

@@ -15,7 +15,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,9 +22,9 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 from conftest import FeederProcess, make_positional_store, running_feeder
+from support import assert_positional_batch, free_port
 
 from tokenfeed.client import Backoff, FeederClient
 from tokenfeed.core.errors import DataLoss
@@ -156,7 +155,7 @@ class Trainer:
     def stderr(self) -> str:
         return (self.work / "stderr").read_text(errors="replace")
 
-    def wait_for(self, done, what: str) -> None:  # type: ignore[no-untyped-def]
+    def wait_for(self, done, what: str) -> None:
         deadline = time.monotonic() + WAIT_SECONDS
         while not done():
             assert self.proc is not None and self.proc.poll() is None, (
@@ -216,13 +215,13 @@ def assert_exactly_once(got: list[int], expected: list[int]) -> None:
 
 
 @pytest.fixture
-def trainers(tmp_path: Path):  # type: ignore[no-untyped-def]
+def trainers(tmp_path: Path):
     """A factory of Trainer ranks; every one still running at the end is killed."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     started: list[Trainer] = []
 
-    def make(work: Path, *args, **kw) -> Trainer:  # type: ignore[no-untyped-def]
+    def make(work: Path, *args, **kw) -> Trainer:
         t = Trainer(script, work, *args, **kw)
         started.append(t)
         return t
@@ -234,7 +233,7 @@ def trainers(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def test_trainers_killed_mid_epoch_resume_exactly_once(
     trainer_root: Path, tmp_path: Path, trainers
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     with FeederProcess(trainer_root) as feeder:
         ranks = [
             trainers(tmp_path / f"rank{r}", feeder.address, r, 2, step_seconds=0.02)
@@ -259,7 +258,7 @@ def test_trainers_killed_mid_epoch_resume_exactly_once(
 
 def test_resume_with_a_different_world_size_exactly_once(
     trainer_root: Path, tmp_path: Path, trainers
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     k = 20  # both ranks checkpoint step k, then the job is killed (e.g. a node lost)
     with FeederProcess(trainer_root) as feeder:
         old = [trainers(tmp_path / f"old{r}", feeder.address, r, 2, hang_after=k) for r in range(2)]
@@ -301,12 +300,6 @@ def test_resume_with_a_different_world_size_exactly_once(
 # ------------------------------------------------------------ a chunk corrupted live
 
 
-def _check_tokens(batch: dict, seq_len: int) -> None:
-    want = batch["starts"][:, None] + np.arange(seq_len)
-    np.testing.assert_array_equal(batch["input_ids"], want)
-    np.testing.assert_array_equal(batch["labels"], want + batch["shift"])
-
-
 def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(tmp_path: Path) -> None:
     # 200,000 tokens in 10 chunks; split_rate 0.5: train is chunks 0-4, validation 5-9.
     root = tmp_path / "data"
@@ -328,8 +321,8 @@ def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(tmp_pat
         a_it, b_it = iter(a), iter(b)
         a_got = b_got = 0
         for _ in range(3):  # both streams are running
-            _check_tokens(next(a_it), 256)
-            _check_tokens(next(b_it), 256)
+            assert_positional_batch(next(a_it), 256)
+            assert_positional_batch(next(b_it), 256)
         with open(bad, "r+b") as f:  # flip one byte in place, as bit rot would
             f.seek(40_000)
             byte = f.read(1)
@@ -337,17 +330,17 @@ def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(tmp_pat
             f.write(bytes([byte[0] ^ 0xFF]))
         with pytest.raises(DataLoss) as info:
             for a_got, batch in enumerate(a_it, start=4):
-                _check_tokens(batch, 256)  # every batch delivered is still right
+                assert_positional_batch(batch, 256)  # every batch delivered is still right
                 assert int(batch["starts"].max()) + 256 + batch["shift"] <= bad_start
                 if a_got % 8 == 0:  # the other stream keeps going alongside
-                    _check_tokens(next(b_it), 256)
+                    assert_positional_batch(next(b_it), 256)
                     b_got += 1
         assert a_got > 1000  # the fault came mid-stream, not at the start
         assert "chunk_000004.bin" in str(info.value) and "corrupt" in str(info.value)
         assert str(root) not in str(info.value)  # the data root stays private
         assert 0 < b_got + 3 < len(b)  # b was mid-epoch when a failed...
         for batch in b_it:  # ...and finishes its epoch, every token right
-            _check_tokens(batch, 256)
+            assert_positional_batch(batch, 256)
             b_got += 1
         assert b_got + 3 == len(b)
         # The feeder still serves: Info, and a fresh stream over healthy chunks.
@@ -370,7 +363,7 @@ def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(tmp_pat
 # ------------------------------------------------------------------ malformed stores
 
 
-def _edit_meta(store: Path, edit) -> None:  # type: ignore[no-untyped-def]
+def _edit_meta(store: Path, edit) -> None:
     doc = json.loads((store / META_NAME).read_text())
     edit(doc)
     (store / META_NAME).write_text(json.dumps(doc))
@@ -411,7 +404,7 @@ BROKEN = {
 }
 
 
-def _params(dataset: str, **kw) -> pb.SamplingParams:  # type: ignore[no-untyped-def]
+def _params(dataset: str, **kw) -> pb.SamplingParams:
     return pb.SamplingParams(
         **{
             "dataset": dataset,
@@ -488,24 +481,18 @@ def test_malformed_stores_are_skipped_and_refused_never_served(
         with FeederClient(f.address, dataset="healthy", seq_len=64, batch_size=4) as c:
             n = 0
             for batch in c:
-                _check_tokens(batch, 64)
+                assert_positional_batch(batch, 64)
                 n += 1
             assert n == len(c) == ((10_000 - 65) // 64 + 1) // 4
 
 
-def _call_error(call) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+def _call_error(call) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value
 
 
 # ------------------------------------------------------------------ metrics privacy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_metrics_expose_no_paths_or_secrets(tmp_path: Path) -> None:
@@ -517,7 +504,7 @@ def test_metrics_expose_no_paths_or_secrets(tmp_path: Path) -> None:
     token_file = tmp_path / "secret-dir" / "token"
     token_file.parent.mkdir()
     token_file.write_text(token + "\n")
-    metrics_port = _free_port()
+    metrics_port = free_port()
     with FeederProcess(root, metrics_port=metrics_port, auth_token_file=token_file) as feeder:
         with FeederClient(
             feeder.address,

@@ -76,7 +76,7 @@ def fuzz_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fuzz_feeder(fuzz_root: Path):  # type: ignore[no-untyped-def]
+def fuzz_feeder(fuzz_root: Path):
     with running_feeder(fuzz_root, max_batch_bytes=MAX_BATCH_BYTES) as f:
         yield f
 
@@ -128,7 +128,7 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
 
 
 @st.composite
-def stream_requests(draw) -> pb.StreamBatchesRequest:  # type: ignore[no-untyped-def]
+def stream_requests(draw) -> pb.StreamBatchesRequest:
     small = st.integers(1, 64)
     # Fields may be left unset (None): the wire's documented defaults apply.
     fields = dict(
@@ -206,7 +206,7 @@ class Canary:
         self._thread.join(60)
 
 
-def _check(stub, req: pb.StreamBatchesRequest) -> None:  # type: ignore[no-untyped-def]
+def _check(stub, req: pb.StreamBatchesRequest) -> None:
     want = expected_status(req)
     call = stub.StreamBatches(req, timeout=30)
     try:
@@ -227,7 +227,7 @@ def _check(stub, req: pb.StreamBatchesRequest) -> None:  # type: ignore[no-untyp
 
 
 @pytest.mark.slow
-def test_thousands_of_random_requests_get_the_right_status(fuzz_feeder) -> None:  # type: ignore[no-untyped-def]
+def test_thousands_of_random_requests_get_the_right_status(fuzz_feeder) -> None:
     canary = Canary(fuzz_feeder.address)
     counter = {"n": 0}
     with grpc.insecure_channel(fuzz_feeder.address) as ch:
@@ -251,7 +251,7 @@ def test_thousands_of_random_requests_get_the_right_status(fuzz_feeder) -> None:
     assert canary.batches > 0
 
 
-def test_adversarial_requests_quick(fuzz_feeder) -> None:  # type: ignore[no-untyped-def]
+def test_adversarial_requests_quick(fuzz_feeder) -> None:
     """The fixed adversarial cases, in the default run."""
     base = dict(split="train", split_rate=0.9, seq_len=16, stride=16, batch_size=2, world_size=1)
     cases = [
@@ -299,7 +299,7 @@ def _raw_request(dataset: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("name", [b"\xff\xfe", b"pos\x80itions", b"\xc0\xaf..", b"positions"])
-def test_non_utf8_names_are_invalid_argument(fuzz_feeder, name: bytes) -> None:  # type: ignore[no-untyped-def]
+def test_non_utf8_names_are_invalid_argument(fuzz_feeder, name: bytes) -> None:
     with grpc.insecure_channel(fuzz_feeder.address) as ch:
         call = ch.unary_stream("/tokenfeed.v1.Feeder/StreamBatches")(_raw_request(name), timeout=30)
         if name == b"positions":  # the same bytes, valid: proves the encoding is right
@@ -314,7 +314,7 @@ def test_non_utf8_names_are_invalid_argument(fuzz_feeder, name: bytes) -> None: 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(name=NAMES, with_params=st.booleans(), rank=INT64)
-def test_info_fuzz(fuzz_feeder, name: str, with_params: bool, rank: int) -> None:  # type: ignore[no-untyped-def]
+def test_info_fuzz(fuzz_feeder, name: str, with_params: bool, rank: int) -> None:
     params = pb.SamplingParams(
         dataset=name,
         split="train",

@@ -32,7 +32,7 @@ CACHE = 64 * MiB
 OVERHEAD = 96 * MiB
 
 
-def _params(**kw) -> pb.SamplingParams:  # type: ignore[no-untyped-def]
+def _params(**kw) -> pb.SamplingParams:
     base = dict(
         dataset="big",
         split="train",

@@ -40,7 +40,7 @@ def all_windows(plan: Plan) -> list[int]:
 
 
 @st.composite
-def plans(draw, auto=False):  # type: ignore[no-untyped-def]
+def plans(draw, auto=False):
     seq_len = draw(st.sampled_from([4, 6, 8, 12, 16] if auto else [1, 2, 4, 6, 8, 12, 16]))
     divisors = [1, *proper_divisors(seq_len)] + ([seq_len] if seq_len > 1 else [])
     shift = draw(st.sampled_from(divisors + (["auto"] if proper_divisors(seq_len) else [])))
@@ -165,7 +165,7 @@ def test_elastic_resume_is_exactly_once(plan: Plan, new_world: int, pick: int) -
         )
 
 
-def _with(plan: Plan, **changes) -> Plan:  # type: ignore[no-untyped-def]
+def _with(plan: Plan, **changes) -> Plan:
     fields = asdict(plan.spec) | {
         "total_tokens": plan.total_tokens,
         "block_tokens": plan.block_tokens,
@@ -240,7 +240,7 @@ def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
     st.integers(0, 99),
     st.randoms(use_true_random=False),
 )
-def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> None:  # type: ignore[no-untyped-def]
+def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> None:
     """Ascending positions take the run-by-run path, others are sorted first: same map."""
     order = EpochOrder(n, wpb, shuffle_blocks, seed, epoch=1, shuffle=True)
     ascending = order.windows(np.arange(n))
@@ -381,7 +381,7 @@ def test_virtual_store_of_a_trillion_tokens() -> None:
         (dict(batch_size=30), FailedPrecondition, "fewer than one global batch"),
     ],
 )
-def test_bad_parameters_are_clear_errors(kwargs, error, text) -> None:  # type: ignore[no-untyped-def]
+def test_bad_parameters_are_clear_errors(kwargs, error, text) -> None:
     base = dict(
         total_tokens=100,
         split="train",

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import registered_series
+from support import positional_rows, registered_series, wait_until
 
 from tokenfeed.core import sampling
 from tokenfeed.core.request import SamplingSpec
@@ -33,7 +33,7 @@ from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 
-def params(**kw) -> pb.SamplingParams:  # type: ignore[no-untyped-def]
+def params(**kw) -> pb.SamplingParams:
     base = dict(
         dataset=FEEDER_DATASET,
         split="train",
@@ -51,25 +51,24 @@ def stub(address: str) -> pb_grpc.FeederStub:
     return pb_grpc.FeederStub(grpc.insecure_channel(address))
 
 
-def messages(address: str, p: pb.SamplingParams, **kw) -> list[pb.StreamBatchesResponse]:  # type: ignore[no-untyped-def]
+def messages(address: str, p: pb.SamplingParams, **kw) -> list[pb.StreamBatchesResponse]:
     with grpc.insecure_channel(address) as ch:
         return list(pb_grpc.FeederStub(ch).StreamBatches(pb.StreamBatchesRequest(params=p, **kw)))
 
 
-def stream(address: str, p: pb.SamplingParams, **kw) -> list[pb.Batch]:  # type: ignore[no-untyped-def]
+def stream(address: str, p: pb.SamplingParams, **kw) -> list[pb.Batch]:
     return [b for r in messages(address, p, **kw) for b in r.batches]
 
 
 def check_positional(b: pb.Batch, modulo: int) -> None:
     rows = np.frombuffer(b.tokens, dtype=np.dtype(b.dtype).newbyteorder("<"))
-    rows = rows.reshape(b.rows, b.cols)
-    starts = np.array(b.starts, dtype=np.int64)
-    assert len(starts) == b.rows
-    expect = (starts[:, None] + np.arange(b.cols)) % modulo
-    np.testing.assert_array_equal(rows, expect)
+    assert len(b.starts) == b.rows
+    np.testing.assert_array_equal(
+        rows.reshape(b.rows, b.cols), positional_rows(b.starts, b.cols, modulo)
+    )
 
 
-def expected(root: Path, p: pb.SamplingParams, epoch=0, rank=0, offset=0, step=0):  # type: ignore[no-untyped-def]
+def expected(root: Path, p: pb.SamplingParams, epoch=0, rank=0, offset=0, step=0):
     ds = Catalog(root).get(p.dataset)
     return list(plan_for(SamplingSpec.from_proto(p), ds).batches(epoch, rank, offset, step))
 
@@ -143,7 +142,7 @@ def test_info_errors_and_broken_stores(feeder_root: Path) -> None:
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "rank" in err.details()
 
 
-def test_unset_fields_mean_the_documented_defaults(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_unset_fields_mean_the_documented_defaults(feeder) -> None:
     """A raw client that sets only dataset, seq_len and batch_size gets what the Python
     client's defaults give: split train, split_rate 1.0, stride = seq_len, shift 1,
     world_size 1, and Info reports the windows of a split too small for one step."""
@@ -181,7 +180,7 @@ def test_unset_fields_mean_the_documented_defaults(feeder) -> None:  # type: ign
     ],
 )
 @pytest.mark.parametrize("per_message", [0, 3])
-def test_stream_sends_exactly_the_planned_windows(feeder, kw, per_message) -> None:  # type: ignore[no-untyped-def]
+def test_stream_sends_exactly_the_planned_windows(feeder, kw, per_message) -> None:
     p = params(**kw)
     got = messages(feeder.address, p, batches_per_message=per_message)
     sizes = [len(m.batches) for m in got]  # full messages, then what is left
@@ -191,7 +190,7 @@ def test_stream_sends_exactly_the_planned_windows(feeder, kw, per_message) -> No
 
 
 @pytest.mark.parametrize("per_message", [1, 5])
-def test_worker_thread_path_sends_the_same(feeder_root, monkeypatch, per_message) -> None:  # type: ignore[no-untyped-def]
+def test_worker_thread_path_sends_the_same(feeder_root, monkeypatch, per_message) -> None:
     """Messages over INLINE_MAX_BYTES are built in the pool, double-buffered."""
     monkeypatch.setattr(service, "INLINE_MAX_BYTES", 0)
     with running_feeder(feeder_root, cache_bytes=3 * 4000) as f:  # 3 chunks: evictions too
@@ -218,7 +217,7 @@ def test_worker_thread_path_sends_the_same(feeder_root, monkeypatch, per_message
     ),
     st.data(),
 )
-def test_wire_encoding_matches_protobuf(epoch, step, dtype, batches, data) -> None:  # type: ignore[no-untyped-def]
+def test_wire_encoding_matches_protobuf(epoch, step, dtype, batches, data) -> None:
     """The hand-rolled hot path is byte-identical to protobuf's own serialization:
     consecutive batches of any shape (empty ones too), starts of any size."""
     itemsize = 2
@@ -274,7 +273,7 @@ def test_wire_encoding_of_a_large_batch() -> None:
     assert heads[0] + payload + tails[0] == want
 
 
-def test_resume_at_an_offset_and_every_rank(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_resume_at_an_offset_and_every_rank(feeder) -> None:
     p = params(shuffle=True, seed=1, world_size=3, batch_size=2, split="validation", split_rate=0.5)
     plans = expected(feeder.data_root, p, epoch=2, rank=1)
     mid = plans[len(plans) // 2]
@@ -299,7 +298,7 @@ def test_uint16_store_and_nested_name(tmp_path: Path) -> None:
         assert_matches(got, expected(root, p), 128, modulo=1 << 16)
 
 
-def test_many_concurrent_streams_load_each_chunk_once(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_many_concurrent_streams_load_each_chunk_once(feeder) -> None:
     p = params(shuffle=True, seed=5, batch_size=2, stride=16, shuffle_blocks=3)
     plans = expected(feeder.data_root, p)
     results: list[list[pb.Batch]] = [[] for _ in range(8)]
@@ -323,7 +322,7 @@ def test_many_concurrent_streams_load_each_chunk_once(feeder) -> None:  # type: 
 # ----------------------------------------------------------------------------- errors
 
 
-def call_error(address: str, request, method: str = "StreamBatches") -> grpc.RpcError:  # type: ignore[no-untyped-def]
+def call_error(address: str, request, method: str = "StreamBatches") -> grpc.RpcError:
     s = stub(address)
     with pytest.raises(grpc.RpcError) as info:
         if method == "Info":
@@ -354,7 +353,7 @@ INVALID = [
 
 
 @pytest.mark.parametrize("pkw,rkw,message", INVALID)
-def test_invalid_argument(feeder, pkw, rkw, message) -> None:  # type: ignore[no-untyped-def]
+def test_invalid_argument(feeder, pkw, rkw, message) -> None:
     err = call_error(feeder.address, pb.StreamBatchesRequest(params=params(**pkw), **rkw))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     assert message in err.details()
@@ -371,7 +370,7 @@ def test_batch_larger_than_max_batch_bytes(feeder_root: Path) -> None:
         assert "exceeds the server's --max-batch-bytes 2079" in err.details()
 
 
-def test_undecodable_request_is_invalid_argument(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_undecodable_request_is_invalid_argument(feeder) -> None:
     # field 1 (params) -> field 1 (dataset) holding bytes that are not UTF-8
     raw = bytes([0x0A, 4, 0x0A, 2, 0xFF, 0xFE])
     with grpc.insecure_channel(feeder.address) as ch:
@@ -400,7 +399,7 @@ def test_not_found_and_nothing_outside_the_root(tmp_path: Path, feeder_root: Pat
         assert len(stream(f.address, params(dataset="alias"))) > 0
 
 
-def test_failed_precondition_when_the_split_is_too_short(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_failed_precondition_when_the_split_is_too_short(feeder) -> None:
     err = call_error(
         feeder.address, pb.StreamBatchesRequest(params=params(split="validation", split_rate=0.999))
     )
@@ -452,8 +451,7 @@ def test_resource_exhausted_beyond_max_streams(feeder_root: Path) -> None:
         assert "--max-streams 1" in info.value.details()
         first.cancel()
         # a cancelled stream frees its slot and everything it held
-        while f.server.service.active_streams:
-            threading.Event().wait(0.01)
+        wait_until(lambda: not f.server.service.active_streams, 30, "the slot to be freed")
         assert f.server.cache.pinned_count == 0
         assert f.registry.get_sample_value("tokenfeed_server_streams_active") == 0
         assert len(stream(f.address, params())) > 0
@@ -469,7 +467,7 @@ def test_chunk_bigger_than_the_cache(feeder_root: Path) -> None:
 # ----------------------------------------------------- health, reflection, metrics
 
 
-def test_health_and_reflection(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_health_and_reflection(feeder) -> None:
     with grpc.insecure_channel(feeder.address) as ch:
         h = health_pb2_grpc.HealthStub(ch)
         for service in ("", "tokenfeed.v1.Feeder"):
@@ -501,7 +499,7 @@ def test_health_and_reflection(feeder) -> None:  # type: ignore[no-untyped-def]
         assert resp.file_descriptor_response.file_descriptor_proto
 
 
-def test_metrics_endpoint_exposes_the_documented_series(feeder) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_endpoint_exposes_the_documented_series(feeder) -> None:
     p = params()
     n = len(stream(feeder.address, p))
     call_error(feeder.address, pb.StreamBatchesRequest(params=params(seq_len=0)))

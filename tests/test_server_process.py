@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import grpc
 import pytest
 from conftest import FEEDER_DATASET, FeederProcess
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import free_port, registered_series
+from support import free_port, registered_series, wait_until
 
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
@@ -30,9 +29,11 @@ LONG = pb.StreamBatchesRequest(
 
 
 def wait_for_log(proc: FeederProcess, text: str) -> None:
-    while text not in proc.log():
+    def logged() -> bool:
         assert proc.proc.poll() is None or text in proc.log(), proc.log()
-        time.sleep(0.02)
+        return text in proc.log()
+
+    wait_until(logged, 60, f"{text!r} in the feeder's log")
 
 
 def test_sigterm_drains_and_exits_zero(feeder_root: Path) -> None:

@@ -59,7 +59,7 @@ def _info(address: str, creds: grpc.ChannelCredentials) -> pb.InfoResponse:
         return pb_grpc.FeederStub(ch).Info(INFO, timeout=10)
 
 
-def test_tls_server_certificate(feeder_root: Path, pki) -> None:  # type: ignore[no-untyped-def]
+def test_tls_server_certificate(feeder_root: Path, pki) -> None:
     with running_feeder(
         feeder_root, tls_cert=pki["server_cert_path"], tls_key=pki["server_key_path"]
     ) as f:
@@ -69,7 +69,7 @@ def test_tls_server_certificate(feeder_root: Path, pki) -> None:  # type: ignore
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_tls_client_certificates_required(feeder_root: Path, pki) -> None:  # type: ignore[no-untyped-def]
+def test_tls_client_certificates_required(feeder_root: Path, pki) -> None:
     with running_feeder(
         feeder_root,
         tls_cert=pki["server_cert_path"],
@@ -85,7 +85,7 @@ def test_tls_client_certificates_required(feeder_root: Path, pki) -> None:  # ty
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def test_config_validation_and_loud_warning(feeder_root: Path, tmp_path: Path, pki) -> None:  # type: ignore[no-untyped-def]
+def test_config_validation_and_loud_warning(feeder_root: Path, tmp_path: Path, pki) -> None:
     env = {
         "TOKENFEED_DATA_ROOT": str(feeder_root),
         "TOKENFEED_CACHE_BYTES": "512M",
@@ -95,7 +95,7 @@ def test_config_validation_and_loud_warning(feeder_root: Path, tmp_path: Path, p
     assert (cfg.cache_bytes, cfg.port, cfg.host) == (512 << 20, 7000, "127.0.0.1")
     assert cfg.insecure_warning() is None
     exposed = ServerConfig.from_sources({"host": "0.0.0.0"}, env)
-    assert "neither TLS nor an auth token" in exposed.insecure_warning()  # type: ignore[operator]
+    assert "neither TLS nor an auth token" in exposed.insecure_warning()
     tls = ServerConfig.from_sources(
         {"host": "0.0.0.0", "tls_cert": pki["server_cert_path"], "tls_key": pki["server_key_path"]},
         env,

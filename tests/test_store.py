@@ -141,7 +141,7 @@ def _lie_without_total(doc: dict) -> None:
     doc.pop("total_tokens")
 
 
-def _edit_meta(path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+def _edit_meta(path: Path, edit) -> None:
     doc = json.loads((path / META_NAME).read_text())
     edit(doc)
     (path / META_NAME).write_text(json.dumps(doc))
@@ -176,7 +176,7 @@ def test_flipped_byte_is_data_loss_naming_the_chunk(tmp_path: Path) -> None:
         (lambda p: (p / META_NAME).write_text("{not json"), "unreadable meta.json"),
     ],
 )
-def test_malformed_stores_fail_at_open(tmp_path: Path, damage, message) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_stores_fail_at_open(tmp_path: Path, damage, message) -> None:
     path = _store(tmp_path)
     damage(path)
     with pytest.raises((DataLoss, InvalidArgument), match=message):

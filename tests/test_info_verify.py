@@ -1,8 +1,8 @@
-"""`tokenfeed info` / `tokenfeed verify`, and stores tokenfeed did not write.
+"""`tokenfeed info` / `tokenfeed verify`: what they print and their exit codes.
 
-Covers the Streaming-Dataloader meta.json format (no checksums, no format_version),
-a folder of bare *.bin files with --dtype, and damaged chunks (flipped byte,
-truncated file) on read and under `verify`.
+On stores tokenfeed did not write (the Streaming-Dataloader meta.json, a folder of
+bare *.bin files with --dtype) and damaged ones (flipped byte, truncated or missing
+file). How the reader itself treats those stores is test_store.py's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pytest
 from conftest import make_plan, make_positional_store
 
 from tokenfeed.cli import main
-from tokenfeed.core.errors import DataLoss
 from tokenfeed.core.store import TokenStore
 
 
@@ -26,18 +25,17 @@ def run(capsys, *argv: object) -> tuple[int, str, str]:
     return code, out, err
 
 
-def streaming_dataloader_store(path: Path) -> np.ndarray:
+def streaming_dataloader_store(path: Path) -> None:
     """A store exactly as the Streaming-Dataloader prepare script lays it out."""
     path.mkdir()
     rng = np.random.default_rng(7)
     sizes = [1000, 1000, 437]
-    chunks, all_tokens = [], []
+    chunks = []
     for i, n in enumerate(sizes):
         toks = rng.integers(0, 50257, n).astype(np.uint16)
         toks[-1] = 50256
         toks.tofile(path / f"chunk_{i:06d}.bin")
         chunks.append({"file": f"chunk_{i:06d}.bin", "tokens": n})
-        all_tokens.append(toks)
     meta = {
         "dtype": "uint16",
         "eos_token_id": 50256,
@@ -48,17 +46,11 @@ def streaming_dataloader_store(path: Path) -> np.ndarray:
         "created_at_unix": 1700000000,
     }
     (path / "meta.json").write_text(json.dumps(meta))
-    return np.concatenate(all_tokens)
 
 
 def test_streaming_dataloader_store_is_read_as_is(tmp_path, capsys):
     path = tmp_path / "sdl"
-    tokens = streaming_dataloader_store(path)
-    store = TokenStore.open(path)
-    assert (store.total_tokens, store.num_chunks, store.meta.dtype) == (2437, 3, "uint16")
-    assert (store.meta.eos_token_id, store.meta.tokenizer) == (50256, "gpt2")
-    np.testing.assert_array_equal(np.concatenate([store.read_chunk(i) for i in range(3)]), tokens)
-
+    streaming_dataloader_store(path)
     code, out, _ = run(capsys, "info", path, "--json")
     doc = json.loads(out)
     assert code == 0 and doc["format"] == "Streaming-Dataloader meta.json"
@@ -79,8 +71,6 @@ def test_bare_bin_folder_needs_dtype(tmp_path, capsys):
     doc = json.loads(out)
     assert code == 0 and (doc["total_tokens"], doc["chunks"]) == (500, 2)
     assert doc["format"] == "bare *.bin files"
-    store = TokenStore.open(path, dtype="uint32")
-    assert store.read_chunk(1)[0] == 300
     assert run(capsys, "verify", path, "--dtype", "uint32")[0] == 0
 
 
@@ -141,8 +131,6 @@ def test_verify_names_a_chunk_with_a_flipped_byte(damaged, capsys):
     assert code == 1
     assert "chunk_000003.bin is corrupt" in err and "chunk_000002" not in err
     assert "1 problem(s)" in out
-    with pytest.raises(DataLoss, match="chunk_000003.bin is corrupt"):
-        TokenStore.open(damaged.path).read_chunk(3)
 
 
 def test_truncated_chunk(damaged, capsys):
@@ -151,8 +139,6 @@ def test_truncated_chunk(damaged, capsys):
     (damaged.path / "chunk_000004.bin").unlink()
     code, _, err = run(capsys, "info", damaged.path)  # reading: exit 2, named chunk
     assert code == 2 and "chunk_000001.bin has 3990 bytes" in err
-    with pytest.raises(DataLoss, match="chunk_000001.bin"):
-        TokenStore.open(damaged.path)
     code, _, err = run(capsys, "verify", damaged.path)  # verify lists every bad chunk
     assert code == 1
     assert "chunk_000001.bin has 3990 bytes" in err and "chunk_000004.bin is missing" in err
