@@ -21,7 +21,7 @@ from tokenfeed.client import Backoff, FeederClient, FeederUnavailable
 from tokenfeed.client.buffers import HostRing, batch_array, views
 from tokenfeed.client.device import resolve_device
 from tokenfeed.client.metrics import ClientMetrics, StallWindow
-from tokenfeed.client.transport import expand, split_addresses
+from tokenfeed.client.transport import Channels, Security, Timeouts, expand, split_addresses
 from tokenfeed.core import errors
 from tokenfeed.core.errors import (
     DataLoss,
@@ -125,11 +125,31 @@ def test_a_name_with_several_records_is_several_endpoints() -> None:
 
     eps = expand("feeder.ns.svc:50051", getaddrinfo=records)
     assert [e.target for e in eps] == ["10.0.0.1:50051", "10.0.0.2:50051"]
+
+    def unordered(host: str, port: int, type: int) -> list:  # noqa: A002
+        return [(socket.AF_INET, type, 6, "", (ip, port)) for ip in ("10.0.0.10", "10.0.0.9")]
+
+    # sorted by address, not as text and not as the resolver returned them
+    eps = expand("feeder.ns.svc:1", getaddrinfo=unordered)
+    assert [e.target for e in eps] == ["10.0.0.9:1", "10.0.0.10:1"]
     assert {e.authority for e in eps} == {"feeder.ns.svc"}  # TLS still checks the name
     # One record: keep the name. IP literals: no lookup at all.
     assert [e.target for e in expand("localhost:1")] == ["localhost:1"]
     assert expand("[::1]:5", getaddrinfo=None)[0].target == "[::1]:5"
     assert expand("127.0.0.1:5", getaddrinfo=None)[0].target == "127.0.0.1:5"
+
+
+def test_rank_r_starts_on_endpoint_r_mod_n_and_moves_on_wrapping_around() -> None:
+    addresses = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+    for rank in range(7):
+        ch = Channels(addresses, Security(), Timeouts(), start=rank)
+        seen = []
+        for _ in range(7):
+            ch.stub()  # opens the channel (lazily: nothing is dialled here)
+            seen.append(ch.current)
+            ch.rotate()
+        ch.close()
+        assert seen == [addresses[(rank + i) % 3] for i in range(7)], rank
 
 
 # ----------------------------------------------------------------------------- buffers

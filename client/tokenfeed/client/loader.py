@@ -176,7 +176,7 @@ class FeederClient:
         security = Security.build(tls, root_certificates, certificate_chain, private_key, token)
         self._metadata = security.metadata
         self._timeouts = timeouts or Timeouts()
-        self._channels = Channels(address, security, self._timeouts)
+        self._channels = Channels(address, security, self._timeouts, start=self.rank)
         self.metrics = ClientMetrics(self.rank, registry)
         if metrics_port is not None:
             self.metrics.serve(metrics_port, metrics_addr)

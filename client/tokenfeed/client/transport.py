@@ -17,6 +17,7 @@ gRPC status codes are turned into the project's error hierarchy
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import threading
@@ -102,7 +103,7 @@ def expand(address: str, getaddrinfo: Callable[..., Any] = socket.getaddrinfo) -
     infos = getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
     v6 = [i[4][0] for i in infos if i[0] == socket.AF_INET6]
-    ips = list(dict.fromkeys(v4 or v6))
+    ips = sorted(set(v4 or v6), key=ipaddress.ip_address)
     if len(ips) <= 1:
         return [Endpoint(address)]
     return [Endpoint(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}", host) for ip in ips]
@@ -185,13 +186,23 @@ class Timeouts:
 
 
 class Channels:
-    """A channel to the current endpoint, rotating through the addresses on failure."""
+    """A channel to the current endpoint, rotating through the endpoints on failure.
 
-    def __init__(self, address: str | Sequence[str], security: Security, options: Timeouts) -> None:
+    The endpoint list is the addresses in the order given, each name replaced by its
+    records sorted by IP (`expand`), so every rank sees the same list whatever order
+    the resolver returns. A client starts on endpoint `start mod n` (the rank: ranks
+    spread over replicas) and on failure moves to the next, wrapping around; after a
+    whole turn the names are resolved again, so replicas that moved are found.
+    """
+
+    def __init__(
+        self, address: str | Sequence[str], security: Security, options: Timeouts, start: int = 0
+    ) -> None:
         self.addresses = split_addresses(address)
         self.security, self.options = security, options
+        self.start = start
         self._endpoints: list[Endpoint] = []
-        self._index = -1
+        self._turn = 0  # endpoints tried since the last resolve
         self._channel: grpc.Channel | None = None
         self._stub: feeder_pb2_grpc.FeederStub | None = None
         self._lock = threading.Lock()
@@ -199,7 +210,12 @@ class Channels:
 
     @property
     def current(self) -> str:
-        return self._endpoints[self._index].target if self._endpoints else self.addresses[0]
+        if not self._endpoints:
+            return self.addresses[self.start % len(self.addresses)]
+        return self._endpoint().target
+
+    def _endpoint(self) -> Endpoint:
+        return self._endpoints[(self.start + self._turn) % len(self._endpoints)]
 
     def stub(self) -> feeder_pb2_grpc.FeederStub:
         """The stub of the current endpoint's channel, opening it if needed."""
@@ -209,8 +225,7 @@ class Channels:
             if self._stub is None:
                 if not self._endpoints:
                     self._resolve()
-                self._index %= len(self._endpoints)
-                ep = self._endpoints[self._index]
+                ep = self._endpoint()
                 opts = self.options.grpc_options(ep, self.security)
                 if self.security.tls:
                     creds = grpc.ssl_channel_credentials(
@@ -231,16 +246,19 @@ class Channels:
         for a in self.addresses:
             endpoints.extend(expand(a))
         self._endpoints = endpoints
-        self._index = 0
+        self._turn = 0
 
     def rotate(self) -> None:
         """Drop the current channel; the next `stub()` dials the next endpoint.
-        After the last one, names are resolved again."""
+        After a whole turn, names are resolved again."""
         with self._lock:
             self._close_channel()
-            self._index += 1
-            if self._index >= len(self._endpoints):
-                self._endpoints = []  # re-resolve on the next stub()
+            if self._endpoints:
+                self._turn += 1
+                if self._turn >= len(self._endpoints):
+                    # re-resolve on the next stub() and go on where the turn left off
+                    self.start += self._turn
+                    self._endpoints = []
 
     def _close_channel(self) -> None:
         if self._channel is not None:
