@@ -67,7 +67,7 @@ promtool check rules deploy/prometheus/rules/*.yml
 
 step "deploy/k8s: kubernetes-validate --strict"
 manifests=()
-for f in deploy/k8s/*.yaml; do
+for f in deploy/k8s/*.yaml deploy/k8s/examples/*.yaml; do
     [ "$(basename "$f")" = kustomization.yaml ] || manifests+=("$f")
 done
 out="$(kubernetes-validate --strict "${manifests[@]}" 2>&1)" || { echo "$out"; exit 1; }

@@ -327,6 +327,17 @@ def test_kustomization_lists_every_manifest_but_the_ordered_prepare_jobs() -> No
     assert listed == on_disk - {"prepare-job.yaml", "merge-job.yaml"}
 
 
+def test_the_autoscaler_example_scales_the_feeder_deployment() -> None:
+    hpa = load_yaml(K8S / "examples" / "feeder-hpa.yaml")
+    dep = k8s_docs()["Deployment/tokenfeed-feeder"]
+    pdb = k8s_docs()["PodDisruptionBudget/tokenfeed-feeder"]
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", dep["metadata"]["name"])
+    assert hpa["metadata"]["namespace"] == dep["metadata"]["namespace"]
+    assert hpa["spec"]["minReplicas"] > pdb["spec"]["maxUnavailable"]
+    assert hpa["spec"]["minReplicas"] <= dep["spec"]["replicas"] <= hpa["spec"]["maxReplicas"]
+
+
 def test_feeder_service_probes_and_monitor_match_the_pods() -> None:
     docs = k8s_docs()
     dep = docs["Deployment/tokenfeed-feeder"]

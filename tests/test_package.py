@@ -39,5 +39,5 @@ def test_command_lists_every_subcommand() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "tokenfeed", "--help"], check=True, capture_output=True, text=True
     ).stdout
-    for name in ("prepare", "import", "serve", "info", "verify", "demo", "bench"):
+    for name in ("prepare", "import", "serve", "info", "verify", "demo", "bench", "plan"):
         assert name in out

@@ -28,6 +28,7 @@ COMMANDS = {
     "verify": "check a token store's sizes and checksums",
     "demo": "feeder + two demo trainer ranks on the demo corpus",
     "bench": "measure tokens/s from a running feeder",
+    "plan": "the feeder cores and replicas a training job needs",
 }
 MODULES = {"import": "imports"}  # `import` is a Python keyword
 

@@ -1,0 +1,163 @@
+"""`tokenfeed plan`: how much feeder a training job needs, before it starts.
+
+    tokenfeed plan --gpus 512 --tokens-per-gpu-s 12000 --seq-len 4096 --batch-size 8
+    tokenfeed plan ... --per-core-tokens-s 3e8          # a per-core figure you measured
+    tokenfeed plan ... --measure feeder:50051 --dataset web   # measure it now
+    tokenfeed plan ... --json                           # JSON only, on stdout
+
+The trainers consume GPUs x tokens-per-GPU-per-second input tokens; the feeder sends
+each row's shift tokens too (seq_len + shift per row), in the store's dtype. The
+worker processes (cores) it takes are that wire rate times the headroom over the
+per-core figure, and the replicas (nodes) are the cores over the cores per node, or
+more when one node's NIC cannot carry its share.
+
+The per-core figure is, in order: `--per-core-tokens-s`; `--measure ADDRESS`, the
+rate one stream gets from a running feeder (point it at a feeder with one worker on an
+otherwise idle node; a client slower than the feeder gives a low, safe figure); else
+this build's own figure, from benchmarks/serve_throughput.py (BUILD_PER_CORE_TOKENS_S).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from tokenfeed.core.dtypes import DTYPES, itemsize
+
+# Wire tokens per server CPU-second at the client's default message size (~256 KiB,
+# 16 x 1024 uint16 rows, shuffled): benchmarks/serve_throughput.py, this project's
+# 2-core VM, 1e9 / 3.4 CPU-s per 1e9 tokens. Re-measure when the hot path changes.
+BUILD_PER_CORE_TOKENS_S = 2.9e8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = __doc__.split("\n\n", 1)[1]
+    a = p.add_argument
+    a("--gpus", type=int, required=True, help="trainer GPUs (ranks)")
+    a(
+        "--tokens-per-gpu-s",
+        type=float,
+        required=True,
+        help="input tokens one GPU trains on per second",
+    )
+    a("--seq-len", type=int, required=True)
+    a("--batch-size", type=int, required=True, help="windows per rank per step")
+    a("--shift", type=int, default=1, help="label shift (auto: its largest divisor)")
+    a("--dtype", choices=sorted(DTYPES), default="uint16", help="store token dtype")
+    a("--cores-per-node", type=int, default=16, help="feeder cores per data node")
+    a("--nic-gbit", type=float, default=25.0, help="a data node's NIC, Gbit/s")
+    a("--headroom", type=float, default=2.0, help="capacity over the need (default 2x)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--per-core-tokens-s", type=float, default=None, help="wire tokens/s one feeder core serves"
+    )
+    src.add_argument(
+        "--measure",
+        metavar="ADDRESS",
+        default=None,
+        help="measure the per-core figure against this running feeder",
+    )
+    a("--dataset", default="demo", help="dataset to stream when measuring")
+    a("--seconds", type=float, default=5.0, help="how long to measure")
+    a("--json", action="store_true", help="print only JSON on stdout")
+
+
+def _measure(args: argparse.Namespace) -> float:
+    """Wire tokens/s one stream gets from a running feeder (tokenfeed bench's loop)."""
+    from tokenfeed.cli.bench import measure
+    from tokenfeed.client import FeederClient
+
+    with FeederClient(
+        args.measure,
+        dataset=args.dataset,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        shift=args.shift,
+        shuffle=True,
+        rank=0,
+        world_size=1,
+    ) as client:
+        result = measure(lambda: client, args.seconds)
+    return float(result["tokens_per_s"]) * (args.seq_len + args.shift) / args.seq_len
+
+
+def plan(args: argparse.Namespace, per_core: float, source: str) -> dict[str, Any]:
+    """The numbers (see the module docstring); inputs are the keys with "per" or the
+    flag's own name."""
+    from tokenfeed.core.errors import InvalidArgument
+
+    for name in (
+        "gpus",
+        "tokens_per_gpu_s",
+        "seq_len",
+        "batch_size",
+        "shift",
+        "cores_per_node",
+        "nic_gbit",
+        "headroom",
+    ):
+        if not getattr(args, name) > 0:
+            raise InvalidArgument(f"--{name.replace('_', '-')} must be positive")
+    if not per_core > 0:
+        raise InvalidArgument(f"the per-core figure must be positive, got {per_core}")
+    tokens = args.gpus * args.tokens_per_gpu_s
+    wire = tokens * (args.seq_len + args.shift) / args.seq_len
+    nbytes = wire * itemsize(args.dtype)
+    gbit = nbytes * 8 / 1e9
+    cores = max(1, math.ceil(wire * args.headroom / per_core))
+    replicas = max(
+        math.ceil(cores / args.cores_per_node), math.ceil(gbit * args.headroom / args.nic_gbit)
+    )
+    return {
+        "tokens_per_s": tokens,
+        "wire_tokens_per_s": wire,
+        "bytes_per_s": nbytes,
+        "gbit_per_s": gbit,
+        "steps_per_s": args.tokens_per_gpu_s / (args.batch_size * args.seq_len),
+        "cores": cores,
+        "replicas": replicas,
+        "workers_per_replica": math.ceil(cores / replicas),
+        "gpus": args.gpus,
+        "tokens_per_gpu_s": args.tokens_per_gpu_s,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "shift": args.shift,
+        "dtype": args.dtype,
+        "cores_per_node": args.cores_per_node,
+        "nic_gbit_per_node": args.nic_gbit,
+        "per_core_tokens_s": per_core,
+        "per_core_source": source,
+        "headroom": args.headroom,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.per_core_tokens_s is not None:
+        per_core, source = args.per_core_tokens_s, "given"
+    elif args.measure is not None:
+        per_core, source = _measure(args), f"measured at {args.measure}"
+    else:
+        per_core, source = BUILD_PER_CORE_TOKENS_S, "this build's benchmark"
+    doc = plan(args, per_core, source)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(
+        f"trainers consume   {doc['tokens_per_s']:,.0f} tokens/s "
+        f"({args.gpus} GPUs x {args.tokens_per_gpu_s:,.0f}; {doc['steps_per_s']:.2f} steps/s)"
+    )
+    print(
+        f"feeder sends       {doc['wire_tokens_per_s']:,.0f} tokens/s with the shift, "
+        f"{doc['bytes_per_s'] / 1e9:,.2f} GB/s, {doc['gbit_per_s']:,.2f} Gbit/s ({args.dtype})"
+    )
+    print(f"per core           {per_core:,.0f} wire tokens/s ({source})")
+    print(
+        f"it takes           {doc['cores']} cores and {doc['replicas']} replicas "
+        f"({doc['workers_per_replica']} workers each: `tokenfeed serve --workers "
+        f"{doc['workers_per_replica']}`), at {args.headroom:g}x headroom, "
+        f"{args.cores_per_node} cores and {args.nic_gbit:g} Gbit/s per node"
+    )
+    return 0

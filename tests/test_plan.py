@@ -1,0 +1,83 @@
+"""`tokenfeed plan`: the arithmetic, its JSON, and a per-core figure measured live."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tokenfeed.cli import main
+from tokenfeed.cli.plan import BUILD_PER_CORE_TOKENS_S
+
+JOB = ["--gpus", "1024", "--tokens-per-gpu-s", "40000", "--seq-len", "2048", "--batch-size", "4"]
+
+
+def plan_json(*argv: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenfeed", "plan", *JOB, *argv, "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    return json.loads(out)  # stdout is only JSON
+
+
+def test_numbers_follow_from_the_job() -> None:
+    doc = plan_json("--per-core-tokens-s", "1e6", "--cores-per-node", "16", "--headroom", "2")
+    tokens = 1024 * 40000
+    wire = tokens * 2049 / 2048
+    assert doc["tokens_per_s"] == tokens and doc["wire_tokens_per_s"] == pytest.approx(wire)
+    assert doc["bytes_per_s"] == pytest.approx(2 * wire)  # uint16
+    assert doc["gbit_per_s"] == pytest.approx(16 * wire / 1e9)
+    assert doc["cores"] == math.ceil(2 * wire / 1e6)
+    assert doc["replicas"] == math.ceil(doc["cores"] / 16)
+    assert doc["per_core_source"] == "given" and doc["cores_per_node"] == 16
+
+
+def test_the_nic_can_decide_the_replicas() -> None:
+    doc = plan_json("--per-core-tokens-s", "1e12", "--nic-gbit", "0.5", "--dtype", "uint32")
+    assert doc["cores"] == 1
+    assert doc["replicas"] == math.ceil(doc["gbit_per_s"] * 2 / 0.5) > 1
+
+
+def test_the_builds_own_figure_is_the_default(capsys) -> None:
+    assert main(["plan", *JOB]) == 0
+    out = capsys.readouterr().out
+    assert f"{BUILD_PER_CORE_TOKENS_S:,.0f} wire tokens/s (this build's benchmark)" in out
+    assert " cores and " in out and " replicas " in out
+
+
+def test_measured_against_a_running_feeder(feeder, capsys) -> None:
+    argv = [
+        "plan",
+        "--gpus",
+        "8",
+        "--tokens-per-gpu-s",
+        "1e4",
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "4",
+        "--measure",
+        feeder.address,
+        "--dataset",
+        "positions",
+        "--seconds",
+        "0.5",
+        "--dtype",
+        "uint32",
+        "--json",
+    ]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["per_core_source"] == f"measured at {feeder.address}"
+    assert doc["per_core_tokens_s"] > 0 and doc["cores"] >= 1
+
+
+def test_bad_input_exits_2(capsys) -> None:
+    assert main(["plan", *JOB, "--headroom", "0"]) == 2
+    assert "--headroom must be positive" in capsys.readouterr().err
