@@ -7,6 +7,13 @@ root) and split names only: no filesystem paths, no tokens, no client addresses.
 
 prometheus_client appends `_total` to counter names itself, so the counters below are
 declared without it and exported as `tokenfeed_server_batches_sent_total` and so on.
+
+Under `--workers N` each worker process writes its values to files in a directory the
+supervisor owns (prometheus_client's multiprocess mode) and the supervisor serves one
+/metrics for the node: counters and histograms summed over every worker that ever ran
+(a replaced worker's counts stay in, so the sums never go backwards), gauges summed
+over the live workers (`multiprocess_mode="livesum"`: streams active, cache bytes; the
+capacities add up to --cache-bytes). The names are the same as for one process.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ class ServerMetrics:
             "tokenfeed_server_streams_active",
             "StreamBatches calls in progress",
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.batches_sent = Counter(
             "tokenfeed_server_batches_sent", "Batches sent", ds, registry=registry
@@ -85,11 +93,13 @@ class ServerMetrics:
             "tokenfeed_cache_resident_bytes",
             "Bytes held (or being loaded) by the chunk cache",
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.cache_capacity_bytes = Gauge(
             "tokenfeed_cache_capacity_bytes",
             "Byte bound of the chunk cache (--cache-bytes)",
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.chunk_load_seconds = Histogram(
             "tokenfeed_chunk_load_seconds",
@@ -101,6 +111,28 @@ class ServerMetrics:
             "tokenfeed_batch_build_seconds",
             "Time to assemble one batch from cached chunks",
             buckets=_BUILD_BUCKETS,
+            registry=registry,
+        )
+
+
+# The supervisor's own series (`--workers N` only), beside the summed worker series.
+SUPERVISOR_SERIES = (
+    "tokenfeed_server_workers",
+    "tokenfeed_server_worker_restarts_total",
+)
+
+
+class SupervisorMetrics:
+    """The supervisor's metrics (`--workers N`), on the registry that also collects the
+    workers' files."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.workers = Gauge(
+            "tokenfeed_server_workers", "Worker processes serving (--workers)", registry=registry
+        )
+        self.worker_restarts = Counter(
+            "tokenfeed_server_worker_restarts",
+            "Worker processes that died and were replaced",
             registry=registry,
         )
 
