@@ -23,6 +23,13 @@ The whole plan runs `--repeat` times, rows interleaved, and each row reports its
 median: this machine is noisy (+-15 % between identical runs). Reported: total
 tokens/s, messages/s, server and client CPU seconds per 10^9 tokens, and the ratio to
 the bare ceiling at the same message size (batches per message).
+
+`--workers-rows` runs `tokenfeed serve --workers 1` (one process) beside `--workers 2`
+(a supervisor and two worker processes on one port) at the client's default message
+size (7 batches, ~256 KiB) with 1 and 4 streams, and reports the server's CPU per
+token summed over all its processes and split by worker: per-worker CPU per token
+should stay within 10 % of one process's, so a node's capacity is its cores times
+one core's figure (printed for a 16-core node, one core left to the system).
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from tokenfeed.cli.process import wait_for_port
 from tokenfeed.core.atomic import write_atomic
 
 SEQ_LEN, BATCH, STRIDE = 1024, 16, 256
+# the client's default batches per message for these batches: ~256 KiB (loader.py)
+DEFAULT_PER_MESSAGE = max(1, (256 << 10) // (BATCH * (SEQ_LEN + 1) * 2))
 METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
 
 
@@ -173,6 +182,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of `pid` and of each of its live children (the `--workers` processes)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    out = {pid: cpu_seconds(pid)}
+    for k in kids:
+        try:
+            out[int(k)] = cpu_seconds(int(k))
+        except OSError:
+            pass
+    return out
+
+
+def workers_of(kind: str) -> int:
+    """tokenfeed-w2 -> 2 (`--workers 2`); plain tokenfeed -> 1."""
+    return int(kind.rsplit("-w", 1)[1]) if "-w" in kind else 1
+
+
 def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tuple:
     port_file = tmp / f"port-{kind}-{per_message}"
     port_file.unlink(missing_ok=True)
@@ -200,6 +226,8 @@ def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tup
             "--log-level",
             "WARNING",
         ]
+        if workers_of(kind) > 1:
+            argv += ["--workers", str(workers_of(kind))]
     proc = subprocess.Popen(argv)
     return proc, f"127.0.0.1:{wait_for_port(proc, port_file)}"
 
@@ -212,13 +240,15 @@ def measure(
     try:
         # warm up (cache fill, connection setup) outside the measurement
         subprocess.run([*client, "--seconds", "0.5"], check=True, capture_output=True)
-        cpu0 = cpu_seconds(proc.pid)
+        cpu0 = tree_cpu(proc.pid)
         out = subprocess.run(
             [*client, "--seconds", str(seconds), "--streams", str(streams)],
             check=True,
             stdout=subprocess.PIPE,
         ).stdout
-        cpu = cpu_seconds(proc.pid) - cpu0
+        cpu1 = tree_cpu(proc.pid)
+        per_process = {p: cpu1[p] - cpu0.get(p, 0.0) for p in cpu1}
+        cpu = sum(per_process.values())
     finally:
         proc.terminate()
         proc.wait(30)
@@ -232,6 +262,8 @@ def measure(
         "msgs_s": r["messages"] / r["seconds"],
         "cpu_per_gtok": cpu * per_gtok,
         "client_cpu_per_gtok": r["cpu"] * per_gtok,
+        # CPU seconds of each process while streaming, supervisor first
+        "cpu_split": [per_process[p] for p in sorted(per_process, key=lambda p: p != proc.pid)],
     }
 
 
@@ -274,6 +306,9 @@ def main() -> None:
     ap.add_argument("--bare", metavar="PORT_FILE")
     ap.add_argument("--stretch", type=int, default=16, help="batches per message, stretch rows")
     ap.add_argument("--only", help="comma-separated rows to run, e.g. tokenfeed:1:1 (debugging)")
+    ap.add_argument(
+        "--workers-rows", action="store_true", help="--workers 1 vs 2 (see the docstring)"
+    )
     args = ap.parse_args()
     if args.client:
         return run_client(args.client, args.streams, args.seconds, args.per_message)
@@ -290,6 +325,14 @@ def main() -> None:
         ("tokenfeed", 1, k),
         ("tokenfeed", 4, k),
     ]
+    if args.workers_rows:
+        d = DEFAULT_PER_MESSAGE
+        plan = [
+            ("tokenfeed", 1, d),
+            ("tokenfeed-w2", 1, d),
+            ("tokenfeed", 4, d),
+            ("tokenfeed-w2", 4, d),
+        ]
     if args.only:
         plan = [
             (k_, int(s_), int(m_)) for k_, s_, m_ in (x.split(":") for x in args.only.split(","))
@@ -310,6 +353,8 @@ def main() -> None:
     rows = [median_row(runs[row]) for row in plan]
     if args.only:
         return
+    if args.workers_rows:
+        return report_workers(rows, args)
     bare = {(r["streams"], r["per_message"]): r for r in rows if r["kind"] == "bare"}
     print(
         f"\nserve_throughput: batch {BATCH} x {SEQ_LEN}+1 uint16, shuffled, "
@@ -359,6 +404,41 @@ def main() -> None:
         f"(stretch goal > 250; "
         + " ".join(f"{r['tokens_s'] / 1e6:.0f}" for r in runs[("tokenfeed", 1, k)])
         + ")"
+    )
+
+
+def report_workers(rows: list[dict], args: argparse.Namespace) -> None:  # type: ignore[type-arg]
+    print(
+        f"\nserve_throughput --workers-rows: batch {BATCH} x {SEQ_LEN}+1 uint16, "
+        f"{DEFAULT_PER_MESSAGE} batches/msg, shuffled, median of {args.repeat} x "
+        f"{args.seconds:g} s, loopback, {os.cpu_count()} cpus (the load generator needs one)\n"
+    )
+    print(
+        f"{'server':14s} {'streams':>7s} {'Mtok/s':>8s} {'server cpu':>10s} {'per worker':>10s} "
+        f"{'vs w1':>6s}  cpu seconds: supervisor / workers"
+    )
+    print(f"{'':31s}{'s/Gtok':>10s} {'s/Gtok':>10s}")
+    one = {r["streams"]: r for r in rows if workers_of(r["kind"]) == 1}
+    for r in rows:
+        n = workers_of(r["kind"])
+        split = r["cpu_split"]
+        # per worker: the workers' CPU (not the supervisor's) per token they sent
+        work = sum(split[1:]) if n > 1 else split[0]
+        per_worker = r["cpu_per_gtok"] * work / max(sum(split), 1e-9)
+        base = one.get(r["streams"])
+        ratio = per_worker / base["cpu_per_gtok"] if base else float("nan")
+        print(
+            f"{'--workers ' + str(n):14s} {r['streams']:7d} {r['tokens_s'] / 1e6:8.1f} "
+            f"{r['cpu_per_gtok']:10.2f} {per_worker:10.2f} {ratio:6.2f}  "
+            + " / ".join(f"{c:.2f}" for c in split)
+        )
+    worst = max(r["cpu_per_gtok"] for r in rows)  # conservative: the dearest row
+    per_core = 1e9 / worst
+    print(
+        f"\none worker core: {per_core / 1e6:.0f} M tokens/s at {worst:.2f} s/Gtok (the "
+        f"dearest row); a 16-core node with 15 workers: ~{15 * per_core / 1e9:.1f} G "
+        f"tokens/s = {15 * per_core * 2 * 8 / 1e9:.0f} Gbit/s of uint16 payload, if the "
+        "clients and the NIC keep up"
     )
 
 

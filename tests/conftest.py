@@ -156,7 +156,7 @@ class FeederProcess:
         self._dir = Path(tempfile.mkdtemp(prefix="feeder-proc-"))
         self.port_file = self._dir / "port"
         self.log_path = self._dir / "server.log"
-        self.port = 0
+        self.port = int(self.flags.pop("port", 0))  # 0: any free port, kept on restart
         self.proc = None
         self.start()
 

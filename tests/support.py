@@ -14,7 +14,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.client.metrics import ClientMetrics
-from tokenfeed.server.metrics import ServerMetrics
+from tokenfeed.server.metrics import ServerMetrics, SupervisorMetrics
 
 
 def free_port() -> int:
@@ -35,11 +35,16 @@ def wait_until(ready: Callable[[], object], timeout: float, what: str, poll: flo
 _SUFFIXES = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
 
 
-def registered_series(server: bool = True, client: bool = True) -> set[str]:
-    """Every sample name the feeder's and/or the client's metrics modules register."""
+def registered_series(
+    server: bool = True, client: bool = True, supervisor: bool = False
+) -> set[str]:
+    """Every sample name the feeder's, the client's and/or the `--workers` supervisor's
+    metrics classes register."""
     reg = CollectorRegistry()
     if server:
         ServerMetrics(reg)
+    if supervisor:
+        SupervisorMetrics(reg)
     if client:
         ClientMetrics(rank=0, registry=reg)
     return {f.name + s for f in reg.collect() for s in _SUFFIXES[f.type]}

@@ -26,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="Prometheus /metrics port (default 0 = off) [TOKENFEED_METRICS_PORT]",
     )
-    a("--cache-bytes", help="chunk cache bound, e.g. 2G (default 2 GiB) [TOKENFEED_CACHE_BYTES]")
+    a(
+        "--cache-bytes",
+        help="chunk cache bound for the whole node, e.g. 2G (default 2 GiB; with --workers "
+        "N each worker maps at most 1/N of it) [TOKENFEED_CACHE_BYTES]",
+    )
     a("--max-streams", type=int, help="concurrent streams (default 256) [TOKENFEED_MAX_STREAMS]")
     a(
         "--max-batch-bytes",
@@ -35,7 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--workers",
         type=int,
-        help="batch-assembly threads (default min(8, cpus)) [TOKENFEED_WORKERS]",
+        help="server processes sharing the port, one per core to use: a supervisor "
+        "starts them, sums their metrics and replaces any that dies (default 1: one "
+        "process, no supervisor) [TOKENFEED_WORKERS]",
+    )
+    a(
+        "--assembly-threads",
+        type=int,
+        help="batch-assembly threads per server process (default min(8, cpus / workers), "
+        "at least 2 with several workers) [TOKENFEED_ASSEMBLY_THREADS]",
     )
     a("--tls-cert", help="PEM server certificate (with --tls-key) [TOKENFEED_TLS_CERT]")
     a("--tls-key", help="PEM server private key [TOKENFEED_TLS_KEY]")

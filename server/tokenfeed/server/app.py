@@ -4,7 +4,8 @@
 their own registry); `FeederServer.start()` binds and serves; `drain()` is the
 graceful stop (health NOT_SERVING, no new streams, open ones get `grace_seconds`).
 `run(config)` is `tokenfeed serve`: uvloop when installed, SIGTERM/SIGINT drain,
-exit code 0.
+exit code 0; with `--workers N` (N > 1) it hands over to the supervisor
+(supervisor.py), whose worker processes (worker.py) each run a FeederServer here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hmac
 import logging
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.core.atomic import write_atomic
+from tokenfeed.core.store import TokenStore
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.config import ServerConfig
 from tokenfeed.server.datasets import Catalog
@@ -84,15 +87,31 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
 
 
 class FeederServer:
-    """One feeder: the gRPC server and everything it owns."""
+    """One feeder: the gRPC server and everything it owns.
 
-    def __init__(self, config: ServerConfig, registry: CollectorRegistry | None = None) -> None:
+    `open_store` and `reuse_port` are for the worker processes of `--workers N`
+    (worker.py): stores whose chunks map the page cache, and SO_REUSEPORT so N servers
+    share the port. Otherwise SO_REUSEPORT stays off, so a second feeder started on a
+    busy port fails instead of quietly splitting its clients.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        registry: CollectorRegistry | None = None,
+        *,
+        open_store: Callable[[Path], TokenStore] = TokenStore.open,
+        reuse_port: bool = False,
+    ) -> None:
         self.config = config
+        self.reuse_port = reuse_port
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ServerMetrics(self.registry)
         self.cache = ChunkCache(config.cache_bytes, self.metrics)
-        self.datasets = Catalog(config.data_root)
-        self.executor = ThreadPoolExecutor(config.num_workers, thread_name_prefix="tokenfeed-batch")
+        self.datasets = Catalog(config.data_root, open_store)
+        self.executor = ThreadPoolExecutor(
+            config.num_assembly_threads, thread_name_prefix="tokenfeed-batch"
+        )
         self.service = FeederService(
             self.datasets,
             self.cache,
@@ -125,7 +144,9 @@ class FeederServer:
             options=[
                 ("grpc.max_send_message_length", cfg.max_batch_bytes + (1 << 20)),
                 ("grpc.max_receive_message_length", _REQUEST_LIMIT),
-                ("grpc.so_reuseport", 0),  # a second feeder on a busy port must fail
+                # a second feeder on a busy port must fail, except the worker processes
+                # of one `--workers N` feeder, which share it
+                ("grpc.so_reuseport", 1 if self.reuse_port else 0),
                 # Accept the clients' keepalive pings (every 20 s, also while a slow
                 # trainer's stream is paused by flow control) instead of a GOAWAY.
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -191,9 +212,11 @@ class FeederServer:
         await self._server.wait_for_termination()
 
 
-def create_server(config: ServerConfig, registry: CollectorRegistry | None = None) -> FeederServer:
+def create_server(
+    config: ServerConfig, registry: CollectorRegistry | None = None, **options: Any
+) -> FeederServer:
     """A feeder for `config`, not yet bound; `await server.start()` serves it."""
-    return FeederServer(config, registry)
+    return FeederServer(config, registry, **options)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -205,8 +228,13 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-async def serve(config: ServerConfig) -> int:
-    server = create_server(config)
+async def serve(
+    config: ServerConfig,
+    server: FeederServer | None = None,
+    on_serving: Callable[[FeederServer], None] | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT, then drain; `on_serving` runs once bound."""
+    server = server if server is not None else create_server(config)
     await server.start()
     log.info(
         "tokenfeed feeder serving %s on %s (tls=%s, auth=%s, cache %d bytes)%s",
@@ -221,6 +249,8 @@ async def serve(config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if on_serving is not None:
+        on_serving(server)
     await stop.wait()
     log.info("draining: no new streams, %.1f s for open ones", config.grace_seconds)
     await server.drain()
@@ -229,13 +259,23 @@ async def serve(config: ServerConfig) -> int:
 
 
 def run(config: ServerConfig) -> int:
+    """`tokenfeed serve`: one server process, or the supervisor of `config.workers`."""
     warning = config.insecure_warning()
     if warning:
         print("\n" + "!" * 78 + f"\n{warning}\n" + "!" * 78 + "\n", file=sys.stderr, flush=True)
+    if config.workers > 1:
+        from tokenfeed.server.supervisor import Supervisor
+
+        return Supervisor(config).run()
+    return run_until_stopped(serve(config))
+
+
+def run_until_stopped(main: Coroutine[Any, Any, int]) -> int:
+    """Run `main` (a `serve(...)`) on a new event loop; its exit code."""
     loop = new_event_loop()
     try:
         asyncio.set_event_loop(loop)
-        return loop.run_until_complete(serve(config))
+        return loop.run_until_complete(main)
     finally:
         # Drained: a repeated SIGTERM during the last teardown must not turn exit 0
         # into "killed by signal".

@@ -31,7 +31,8 @@ class ServerConfig:
     cache_bytes: int = 2 * GiB
     max_streams: int = 256
     max_batch_bytes: int = 64 * MiB  # bytes of one response message (all its batches)
-    workers: int = 0  # batch-assembly threads; 0 = min(8, cpus)
+    assembly_threads: int = 0  # batch-assembly threads per process; 0 = automatic
+    workers: int = 1  # server processes on one port (supervisor.py); 1 = one process
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # require client certificates signed by this CA
@@ -49,7 +50,8 @@ class ServerConfig:
             ("cache_bytes", 1, 1 << 50),
             ("max_streams", 1, 1 << 20),
             ("max_batch_bytes", 1, 2 * GiB - 1),  # gRPC messages are limited to 2 GiB
-            ("workers", 0, 1024),
+            ("assembly_threads", 0, 1024),
+            ("workers", 1, 256),
         ):
             value = getattr(self, name)
             if not lo <= value <= hi:
@@ -69,8 +71,13 @@ class ServerConfig:
             raise InvalidArgument(f"--auth-token-file {self.auth_token_file} is empty")
 
     @property
-    def num_workers(self) -> int:
-        return self.workers or min(8, os.cpu_count() or 1)
+    def num_assembly_threads(self) -> int:
+        """Batch-assembly threads of one server process: the flag, or min(8, cpus) for
+        one process and min(8, max(2, cpus // workers)) for each of several."""
+        if self.assembly_threads:
+            return self.assembly_threads
+        cores = max(1, (os.cpu_count() or 1) // self.workers)
+        return min(8, cores if self.workers == 1 else max(2, cores))
 
     @property
     def tls(self) -> bool:

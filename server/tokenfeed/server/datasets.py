@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -47,8 +48,16 @@ class Dataset:
 
 
 class Catalog:
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    """Stores by name. `open_store` opens one (TokenStore.open: chunks read into private
+    memory; chunks.MappedStore under --workers N: chunks mapped from the page cache)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        open_store: Callable[[Path], TokenStore] = TokenStore.open,
+    ) -> None:
         self.root = Path(root).resolve(strict=True)
+        self._open_store = open_store
         self._open: dict[str, Dataset] = {}
         self._lock = threading.Lock()
 
@@ -104,7 +113,7 @@ class Catalog:
             ds = self._open.get(name)
             if ds is not None and ds.generation == generation:
                 return ds
-        store = TokenStore.open(path)
+        store = self._open_store(path)
         ds = Dataset(name, store, generation)
         with self._lock:
             self._open[name] = ds

@@ -9,6 +9,13 @@ prometheus_client appends `_total` to counter names itself, so the counters belo
 declared without it and exported as `tokenfeed_server_batches_sent_total` and so on.
 The tests and the deploy checks read the names from a registry these classes filled,
 never from a list kept by hand.
+
+Under `--workers N` each worker process writes its values to files in a directory the
+supervisor owns (prometheus_client's multiprocess mode) and the supervisor serves one
+/metrics for the node: counters and histograms summed over every worker that ever ran
+(a replaced worker's counts stay in, so the sums never go backwards), gauges summed
+over the live workers (`multiprocess_mode="livesum"`: streams active, cache bytes; the
+capacities add up to --cache-bytes). The names are the same as for one process.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ class ServerMetrics:
             "tokenfeed_server_streams_active",
             "StreamBatches calls in progress",
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.batches_sent = Counter(
             "tokenfeed_server_batches_sent", "Batches sent", ds, registry=registry
@@ -75,11 +83,13 @@ class ServerMetrics:
             "tokenfeed_cache_resident_bytes",
             "Bytes held (or being loaded) by the chunk cache",
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.cache_capacity_bytes = Gauge(
             "tokenfeed_cache_capacity_bytes",
             "Byte bound of the chunk cache (--cache-bytes)",
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.chunk_load_seconds = Histogram(
             "tokenfeed_chunk_load_seconds",
@@ -91,6 +101,21 @@ class ServerMetrics:
             "tokenfeed_batch_build_seconds",
             "Time to assemble one batch from cached chunks",
             buckets=_BUILD_BUCKETS,
+            registry=registry,
+        )
+
+
+class SupervisorMetrics:
+    """The supervisor's metrics (`--workers N`), on the registry that also collects the
+    workers' files."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.workers = Gauge(
+            "tokenfeed_server_workers", "Worker processes serving (--workers)", registry=registry
+        )
+        self.worker_restarts = Counter(
+            "tokenfeed_server_worker_restarts",
+            "Worker processes that died and were replaced",
             registry=registry,
         )
 
