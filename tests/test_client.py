@@ -621,6 +621,7 @@ def test_loop_waits_reach_prometheus_through_the_collector_only() -> None:
     assert b.first_batch_seconds == 1.5 and b.summary()["first_batch_seconds_total"] == 1.5
     assert get("tokenfeed_client_tokens_received_total", {"rank": "0"}) == 10
     assert get("tokenfeed_client_tokens_received_created", {"rank": "0"}) is not None
+    assert get("tokenfeed_client_wait_seconds_created", {"rank": "0"}) is not None
     # The gauge shows the larger stall of the open clients of a rank; b's first batch
     # is out of both its waited and its wall time.
     assert get("tokenfeed_client_stall_fraction", {"rank": "0"}) == pytest.approx(

@@ -57,6 +57,7 @@ from prometheus_client.metrics_core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 PREFIX = "tokenfeed_client_"
@@ -342,6 +343,9 @@ class _Collector:
             for family, attr in ((wait, "wait"), (first, "first_batch")):
                 hists = [getattr(c, attr) for c in cs]
                 family.add_metric([rank], _buckets(hists), sum(h.sum for h in hists))
+                # As prometheus_client's own Histogram exports it.
+                family.samples.append(Sample(family.name + "_created", {"rank": rank},
+                                             created))
             open_ = [c.stall.value() for c in cs if not c.closed]
             stall.add_metric([rank], max(open_, default=0.0))
         yield from counters.values()
