@@ -19,11 +19,15 @@ For each, in a fresh process: tokens/s into a loop that does no work; CPU second
 the trainer process(es) (workers included, the feeder not) per 10^9 tokens; p50/p99 of
 the time next() blocks; peak RSS of the trainer side (sum over its processes, sampled).
 Then loops that sleep --step-ms (1, 5 and 20 ms) per batch like a training step: the
-data-stall fraction (time blocked in next() / wall time). The feeder's own CPU is shown apart.
-At 1-5 ms the stall is the fixed cost of handing a batch from the reader thread to
-the loop (tens of us on this VM: a bare queue.get that wakes a blocked producer costs
-about as much), not missing data; 20 ms is the simulated-training case of issue 5.
-The numbers are from one run on a shared machine: read the ratios, not the digits.
+data-stall fraction (time blocked in next() / wall time), the p99 and the longest
+next(). The feeder's own CPU is shown apart. Each stepped loop crosses epoch ends (the
+next epoch streams ahead), and its stall counts every wait, first batches included.
+At 1-5 ms steps the ring almost always holds a batch, so p99 is the cost of next()
+itself right after a sleep (a bare generator's next() is ~8 us p50 / ~25 us p99 after
+a 5 ms sleep on this VM); the stall is that plus the rare empty ring (a reader or
+feeder descheduled on a busy machine: see the max column). 20 ms is the
+simulated-training case of issue 5. The numbers are from one run on a shared machine:
+read the ratios, not the digits.
 """
 
 from __future__ import annotations
@@ -321,11 +325,11 @@ def main() -> None:
 
 def report(results: list[dict[str, Any]], step_ms: str) -> None:
     steps = step_ms.split(",")
-    sim = " | ".join(f"{f'{ms} ms step':^16}" for ms in steps)
+    sim = " | ".join(f"{f'{ms} ms step':^24}" for ms in steps)
     head = (
         f"{'loader':<15} {'Mtok/s':>8} {'CPU s/1e9':>10} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'RSS MB':>7} | "
-        + " | ".join(f"{'stall %':>7} {'p99 ms':>8}" for _ in steps)
+        + " | ".join(f"{'stall %':>7} {'p99 ms':>8} {'max ms':>7}" for _ in steps)
         + f" | {'feeder CPU s/1e9':>16}"
     )
     print()
@@ -336,7 +340,8 @@ def report(results: list[dict[str, Any]], step_ms: str) -> None:
         e = r["empty"]
         fc = "" if r["feeder_cpu"] is None else f"{r['feeder_cpu']:.1f}"
         sims = " | ".join(
-            f"{t['stall_fraction'] * 100:>7.2f} {t['wait_p99_ms']:>8.3f}" for t in r["train"]
+            f"{t['stall_fraction'] * 100:>7.2f} {t['wait_p99_ms']:>8.3f} {t['wait_max_ms']:>7.2f}"
+            for t in r["train"]
         )
         print(
             f"{r['variant']:<15} {e['tokens_per_s'] / 1e6:>8.1f} "

@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import FEEDER_DATASET, make_positional_store, running_feeder
-from prometheus_client import CollectorRegistry
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter
 from support import assert_positional_batch, wait_until
 
 import tokenfeed.client
@@ -550,7 +552,10 @@ def test_bearer_token(tmp_path: Path) -> None:
 
 def test_metrics_exist_move_and_are_exported(feeder) -> None:
     reg = CollectorRegistry()
-    with _client(feeder.address, rank=1, world_size=2, registry=reg, metrics_port=0) as c:
+    # No lookahead: the next epoch's stream would add its buffered batches to the counts.
+    with _client(
+        feeder.address, rank=1, world_size=2, registry=reg, metrics_port=0, lookahead=False
+    ) as c:
 
         def value(name: str) -> float:
             v = reg.get_sample_value(name, {"rank": "1"})
@@ -567,7 +572,10 @@ def test_metrics_exist_move_and_are_exported(feeder) -> None:
         assert value("tokenfeed_client_batches_received_total") == n == len(c)
         assert value("tokenfeed_client_tokens_received_total") == n * 4 * 16
         assert value("tokenfeed_client_bytes_received_total") == n * 4 * 17 * 4
-        assert value("tokenfeed_client_wait_seconds_count") == n + 1  # + the final StopIteration
+        # The first batch's wait is counted apart; the final StopIteration is a wait.
+        assert value("tokenfeed_client_first_batch_seconds_count") == 1
+        assert value("tokenfeed_client_first_batch_seconds_sum") == c.first_batch_seconds > 0
+        assert value("tokenfeed_client_wait_seconds_count") == n
         assert value("tokenfeed_client_wait_seconds_sum") > 0
         assert 0 < value("tokenfeed_client_stall_fraction") <= 1
         assert value("tokenfeed_client_buffer_occupancy") == 0
@@ -640,3 +648,194 @@ def test_the_next_epoch_streams_ahead_and_is_adopted_only_when_asked_for(feeder)
         _starts(c, limit=1)  # epoch 5 again from its start (6 was streamed ahead)
         state = c.state_dict()
         assert (state["epoch"], state["step"]) == (5, 1)
+
+
+# ------------------------------------------- metrics off the loop's path, first batch
+
+
+def test_stall_window_leaves_first_batch_waits_out_of_the_wall_time() -> None:
+    now = [1000.0]
+    w = StallWindow(window=10.0, clock=lambda: now[0])
+    now[0] += 3
+    w.exclude(2.0)  # 2 s waiting for a first batch: neither waited nor wall time
+    now[0] += 2
+    w.add(0.5)
+    assert w.value() == pytest.approx(0.5 / (5 - 2))
+    now[0] += 20  # aged out
+    assert w.value() == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0, 3), st.floats(0, 0.5), st.booleans()), max_size=40),
+    st.floats(1, 20),
+)
+def test_stall_window_matches_a_reference_over_one_second_bins(
+    events: list[tuple[float, float, bool]], window: float
+) -> None:
+    """Lock-free bins (current bin + bounded deque) == summing every event's bin."""
+    now = [5000.0]
+    w = StallWindow(window=window, clock=lambda: now[0])
+    log: list[tuple[float, float, bool]] = []
+    for advance, seconds, first in events:
+        now[0] += advance
+        (w.exclude if first else w.add)(seconds)
+        log.append((float(int(now[0])), seconds, first))
+        start = max(now[0] - window, 5000.0)
+        live = [(s, x, f) for s, x, f in log if s + 1 > start]
+        waited = sum(x for _, x, f in live if not f)
+        wall = now[0] - start - sum(x for _, x, f in live if f)
+        expected = 0.0 if wall <= 0 else max(0.0, min(1.0, waited / wall))
+        assert w.value() == pytest.approx(expected, abs=1e-9)
+
+
+@given(st.lists(st.floats(0, 20, allow_nan=False), max_size=300))
+def test_histogram_counts_match_prometheus_le_buckets(values: list[float]) -> None:
+    from tokenfeed.client.metrics import WAIT_BUCKETS, Histogram
+
+    h = Histogram(WAIT_BUCKETS)
+    for v in values:
+        h.observe(v)
+    for i, bound in enumerate(WAIT_BUCKETS):
+        assert sum(h.counts[: i + 1]) == sum(1 for v in values if v <= bound)
+    assert h.count == len(values) and h.sum == pytest.approx(sum(values))
+
+
+def test_loop_waits_reach_prometheus_through_the_collector_only() -> None:
+    reg = CollectorRegistry()
+    a, b = ClientMetrics(0, reg), ClientMetrics(0, reg)  # train + validation of rank 0
+    now = [100.0]
+    a.stall = StallWindow(window=30, clock=lambda: now[0])
+    b.stall = StallWindow(window=30, clock=lambda: now[0])
+    now[0] += 10
+    a.waited(3e-5)  # the loop: an append, nothing folded yet
+    assert len(a.waits) == 1 and a.wait.count == 0
+    b.waited(0.2)
+    b.first_batch_waited(1.5)
+    a.received(10, 20)  # the reader folds while it counts
+    assert a.wait.count == 1 and not a.waits
+    get = reg.get_sample_value
+    assert get("tokenfeed_client_wait_seconds_count", {"rank": "0"}) == 2  # scrape folds b
+    assert get("tokenfeed_client_wait_seconds_bucket", {"rank": "0", "le": "2.5e-05"}) == 0
+    assert get("tokenfeed_client_wait_seconds_bucket", {"rank": "0", "le": "5e-05"}) == 1
+    assert get("tokenfeed_client_wait_seconds_bucket", {"rank": "0", "le": "+Inf"}) == 2
+    assert get("tokenfeed_client_wait_seconds_sum", {"rank": "0"}) == pytest.approx(0.20003)
+    assert get("tokenfeed_client_first_batch_seconds_count", {"rank": "0"}) == 1
+    assert get("tokenfeed_client_first_batch_seconds_bucket", {"rank": "0", "le": "1.0"}) == 0
+    assert get("tokenfeed_client_first_batch_seconds_bucket", {"rank": "0", "le": "2.5"}) == 1
+    assert b.first_batch_seconds == 1.5 and b.summary()["first_batch_seconds_total"] == 1.5
+    assert get("tokenfeed_client_tokens_received_total", {"rank": "0"}) == 10
+    assert get("tokenfeed_client_tokens_received_created", {"rank": "0"}) is not None
+    assert get("tokenfeed_client_wait_seconds_created", {"rank": "0"}) is not None
+    # The gauge shows the larger stall of the open clients of a rank; b's first batch
+    # is out of both its waited and its wall time.
+    assert get("tokenfeed_client_stall_fraction", {"rank": "0"}) == pytest.approx(0.2 / (10 - 1.5))
+    b.close()
+    assert get("tokenfeed_client_stall_fraction", {"rank": "0"}) == pytest.approx(3e-5 / 10)
+    assert get("tokenfeed_client_wait_seconds_count", {"rank": "0"}) == 2  # counts stay
+    with pytest.raises(ValueError, match="Duplicated"):  # the names stay ours
+        Counter("tokenfeed_client_wait_seconds", "x", registry=reg)
+
+
+def test_first_batch_is_reported_apart_from_the_steady_state(feeder_root: Path) -> None:
+    """A feeder behind a slow link (connect, first message): the first batch's wait
+    is in first_batch_seconds, not in wait_seconds or the stall's wall time."""
+    from faultproxy import FaultProxy
+
+    reg = CollectorRegistry()
+    with running_feeder(feeder_root) as f:
+        proxy = FaultProxy(("127.0.0.1", f.port)).start()
+        try:
+            proxy.delay(0.1)
+            with _client(proxy.address, registry=reg, metrics_port=0) as c:
+                it = iter(c)
+                next(it)
+                proxy.heal()
+                n = 1 + sum(1 for _ in it)
+                first = c.first_batch_seconds
+                assert first is not None and first > 0
+                m = c.metrics.summary()
+                assert (m["first_batches"], m["first_batch_seconds_total"]) == (1, first)
+                assert m["waits"] == n  # n - 1 batches and the final StopIteration
+                assert c.metrics.stall._current[2] + sum(
+                    b[2] for b in c.metrics.stall._bins
+                ) == pytest.approx(first)  # left out of the stall's wall time
+                body = (
+                    urllib.request.urlopen(f"http://127.0.0.1:{c.metrics.port}/metrics")
+                    .read()
+                    .decode()
+                )
+                assert 'tokenfeed_client_first_batch_seconds_count{rank="0"} 1.0' in body
+                assert f'tokenfeed_client_wait_seconds_count{{rank="0"}} {float(n)}' in body
+                c.set_epoch(1)  # adopted from lookahead: a second first batch
+                assert len(_starts(c)) == len(c) * 4
+                assert c.metrics.summary()["first_batches"] == 2
+        finally:
+            proxy.stop()
+
+
+def test_lookahead_opens_the_next_epoch_before_this_one_ends(feeder) -> None:  # type: ignore[no-untyped-def]
+    from tokenfeed.client.loader import LOOKAHEAD_STEPS
+
+    with _client(feeder.address, shuffle=True) as ref:
+        ref.set_epoch(1)
+        epoch1 = _starts(ref)
+    with _client(feeder.address, shuffle=True) as c:
+        steps = len(c)
+        assert steps > LOOKAHEAD_STEPS + 1
+        it = iter(c)
+        for step in range(steps):
+            assert (c._ahead is None) == (step < steps - LOOKAHEAD_STEPS), step
+            next(it)
+        assert c._ahead is not None and c._ahead[0].request.epoch == 1
+        with pytest.raises(StopIteration):
+            next(it)
+        ahead = c._ahead
+        c.set_epoch(1)
+        assert c._adopted is ahead  # the same stream, not a new one
+        assert _starts(c) == epoch1  # and exactly once
+
+
+def test_batches_the_loop_dropped_are_freed_by_the_reader_thread(feeder) -> None:  # type: ignore[no-untyped-def]
+    import weakref
+
+    with _client(feeder.address, prefetch=1, batches_per_message=1, lookahead=False) as c:
+        it = iter(c)
+        batch = next(it)
+        gone = weakref.ref(batch["input_ids"])
+        freed_in: list[str] = []
+        weakref.finalize(
+            batch["input_ids"], lambda: freed_in.append(threading.current_thread().name)
+        )
+        del batch
+        next(it)  # the loop's variable moved on; the client still holds one reference
+        assert gone() is not None
+        next(it)
+        wait_until(lambda: gone() is None, 30, "the previous batch to be freed")
+        assert gone() is None and freed_in and freed_in[0].startswith("tokenfeed-reader")
+        assert len(c._spent) <= 2
+
+
+def test_a_whole_message_of_batches_may_wait_in_the_buffer(feeder) -> None:  # type: ignore[no-untyped-def]
+    reg = CollectorRegistry()
+    with _client(feeder.address, prefetch=1, batches_per_message=4, registry=reg) as c:
+        it = iter(c)
+        next(it)
+        wait_until(lambda: c._queue.qsize() >= 4, 30, "a full buffer")
+        assert c._queue.qsize() == 4 == c._queue.maxsize
+        # A new iteration from the loop's position: the buffered batches come again.
+        assert len(_starts(c)) == (len(c) - 1) * 4
+
+
+def test_torch_cpu_views_are_int64_views_of_one_buffer() -> None:
+    torch = pytest.importorskip("torch")
+    from tokenfeed.client.device import TorchStager
+
+    arr = batch_array(_batch_msg(3, 8, 2))
+    for layout, shape in (("flat", (3, 8)), ("grouped", (3, 4, 2))):
+        inputs, labels, pending = TorchStager("cpu", 2).stage_views(arr, 8, 2, layout)
+        assert pending is None and inputs.dtype == labels.dtype == torch.int64
+        assert inputs.shape == labels.shape == shape
+        ref_in, ref_lab = views(arr.astype(np.int64), 8, 2, layout)
+        assert (inputs.numpy() == ref_in).all() and (labels.numpy() == ref_lab).all()
+        assert np.shares_memory(inputs.numpy(), labels.numpy())

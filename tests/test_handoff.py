@@ -48,3 +48,44 @@ def test_a_reader_blocked_on_a_full_ring_gets_room() -> None:
     out = [h.get(timeout=30) for _ in range(n)]
     t.join(30)
     assert out == list(range(n))
+
+
+def test_a_timed_out_get_or_a_stale_wake_leaves_no_trap() -> None:
+    h = Handoff(4)
+    for _ in range(3):
+        with pytest.raises(queue.Empty):
+            h.get(timeout=0.001)
+    h._wake.put(None)  # left by a put that raced with a loop that found its item anyway
+    t = threading.Thread(target=lambda: (time.sleep(0.05), h.put(1, timeout=1)))
+    t.start()
+    assert h.get(timeout=30) == 1  # the stale token only made it look again
+    t.join(30)
+    assert h.empty()
+
+
+def test_a_loop_and_a_reader_at_uneven_paces_lose_nothing() -> None:
+    import random
+
+    h = Handoff(2)
+    rng = random.Random(3)
+    n = 500
+    pauses = [rng.choice((0, 0, 0, 1e-4)) for _ in range(2 * n)]
+
+    def produce() -> None:
+        for i in range(n):
+            if pauses[i]:
+                time.sleep(pauses[i])
+            h.put(i, timeout=30)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    out = []
+    for i in range(n):
+        if pauses[n + i]:
+            time.sleep(pauses[n + i])
+        try:
+            out.append(h.get_nowait())
+        except queue.Empty:
+            out.append(h.get(timeout=30))
+    t.join(30)
+    assert out == list(range(n))

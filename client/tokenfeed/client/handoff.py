@@ -32,23 +32,30 @@ class Handoff:
             raise ValueError(f"maxsize must be >= 1, got {maxsize}")
         self.maxsize = maxsize
         self._items: deque[Any] = deque()
-        self._ready = threading.Condition()  # the reader -> a waiting loop
+        # The loop waiting for an item says so in `_waiting`, then blocks on `_wake`
+        # (a C-level SimpleQueue: a token wakes it). A reader that appends while the
+        # flag is up puts a token; with the flag down it does no system call and takes
+        # no lock. Order makes it safe: the loop raises the flag, THEN looks at the
+        # items once more before it blocks; the reader appends, THEN reads the flag.
+        self._waiting = False
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._room = threading.Event()  # the loop -> a reader waiting for room
 
     def put(self, item: Any, timeout: float) -> None:
         """Append `item`, waiting up to `timeout` s for room (queue.Full after that)."""
-        deadline = time.monotonic() + timeout
-        poll = POLL_MIN
-        while len(self._items) >= self.maxsize:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise queue.Full
-            self._room.wait(min(poll, left))
-            self._room.clear()
-            poll = min(2 * poll, POLL_MAX)
+        if len(self._items) >= self.maxsize:
+            deadline = time.monotonic() + timeout
+            poll = POLL_MIN
+            while len(self._items) >= self.maxsize:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise queue.Full
+                self._room.wait(min(poll, left))
+                self._room.clear()
+                poll = min(2 * poll, POLL_MAX)
         self._items.append(item)
-        with self._ready:  # no waiter: no system call
-            self._ready.notify()
+        if self._waiting:
+            self._wake.put(None)
 
     def get_nowait(self) -> Any:
         try:
@@ -58,15 +65,27 @@ class Handoff:
 
     def get(self, timeout: float) -> Any:
         """The next item, waiting up to `timeout` s for one (queue.Empty after that)."""
+        items = self._items
         deadline = time.monotonic() + timeout
-        with self._ready:
-            while not self._items:
-                self._room.set()  # the ring ran dry: wake a reader waiting for room
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise queue.Empty
-                self._ready.wait(left)
-            return self._items.popleft()
+        while True:
+            try:
+                return items.popleft()
+            except IndexError:
+                pass
+            self._room.set()  # the ring ran dry: wake a reader waiting for room
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            self._waiting = True
+            try:
+                if not items:  # an append before the flag went up would be missed
+                    self._wake.get(timeout=left)
+            except queue.Empty:
+                pass
+            finally:
+                self._waiting = False
+            # A token may be left over from a wake that found the item already taken:
+            # it only makes a later wait return early and look again.
 
     def qsize(self) -> int:
         return len(self._items)

@@ -29,10 +29,11 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
+from time import perf_counter
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -62,6 +63,11 @@ STATE_KEYS = ("epoch", "offset", "step", "fingerprint", "world_size")
 # message, so small batches travel several to a message.
 MESSAGE_TARGET_BYTES = 256 << 10
 MAX_AUTO_BATCHES_PER_MESSAGE = 16
+# Lookahead opens the next epoch's stream this many steps before the epoch's last
+# batch reaches the loop, so its first batch (a new stream: the feeder plans the epoch
+# and reads its first chunks) is waiting when the epoch ends. An idle open stream
+# costs the buffer and a flow-controlled server handler.
+LOOKAHEAD_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -91,9 +97,12 @@ class FeederClient:
     naming the field), with the defaults every part uses: `stride` = `seq_len`,
     `split_rate` 1.0 (everything is train), shift 1, `shuffle_blocks` 8. A ready
     `spec=` may be passed instead. `rank`/`world_size` default to RANK/WORLD_SIZE.
-    `prefetch` batches are buffered; `batches_per_message` None packs ~256 KiB per
+    `prefetch` batches are buffered (at least: all batches of one message may wait,
+    <= ~256 KiB with auto packing); `batches_per_message` None packs ~256 KiB per
     gRPC message (its per-message cost dominates small batches). `lookahead` opens
-    the next epoch's stream as one ends, adopted by `set_epoch(epoch + 1)`.
+    the next epoch's stream `LOOKAHEAD_STEPS` steps before this one ends, adopted by
+    `set_epoch(epoch + 1)`. `first_batch_seconds` and `metrics` report the wait for
+    each stream's first batch apart from the steady-state wait and stall.
     `registry`/`metrics_port` (bound to `metrics_addr`): see `metrics`. `tls`,
     `root_certificates`, `certificate_chain`/`private_key` (mutual TLS; PEM bytes or
     paths) and `token` (sent as `authorization: Bearer <token>`) match the server's
@@ -200,6 +209,9 @@ class FeederClient:
         self._ahead: tuple[StreamReader, Handoff] | None = None
         self._adopted: tuple[StreamReader, Handoff] | None = None
         self._lock = threading.Lock()
+        # The loop's last batch and the ones before it, freed by the reader (see _next).
+        self._held: dict[str, Any] | None = None
+        self._spent: deque[dict[str, Any] | None] = deque(maxlen=64)
 
     # ------------------------------------------------------------------ request
     @property
@@ -321,14 +333,16 @@ class FeederClient:
             num_windows=size.windows,
             remaining=partial(steps_per_epoch, size.windows, B, W, self.rank, self.split),
         )
-        q = Handoff(self.prefetch)
+        # A message's batches are in memory once it arrives: let them all wait in the
+        # buffer (<= ~256 KiB), so the reader takes a message at a time, not a batch.
+        q = Handoff(max(self.prefetch, per_message))
         reader = StreamReader(
             self._channels,
             request,
             offset,
             step,
             q,
-            self._stage,
+            partial(self._stage, request.num_windows, self._ahead_step(request, offset, step)),
             self.backoff,
             self._on_reconnect,
             self._metadata,
@@ -336,15 +350,31 @@ class FeederClient:
         reader.start()
         return reader, q
 
-    def _stage(self, msg: feeder_pb2.Batch) -> dict[str, Any]:
-        """Reader thread: a Batch message -> the dict the loop receives."""
+    def _ahead_step(self, request: StreamRequest, offset: int, step: int) -> int:
+        """The step whose batch, once the loop takes it, opens the next epoch's stream
+        (-1: never; then the epoch's end does, if `lookahead`)."""
+        left = request.remaining(offset)
+        if not self.lookahead or left <= 0:
+            return -1
+        return step + max(0, left - 1 - LOOKAHEAD_STEPS)
+
+    def _stage(
+        self, num_windows: int, ahead_step: int, msg: feeder_pb2.Batch
+    ) -> tuple[dict[str, Any], int, int, Any, bool]:
+        """Reader thread: a Batch message -> what the loop takes from the queue: (the
+        batch dict, the loop's offset and step after it, the device copy to wait for
+        or None, whether to open the next epoch's stream now)."""
+        spent = self._spent
+        while len(spent) > 1:  # not the newest: the loop may still hold it (see _next)
+            spent.popleft()
         arr = batch_array(msg)
-        event = None
         if self._stager is None:
-            buf = arr
+            inputs, labels = views(arr, self.seq_len, msg.shift, self.layout)
+            pending = None
         else:
-            buf, event = self._stager.stage(arr)
-        inputs, labels = views(buf, self.seq_len, msg.shift, self.layout)
+            inputs, labels, pending = self._stager.stage_views(
+                arr, self.seq_len, msg.shift, self.layout
+            )
         self.metrics.received(msg.rows * self.seq_len, arr.nbytes)
         batch = {
             "input_ids": inputs,
@@ -355,12 +385,16 @@ class FeederClient:
             "offset": msg.offset,
             "starts": batch_starts(msg),
         }
-        if event is not None:
-            batch["_event"] = (buf, event)
-        return batch
+        offset = min(msg.offset + self.batch_size * self.world_size, num_windows)
+        return batch, offset, msg.step + 1, pending, msg.step == ahead_step
 
-    def _next(self, reader: StreamReader) -> dict[str, Any]:
-        """The training loop's next(): the only place the loop can wait."""
+    def _next(self, reader: StreamReader, first: bool = False) -> dict[str, Any]:
+        """The training loop's next(): the only place the loop can wait.
+
+        Kept short: the reader thread prepared everything (`_stage`), and the metrics
+        are one append (`ClientMetrics.waited`). `first`: the iteration's
+        first next(), whose wait is the stream's time to first batch, counted apart.
+        """
         if reader is not self._reader:
             if self._done or self._closed:
                 raise StopIteration
@@ -369,45 +403,80 @@ class FeederClient:
                 "load_state_dict or close)"
             )
         q = self._queue
-        assert q is not None
-        stall = self.metrics.stall
-        stall.begin_wait()
-        t0 = time.perf_counter()
+        t0 = perf_counter()
         try:
-            item = q.get_nowait()
+            item = q.get_nowait()  # type: ignore[union-attr]
         except queue.Empty:
-            item = self._wait(q, reader)
-        waited = time.perf_counter() - t0
-        stall.end_wait()
-        self.metrics.waited(waited)
-        if type(item) is dict:
-            self._offset = min(
-                item["offset"] + self.batch_size * self.world_size, reader.request.num_windows
-            )
-            self._step = item["step"] + 1
-            pending = item.pop("_event", None)
+            item = self._wait(q, reader, None if first else t0)  # type: ignore[arg-type]
+        t1 = perf_counter()
+        if type(item) is tuple:
+            batch, self._offset, self._step, pending, ahead = item
+            if first:
+                self.metrics.first_batch_waited(t1 - t0, t1)
+            else:
+                self.metrics.waits.append(t1 - t0)  # folded in by the reader thread
             if pending is not None:
                 self._stager.ready(*pending)
-            return item
+            if ahead:
+                self._open_ahead(reader)
+            # The previous batch: the loop drops it when it rebinds its variable to this
+            # one, and freeing it (tensors, views, the dict) costs up to tens of us after
+            # a step's sleep. One more reference, in `_spent`, makes the reader thread
+            # (`_stage`) free it instead.
+            self._spent.append(self._held)
+            self._held = batch
+            return batch
+        self.metrics.waited(t1 - t0)
         with self._lock:
-            self._stop_reader()
             if item is END:
                 self._done = True
-                # The usual next call is set_epoch(epoch + 1): start streaming it now, so
-                # the new epoch's first batch is waiting instead of a new stream's latency.
-                if self.lookahead and not self._closed:
-                    self._ahead = self._open(self._epoch + 1, 0, 0)
+                self._reader, self._queue = None, None
+                reader.stop()
+                self._open_ahead(reader, locked=True)  # if not open yet
                 raise StopIteration
+            self._stop_reader()
         assert isinstance(item, Failure)
         raise item.error
 
-    def _wait(self, q: Handoff, reader: StreamReader) -> Any:
-        while True:
-            try:
-                return q.get(timeout=1.0)
-            except queue.Empty:
-                if not reader.is_alive() and q.empty():
-                    return Failure(RuntimeError("the feeder reader thread ended unexpectedly"))
+    def _open_ahead(self, reader: StreamReader, locked: bool = False) -> None:
+        """Start streaming the next epoch from its start: the usual next call is
+        set_epoch(epoch + 1), which adopts it, so its first batch is already waiting
+        instead of a new stream's latency. Called LOOKAHEAD_STEPS before the epoch's
+        end (or at the end, when the epoch had fewer steps left)."""
+        if not locked:
+            with self._lock:
+                return self._open_ahead(reader, locked=True)
+        if (
+            self.lookahead
+            and self._ahead is None
+            and not self._closed
+            and reader.request.epoch == self._epoch
+            and (reader is self._reader or self._done)
+        ):
+            self._ahead = self._open(self._epoch + 1, 0, 0)
+
+    def _wait(self, q: Handoff, reader: StreamReader, since: float | None) -> Any:
+        """The ring was empty: block for the next item. `since`: when this wait began,
+        shown as a stall in progress (None for a first batch, which is not a stall)."""
+        stall = self.metrics.stall
+        if since is not None:
+            stall.begin_wait(since)
+        try:
+            while True:
+                try:
+                    return q.get(timeout=1.0)
+                except queue.Empty:
+                    if not reader.is_alive() and q.empty():
+                        return Failure(RuntimeError("the feeder reader thread ended unexpectedly"))
+        finally:
+            stall.clear_wait()
+
+    @property
+    def first_batch_seconds(self) -> float | None:
+        """How long the latest iteration's first next() waited for its stream's first
+        batch (connect, first chunk); None before one. Reported apart from the
+        steady-state wait and stall: see `tokenfeed.client.metrics`."""
+        return self.metrics.first_batch_seconds
 
     @property
     def reconnects(self) -> int:
@@ -442,6 +511,8 @@ class FeederClient:
             self._closed = True
             self._stop_reader()
             self._drop_adopted()
+            self._held = None
+            self._spent.clear()
             self._channels.close()
             self.metrics.close()
 
@@ -458,6 +529,7 @@ class _Epoch:
     def __init__(self, client: FeederClient, reader: StreamReader) -> None:
         self._client, self._reader = client, reader
         self._finished = False
+        self._first = True  # the next next() waits for the stream's first batch
 
     def __iter__(self) -> _Epoch:
         return self
@@ -466,10 +538,12 @@ class _Epoch:
         if self._finished:
             raise StopIteration
         try:
-            return self._client._next(self._reader)
+            batch = self._client._next(self._reader, self._first)
         except BaseException:
             self._finished = True
             raise
+        self._first = False
+        return batch
 
     def __len__(self) -> int:
         return len(self._client)
