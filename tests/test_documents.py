@@ -5,12 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import documents_reference as reference
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import documents_reference as reference
 from tokenfeed.core import documents as D
 
 EOS = 0

@@ -31,6 +31,7 @@ import grpc
 from tokenfeed.core import sampling
 from tokenfeed.core.errors import FeederError, InvalidArgument
 from tokenfeed.core.request import MAX_PARAM, SPLITS, SamplingSpec
+from tokenfeed.server import documents
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
@@ -231,8 +232,9 @@ class FeederService:
                 f"--max-batch-bytes {self.max_batch_bytes}; lower batch_size or "
                 "batches_per_message (or raise --max-batch-bytes)"
             )
+        ends = documents.for_dataset(ds) if request.document_ends else None
         rounds = plan.rounds(request.epoch, request.rank, request.offset, request.step)
-        return MessageBuilder(ds, plan, rounds, per_message, self.cache, self.metrics)
+        return MessageBuilder(ds, plan, rounds, per_message, self.cache, self.metrics, ends)
 
     async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
