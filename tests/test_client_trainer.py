@@ -196,7 +196,7 @@ def _big_batch_root(tmp_path: Path) -> Path:
 
 
 # 64 rows x 4096 tokens x 4 bytes = 1 MiB a batch: 16 to a message was 16 MiB.
-BIG = {"dataset": "big", "seq_len": 4095, "stride": 512, "batch_size": 64}
+BIG = {"dataset": "big", "seq_len": 4095, "stride": 64, "batch_size": 64}
 
 
 def test_a_stock_grpc_client_with_the_4_mib_limit_streams_large_batches(tmp_path: Path) -> None:
@@ -214,7 +214,7 @@ def test_a_stock_grpc_client_with_the_4_mib_limit_streams_large_batches(tmp_path
                     tokens = np.frombuffer(b.tokens, dtype="<u4").reshape(b.rows, b.cols)
                     expect = np.array(b.starts)[:, None] + np.arange(b.cols)
                     np.testing.assert_array_equal(tokens, expect)
-    windows = (120_000 - 4096) // 512 + 1
+    windows = (120_000 - 4096) // 64 + 1
     assert steps == list(range(windows // 64))
     assert max(sizes) <= 4 << 20 < 16 * 64 * 4096 * 4  # what used to be sent in one
     assert len(sizes) == -(-len(steps) // 3)  # three 1 MiB batches to a message
