@@ -37,6 +37,7 @@ class TinyGPT(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, dim: int, layers: int, heads: int) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, dim)
+        nn.init.normal_(self.tokens.weight, std=0.02)  # small logits at the start
         self.positions = nn.Embedding(seq_len, dim)
         block = nn.TransformerEncoderLayer(
             dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
@@ -65,6 +66,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--checkpoint", type=Path, default=Path("ckpt.pt"))
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps")
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many (0: all)")
     p.add_argument("--log-every", type=int, default=10, help="steps between loss lines")
     p.add_argument("--log-starts", action="store_true", help="log every step's window starts")
     args = p.parse_args()
@@ -128,7 +130,11 @@ def main() -> None:
                 log.info("epoch %d step %d loss %.3f", epoch, batch["step"], loss.item())
             if step % args.checkpoint_every == 0 and rank == 0:
                 save(args.checkpoint, model, optimizer, loader, step)
-    if rank == 0:
+            if step == args.max_steps:
+                break
+        if step == args.max_steps:
+            break
+    if rank == 0 and step % args.checkpoint_every:
         save(args.checkpoint, model, optimizer, loader, step)
     log.info("done after %d steps", step)
     loader.close()
