@@ -67,6 +67,19 @@ def test_a_wrong_address_fails_within_connect_timeout_naming_every_address(
     assert "giving up" in warnings[-1]
 
 
+def test_a_name_that_does_not_resolve_is_named_and_the_others_still_tried(
+    feeder, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.WARNING, logger="tokenfeed.client")
+    with FeederClient("no-such-feeder.invalid:50051", connect_timeout=0.5, **KW) as c:
+        with pytest.raises(FeederUnavailable, match=r"no address resolves: no-such-feeder"):
+            len(c)
+    caplog.clear()
+    with FeederClient(f"no-such-feeder.invalid:50051,{feeder.address}", **KW) as c:
+        assert len(c) > 0
+    assert any("no-such-feeder.invalid:50051" in w for w in _warnings(caplog))
+
+
 def test_connect_timeout_is_also_a_timeouts_field() -> None:
     with FeederClient("127.0.0.1:1", timeouts=Timeouts(connect_timeout=0.3), **KW) as c:
         with pytest.raises(FeederUnavailable, match=r"connect_timeout=0.3 s"):

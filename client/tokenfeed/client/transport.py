@@ -21,6 +21,7 @@ socket closed, from one TLS handshake of its own.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -35,6 +36,8 @@ import grpc
 
 from tokenfeed.core.errors import FeederError, error_for
 from tokenfeed.v1 import feeder_pb2_grpc
+
+log = logging.getLogger("tokenfeed.client")
 
 # Worth another attempt (possibly at another address): the request itself is fine.
 RETRYABLE = frozenset(
@@ -360,8 +363,16 @@ class Channels:
         """(Re)resolve every address; names are looked up again each round, so
         replicas that moved are found."""
         endpoints: list[Endpoint] = []
+        failed: list[str] = []
         for a in self.addresses:
-            endpoints.extend(expand(a))
+            try:
+                endpoints.extend(expand(a))
+            except OSError as e:  # a name that does not resolve: try the others
+                failed.append(f"{a} ({e})")
+        if not endpoints:
+            raise OSError(f"no address resolves: {', '.join(failed)}")
+        if failed:
+            log.warning("skipping feeder address(es) that do not resolve: %s", ", ".join(failed))
         self._endpoints = endpoints
         self._index = 0
 
