@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 # any torch >= 2.1 works for users (the `torch` extra).
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+GRPC_JS := tests/grpc_js/node_modules/.installed
 
 .PHONY: install demo test test-slow test-all protos lint deploy-check bench clean
 
@@ -24,11 +25,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest -m "not slow" -q
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(GRPC_JS)
 	$(BIN)/pytest -m slow -q
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(GRPC_JS)
 	$(BIN)/pytest -q
+
+# grpc-js for tests/test_grpc_js.py: a client built from feeder.proto alone (needs npm)
+$(GRPC_JS): tests/grpc_js/package.json tests/grpc_js/package-lock.json
+	npm ci --prefix tests/grpc_js --no-audit --no-fund
+	touch $(GRPC_JS)
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

@@ -85,20 +85,22 @@ class InfoResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("params", "epoch", "rank", "offset", "step", "batches_per_message")
+    __slots__ = ("params", "epoch", "rank", "offset", "step", "batches_per_message", "max_message_bytes")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BATCHES_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     params: SamplingParams
     epoch: int
     rank: int
     offset: int
     step: int
     batches_per_message: int
-    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., step: _Optional[int] = ..., batches_per_message: _Optional[int] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., step: _Optional[int] = ..., batches_per_message: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("epoch", "step", "offset", "shift", "rows", "cols", "dtype", "tokens", "starts")
