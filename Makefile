@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 GRPC_JS := tests/grpc_js/node_modules/.installed
 
-.PHONY: install demo test test-slow test-all protos lint deploy-check bench clean
+.PHONY: install demo test test-slow test-all protos lint deploy-check compose-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -59,3 +59,12 @@ clean:
 deploy-check: $(STAMP)
 	$(BIN)/pip install -q -r deploy/requirements.txt
 	VENV=$(VENV) scripts/deploy_check.sh
+
+# ---- docker-compose.yml started for real, once per profile, and checked from outside
+# (scripts/compose_check.py). Default engine: rootful podman, installed with apt (run as
+# root; CI does). On a laptop with Docker: `make compose-check ENGINE=docker`.
+# PROFILES=default,replicas picks profiles; built images are cached between runs.
+compose-check: $(STAMP)
+	$(BIN)/pip install -q -r deploy/requirements.txt
+	$(BIN)/python scripts/compose_check.py $(if $(PROFILES),--profiles $(PROFILES)) \
+		$(if $(ENGINE),--engine $(ENGINE))
