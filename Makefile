@@ -6,8 +6,9 @@ BIN := $(VENV)/bin
 # any torch >= 2.1 works for users (the `torch` extra).
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+GRPC_JS := tests/grpc_js/node_modules/.installed
 
-.PHONY: install demo test test-slow test-all protos lint deploy-check bench clean
+.PHONY: install demo test test-slow test-all protos lint deploy-check compose-check bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,11 +25,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest -m "not slow" -q
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(GRPC_JS)
 	$(BIN)/pytest -m slow -q
 
-test-all: $(STAMP)
+test-all: $(STAMP) $(GRPC_JS)
 	$(BIN)/pytest -q
+
+# grpc-js for tests/test_grpc_js.py: a client built from feeder.proto alone (needs npm)
+$(GRPC_JS): tests/grpc_js/package.json tests/grpc_js/package-lock.json
+	npm ci --prefix tests/grpc_js --no-audit --no-fund
+	touch $(GRPC_JS)
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
@@ -53,3 +59,12 @@ clean:
 deploy-check: $(STAMP)
 	$(BIN)/pip install -q -r deploy/requirements.txt
 	VENV=$(VENV) scripts/deploy_check.sh
+
+# ---- docker-compose.yml started for real, once per profile, and checked from outside
+# (scripts/compose_check.py). Default engine: rootful podman, installed with apt (run as
+# root; CI does). On a laptop with Docker: `make compose-check ENGINE=docker`.
+# PROFILES=default,replicas picks profiles; built images are cached between runs.
+compose-check: $(STAMP)
+	$(BIN)/pip install -q -r deploy/requirements.txt
+	$(BIN)/python scripts/compose_check.py $(if $(PROFILES),--profiles $(PROFILES)) \
+		$(if $(ENGINE),--engine $(ENGINE))

@@ -31,9 +31,9 @@ COMPOSE="$(python -c 'import compose, os; print(os.path.join(os.path.dirname(com
 "$COMPOSE" -f docker-compose.yml --env-file .env.example config --quiet
 echo "ok"
 
-step "deploy/Dockerfile: hadolint"
+step "deploy/Dockerfile, deploy/Dockerfile.prometheus: hadolint"
 hadolint --version
-hadolint deploy/Dockerfile
+hadolint deploy/Dockerfile deploy/Dockerfile.prometheus
 echo "ok"
 
 step "image: the wheel builds from exactly what the Dockerfile's build stage copies"

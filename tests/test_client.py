@@ -42,6 +42,7 @@ def test_public_surface_is_small_and_importable() -> None:
     assert sorted(tokenfeed.client.__all__) == [
         "Backoff",
         "DataLoss",
+        "DatasetInfo",
         "FailedPrecondition",
         "FeederClient",
         "FeederError",

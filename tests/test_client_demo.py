@@ -38,6 +38,12 @@ def test_demo_runs_two_ranks_over_one_epoch_and_stops_cleanly(tmp_path: Path) ->
     assert "each exactly once" in out.stdout
     windows = (300_000 - 65) // 64 + 1
     assert f"delivered {windows // 16 * 16} windows to 2 ranks" in out.stdout
+    # the time to first batch has a column of its own, apart from the steady-state stall
+    header, *rows = [line.split() for line in out.stdout.splitlines()[:3]]
+    assert header[5:8] == ["first", "batch", "ms"] and header[8:10] == ["stall", "%"]
+    for row in rows:
+        first_ms, stall = float(row[5]), float(row[6])
+        assert first_ms > 0 and 0 <= stall <= 100
 
 
 def test_bench_reports_throughput_from_a_running_feeder(feeder_root: Path) -> None:

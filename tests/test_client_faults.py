@@ -93,7 +93,7 @@ def test_black_holed_connection_is_detected_and_failed_over(feeder_root: Path) -
         proxy = FaultProxy(("127.0.0.1", f.port)).start()
         try:
             expected = _expected(f.address)
-            quick = Timeouts(keepalive_time=0.5, keepalive_timeout=1.0, connect_timeout=2.0)
+            quick = Timeouts(keepalive_time=0.5, keepalive_timeout=1.0, attempt_timeout=2.0)
             with FeederClient([proxy.address, f.address], backoff=FAST, timeouts=quick, **KW) as c:
                 it = iter(c)
                 seen = _consume(it, limit=20)

@@ -253,11 +253,22 @@ def test_prometheus_scrapes_the_compose_services_on_their_metrics_ports() -> Non
     services = compose()["services"]
     prom = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
     jobs = {
-        j["job_name"]: [t for sc in j["static_configs"] for t in sc["targets"]]
+        j["job_name"]: [t for sc in j.get("static_configs", []) for t in sc["targets"]]
         for j in prom["scrape_configs"]
     }
-    feeder_env = services["feeder"]["environment"]
-    assert jobs["tokenfeed-feeder"] == [f"feeder:{feeder_env['TOKENFEED_METRICS_PORT']}"]
+    # the feeders (every profile's `serve` services) are found by DNS on the metrics port,
+    # and keep their service name as `instance`
+    metrics_port = services["feeder"]["environment"]["TOKENFEED_METRICS_PORT"]
+    feeders = sorted(n for n, s in services.items() if s.get("command") == ["serve"])
+    assert feeders == ["feeder", "feeder-2"]
+    feeder_job = next(j for j in prom["scrape_configs"] if j["job_name"] == "tokenfeed-feeder")
+    (sd,) = feeder_job["dns_sd_configs"]
+    assert sorted(sd["names"]) == feeders and sd["type"] == "A"
+    assert sd["port"] == int(metrics_port)
+    (relabel,) = feeder_job["relabel_configs"]
+    assert relabel["source_labels"] == ["__meta_dns_name"]
+    assert relabel["target_label"] == "instance"
+    assert relabel["replacement"] == f"${{1}}:{metrics_port}"
     cmd = services["trainer"]["command"]
     first = int(next(a for a in cmd if a.startswith("--metrics-port=")).split("=")[1])
     assert "--metrics-host=0.0.0.0" in cmd
@@ -290,6 +301,50 @@ def test_compose_wiring() -> None:
     assert s["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     ds = load_yaml(DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml")
     assert ds["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def compose_check() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "compose_check", ROOT / "scripts" / "compose_check.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_replicas_profile_is_a_second_feeder_that_trainers_and_compose_check_know() -> None:
+    s = compose()["services"]
+    feeder, second = s["feeder"], s["feeder-2"]
+    assert second["profiles"] == ["replicas"] and "profiles" not in feeder
+    for key in (
+        "image",
+        "command",
+        "environment",
+        "volumes",
+        "healthcheck",
+        "depends_on",
+        "deploy",
+        "stop_grace_period",
+    ):
+        assert second[key] == feeder[key], key
+    assert second["ports"] == []  # one published feeder port: no clash
+    assert s["trainer"]["depends_on"]["feeder-2"] == {
+        "condition": "service_healthy",
+        "required": False,
+    }
+    assert "--address=${FEEDER_ADDRESSES:-feeder:50051}" in s["trainer"]["command"]
+    # compose-check starts every profile it knows, with the trainers on every feeder
+    profiles = {p.name: p for p in compose_check().PROFILES}
+    assert profiles["default"].feeders == ("feeder",)
+    replicas = profiles["replicas"]
+    assert replicas.compose_profiles == ("replicas",)
+    assert replicas.feeders == ("feeder", "feeder-2")
+    assert replicas.env["FEEDER_ADDRESSES"] == ",".join(f"{f}:50051" for f in replicas.feeders)
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE.read_text()))
+    for profile in profiles.values():
+        assert set(profile.env) <= used, profile.name
 
 
 def test_dockerfile_and_dockerignore() -> None:
@@ -415,6 +470,9 @@ def test_healthcheck_reports_serving_draining_and_down(feeder_root: Path) -> Non
     assert down.returncode == 1 and "unhealthy" in down.stderr
 
 
-@pytest.mark.parametrize("path", [HEALTHCHECK, ROOT / "scripts" / "deploy_check.sh"])
+@pytest.mark.parametrize(
+    "path",
+    [HEALTHCHECK, ROOT / "scripts" / "deploy_check.sh", ROOT / "scripts" / "compose_check.py"],
+)
 def test_scripts_are_executable(path: Path) -> None:
     assert os.access(path, os.X_OK), f"chmod +x {path.relative_to(ROOT)}"

@@ -71,7 +71,9 @@ def prometheus_config(feeder_metrics: int, trainer_metrics: list[int], rule_file
     }
     jobs = [j for j in cfg["scrape_configs"] if j["job_name"] in targets]
     assert {j["job_name"] for j in jobs} == set(targets), "job names changed in prometheus.yml"
-    for job in jobs:
+    for job in jobs:  # (the feeder job finds compose's feeders by DNS: not here)
+        job.pop("dns_sd_configs", None)
+        job.pop("relabel_configs", None)
         job["static_configs"] = [{"targets": targets[job["job_name"]]}]
     cfg["scrape_configs"] = jobs
     cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")

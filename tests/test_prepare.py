@@ -202,6 +202,12 @@ def test_interrupted_run_resumes_to_identical_bytes(tmp_path, tok_dir, stop_afte
     assert not (out / PROGRESS_NAME).exists()
     assert [c.checksum for c in resumed.meta.chunks] == [c.checksum for c in clean.meta.chunks]
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in clean.path.iterdir())
+    # what was written, the same however many runs it took
+    assert resumed.meta.stats == clean.meta.stats == _stats(DOCS)
+
+
+def _stats(docs: list[str]) -> dict[str, int]:
+    return {"documents": len(docs), "text_bytes": sum(len(d.encode()) for d in docs)}
 
 
 def test_rerun_existing_output(tmp_path, tok_dir, capsys):
@@ -222,6 +228,21 @@ def test_rerun_existing_output(tmp_path, tok_dir, capsys):
 
     assert run(*args, "--max-samples", 10, "--overwrite") == 0
     np.testing.assert_array_equal(store_tokens(out), expected_tokens(tok_dir, DOCS[:10]))
+    assert TokenStore.open(out).meta.stats == _stats(DOCS[:10])  # not the whole corpus's
+
+
+def test_demo_with_max_samples_records_what_it_wrote(tmp_path):
+    """meta.json's stats count the 5 plays written, not the corpus's 38; `source` still
+    names the corpus (which decides a resume)."""
+    from tokenfeed.prepare.demo import demo_documents
+
+    out = tmp_path / "demo5"
+    assert run("prepare", "--demo", "--max-samples", 5, "--output", out, "--no-progress") == 0
+    doc = json.loads((out / META_NAME).read_text())
+    plays = [d for d, _ in zip(demo_documents(), range(5), strict=False)]
+    assert doc["stats"] == _stats(plays)
+    assert "documents" not in doc["source"] and doc["source"]["max_samples"] == 5
+    assert doc["source"]["corpus_files"] == 38
 
 
 # ------------------------------------------------------------------------ shards + merge
@@ -258,6 +279,7 @@ def test_shards_and_merge(tmp_path, tok_dir, capsys):
     want = np.concatenate([expected_tokens(tok_dir, DOCS[i::3]) for i in range(3)])
     np.testing.assert_array_equal(store_tokens(out), want)
     assert merged.meta.source["merged_parts"] == 3
+    assert merged.meta.stats == _stats(DOCS)  # the parts' counts added up
     assert run("prepare", "merge", out) == 0  # idempotent
 
 

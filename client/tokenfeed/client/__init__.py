@@ -8,7 +8,7 @@ tree (tokenfeed.core.errors) is re-exported here, so a trainer catches
 `tokenfeed.client.DataLoss` without knowing where it lives.
 """
 
-from tokenfeed.client.loader import FeederClient
+from tokenfeed.client.loader import DatasetInfo, FeederClient
 from tokenfeed.client.stream import Backoff
 from tokenfeed.client.transport import Timeouts
 from tokenfeed.core.errors import (
@@ -27,6 +27,7 @@ from tokenfeed.core.request import SamplingSpec
 __all__ = [
     "Backoff",
     "DataLoss",
+    "DatasetInfo",
     "FailedPrecondition",
     "FeederClient",
     "FeederError",

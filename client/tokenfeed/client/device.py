@@ -26,6 +26,11 @@ def resolve_device(device: Any, environ: Mapping[str, str] | None = None) -> str
     """None stays None; "cuda" becomes "cuda:<LOCAL_RANK>" under torchrun."""
     if device is None:
         return None
+    if not isinstance(device, str) and type(device).__name__ != "device":
+        raise TypeError(
+            f"FeederClient device must be None, a string such as 'cuda' or a torch.device, "
+            f"got {device!r}"
+        )
     name = str(device)
     env = os.environ if environ is None else environ
     if name == "cuda" and env.get("LOCAL_RANK", "").strip():
@@ -42,6 +47,56 @@ def _import_torch() -> Any:
             "(or use device=None for numpy arrays)"
         ) from None
     return torch
+
+
+def check_device(name: str) -> None:
+    """Raise ValueError unless the installed torch can put tensors on `name`, saying
+    what to install or pass instead (torch's own errors do not)."""
+    torch = _import_torch()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"FeederClient device={name!r} is not a torch device ({e}); pass e.g. 'cuda', "
+            "'cuda:0', 'cpu', or device=None for numpy arrays"
+        ) from None
+    instead = "or pass device='cpu' (tensors) or device=None (numpy arrays)"
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise ValueError(
+                f"FeederClient device={name!r}, but the installed torch {torch.__version__} is "
+                "a CPU-only build: install a CUDA build of torch (pip install torch --index-url "
+                f"https://download.pytorch.org/whl/cu124, see pytorch.org), {instead}"
+            )
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ValueError(
+                f"FeederClient device={name!r}, but torch {torch.__version__} sees no CUDA "
+                f"device (driver missing or CUDA_VISIBLE_DEVICES={visible!r}), {instead}"
+            )
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"FeederClient device={name!r}, but torch sees {count} CUDA device(s) "
+                f"(cuda:0..cuda:{count - 1}); under torchrun pass device='cuda' (it becomes "
+                "cuda:<LOCAL_RANK>)"
+            )
+        return
+    if device.type == "cpu":
+        return
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(
+            f"FeederClient device={name!r}, but the installed torch {torch.__version__} "
+            f"has no usable MPS backend (Apple silicon with macOS 12.3+ only), {instead}"
+        )
+    try:  # xpu, ...: can this torch allocate there at all?
+        torch.empty(0, device=device)
+    except Exception as e:  # noqa: BLE001 - any failure means the device is unusable
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(
+            f"FeederClient device={name!r} is not usable with the installed torch "
+            f"{torch.__version__} ({type(e).__name__}: {first_line}), {instead}"
+        ) from None
 
 
 class TorchStager:

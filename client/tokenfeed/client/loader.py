@@ -21,17 +21,31 @@ Epochs. `set_epoch(e)` starts epoch e at offset 0, except right after
 `load_state_dict` for that same epoch (the usual `for epoch in range(saved, n):
 set_epoch(epoch)` resume loop keeps the loaded position). Iterating again after an
 epoch ran to its end runs the same epoch again from the start, like a DataLoader
-without `set_epoch`. `len()` is the steps of a full epoch for this rank.
+without `set_epoch`.
+
+Sizes. `len(loader)` is the steps of a FULL epoch for this rank at the current world
+size (what a DataLoader's len() is), whatever the position; `loader.steps_left` is
+the steps this rank will still receive in the current epoch from its position, also
+right after a resume with another world size (the position is in windows, the steps
+are counted at the new world size). Use `steps_left` for a progress bar or a
+schedule after a resume. `loader.dataset_info` (one Info call, cached) has the
+store's name, total_tokens, vocab_size, eos_token_id, dtype and tokenizer, and the
+windows and steps of this request.
+
+Checks. The constructor checks every argument (type and range) and that the
+installed torch can use `device`, and contacts no feeder: the first Info call
+(`len`, `dataset_info`, the first iteration) does.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -49,7 +63,7 @@ from tokenfeed.client.stream import (
     StreamRequest,
     call_with_retry,
 )
-from tokenfeed.client.transport import Channels, Security, Timeouts
+from tokenfeed.client.transport import Channels, Security, Timeouts, split_addresses
 from tokenfeed.core.dtypes import itemsize
 from tokenfeed.core.errors import NotFound
 from tokenfeed.core.request import SamplingSpec
@@ -70,11 +84,28 @@ MAX_AUTO_BATCHES_PER_MESSAGE = 16
 LOOKAHEAD_STEPS = 64
 
 
+MAX_PREFETCH = 1024
+MAX_BATCHES_PER_MESSAGE = 1024  # the server's limit
+
+
 @dataclass(frozen=True)
-class SplitSize:
-    windows: int  # of the epoch order
-    steps: int  # of a full epoch for this rank
-    itemsize: int  # bytes per token of the store
+class DatasetInfo:
+    """What the feeder says about the dataset and this request (`loader.dataset_info`)."""
+
+    name: str
+    total_tokens: int  # of the whole store
+    vocab_size: int | None  # None when the store does not say
+    eos_token_id: int | None
+    dtype: str  # of the stored tokens: "uint16" or "uint32"
+    tokenizer: str | None  # name or path it was prepared with
+    split: str
+    split_tokens: int  # tokens of this split
+    windows: int  # windows of this split's epoch order (all ranks)
+    steps: int  # steps of a full epoch for this rank at this world size (= len(loader))
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -83,6 +114,72 @@ def _env_int(name: str, default: int) -> int:
         return int(raw) if raw else default
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        allowed = "an integer or None" if none_ok else "an integer"
+        raise TypeError(f"FeederClient {name} must be {allowed}, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"FeederClient {name} must be in [{lo}, {hi}], got {value}")
+
+
+def _check_type(name: str, value: Any, types: type | tuple[type, ...], what: str) -> None:
+    if not isinstance(value, types):
+        raise TypeError(f"FeederClient {name} must be {what}, got {value!r}")
+
+
+_PEM = (bytes, str, os.PathLike, type(None))
+
+
+def _check_arguments(args: dict[str, Any]) -> None:
+    """Type and range of every argument that is not SamplingSpec's (see __init__)."""
+    address = args["address"]
+    if not isinstance(address, str):
+        if not isinstance(address, Sequence) or not all(isinstance(a, str) for a in address):
+            raise TypeError(
+                "FeederClient address must be 'host:port', a comma-separated string or a "
+                f"list of them, got {address!r}"
+            )
+    split_addresses(address)  # ValueError naming a malformed one
+    _check_int("rank", args["rank"], 0, 1 << 31, none_ok=True)
+    spec = args["spec"]
+    if spec is not None and not isinstance(spec, SamplingSpec):
+        raise TypeError(f"FeederClient spec must be a SamplingSpec, got {spec!r}")
+    if args["layout"] not in LAYOUTS:
+        raise ValueError(f"FeederClient layout must be one of {LAYOUTS}, got {args['layout']!r}")
+    _check_int("prefetch", args["prefetch"], 1, MAX_PREFETCH)
+    _check_int("batches_per_message", args["batches_per_message"], 1, MAX_BATCHES_PER_MESSAGE, True)
+    _check_int("metrics_port", args["metrics_port"], 0, 65535, none_ok=True)
+    _check_type("metrics_addr", args["metrics_addr"], str, "a host name or IP string")
+    registry = args["registry"]
+    if registry is not None and not isinstance(registry, CollectorRegistry):
+        raise TypeError(
+            f"FeederClient registry must be a prometheus_client.CollectorRegistry, got {registry!r}"
+        )
+    for name in ("tls", "lookahead"):
+        _check_type(name, args[name], bool, "True or False")
+    for name in ("root_certificates", "certificate_chain", "private_key"):
+        value = args[name]
+        _check_type(name, value, _PEM, "PEM bytes or a path to a PEM file")
+        if value is not None and not isinstance(value, bytes) and not os.path.isfile(value):
+            raise ValueError(f"FeederClient {name}: no such file: {os.fspath(value)!r}")
+    token = args["token"]
+    if token is not None and (not isinstance(token, str) or not token.strip()):
+        raise TypeError(f"FeederClient token must be a non-empty string or None, got {token!r}")
+    if args["backoff"] is not None and not isinstance(args["backoff"], Backoff):
+        raise TypeError(f"FeederClient backoff must be a Backoff, got {args['backoff']!r}")
+    if args["timeouts"] is not None and not isinstance(args["timeouts"], Timeouts):
+        raise TypeError(f"FeederClient timeouts must be a Timeouts, got {args['timeouts']!r}")
+    ct = args["connect_timeout"]
+    if ct is not None and (
+        isinstance(ct, bool) or not isinstance(ct, (int, float)) or not math.isfinite(ct) or ct <= 0
+    ):
+        raise ValueError(
+            f"FeederClient connect_timeout must be a positive number of seconds, got {ct!r}"
+        )
 
 
 class FeederClient:
@@ -106,8 +203,12 @@ class FeederClient:
     `registry`/`metrics_port` (bound to `metrics_addr`): see `metrics`. `tls`,
     `root_certificates`, `certificate_chain`/`private_key` (mutual TLS; PEM bytes or
     paths) and `token` (sent as `authorization: Bearer <token>`) match the server's
-    options. `backoff` bounds reconnects, `timeouts` the keepalive that detects a
-    black-holed connection, connecting, and unary calls.
+    options. `connect_timeout` (seconds, default 30; also `Timeouts.connect_timeout`)
+    bounds how long a client that has never reached a feeder tries before it raises
+    FeederUnavailable; `backoff` bounds reconnects after that, `timeouts` the
+    keepalive that detects a black-holed connection, one connection attempt, and
+    unary calls. Every argument is checked here (TypeError, ValueError), the device
+    too, before any feeder is contacted.
     """
 
     def __init__(
@@ -142,10 +243,12 @@ class FeederClient:
         backoff: Backoff | None = None,
         timeouts: Timeouts | None = None,
         lookahead: bool = True,
+        connect_timeout: float | None = None,
     ) -> None:
-        from tokenfeed.client.device import resolve_device
+        from tokenfeed.client.device import check_device, resolve_device
 
-        self.rank = _env_int("RANK", 0) if rank is None else int(rank)
+        _check_arguments(locals())
+        self.rank = _env_int("RANK", 0) if rank is None else rank
         if spec is None:
             if dataset is None or seq_len is None or batch_size is None:
                 raise TypeError("FeederClient needs dataset, seq_len and batch_size (or spec=)")
@@ -171,20 +274,20 @@ class FeederClient:
             raise ValueError(
                 f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
             )
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if prefetch < 1 or (batches_per_message is not None and batches_per_message < 1):
-            raise ValueError("prefetch and batches_per_message must be at least 1")
         self.dataset, self.split = spec.dataset, spec.split
         self.seq_len, self.batch_size = spec.seq_len, spec.batch_size
-        self.layout, self.prefetch = layout, int(prefetch)
+        self.layout, self.prefetch = layout, prefetch
         self.batches_per_message = batches_per_message
         self.device = resolve_device(device)
+        if self.device is not None:
+            check_device(self.device)  # imports torch
         self.backoff = backoff or Backoff()
         self.lookahead = lookahead
         security = Security.build(tls, root_certificates, certificate_chain, private_key, token)
         self._metadata = security.metadata
         self._timeouts = timeouts or Timeouts()
+        if connect_timeout is not None:
+            self._timeouts = replace(self._timeouts, connect_timeout=float(connect_timeout))
         self._channels = Channels(address, security, self._timeouts, start=self.rank)
         self.metrics = ClientMetrics(self.rank, registry)
         if metrics_port is not None:
@@ -197,7 +300,7 @@ class FeederClient:
             # Slots: the queue's, the loop's current batch, and the one being received.
             self._stager = TorchStager(self.device, self.prefetch + 2)
 
-        self._sizes: dict[tuple[int, int], SplitSize] = {}
+        self._info: DatasetInfo | None = None
         self._reader: StreamReader | None = None
         self._queue: Handoff | None = None
         self._epoch, self._offset, self._step = 0, 0, 0
@@ -220,26 +323,37 @@ class FeederClient:
         rank and batch size are left out, so a resume may change them."""
         return self.spec.fingerprint()
 
-    def _size(self) -> SplitSize:
-        """Windows and steps of this split for this rank (the Info RPC, cached)."""
-        key = (self.world_size, self.rank)
-        if key not in self._sizes:
+    @property
+    def dataset_info(self) -> DatasetInfo:
+        """The dataset's metadata and this request's windows and steps (one Info call,
+        then cached: the store and the request do not change)."""
+        if self._info is None:
             request = feeder_pb2.InfoRequest(
                 dataset=self.dataset, params=self.spec.to_proto(), rank=self.rank
             )
             response = call_with_retry(
                 self._channels,
-                lambda stub: stub.Info(
-                    request, metadata=self._metadata, timeout=self._timeouts.rpc_timeout
-                ),
+                lambda stub, timeout: stub.Info(request, metadata=self._metadata, timeout=timeout),
                 self.backoff,
                 self._on_reconnect,
+                f"rank {self.rank}: Info",
             )
-            self._sizes[key] = _split_size(response, self.dataset, self.split)
-        return self._sizes[key]
+            self._info = _dataset_info(response, self.dataset, self.split)
+        return self._info
 
     def __len__(self) -> int:
-        return self._size().steps
+        """Steps of a full epoch for this rank at the current world size (see
+        `steps_left` for what remains of the current epoch)."""
+        return self.dataset_info.steps
+
+    @property
+    def steps_left(self) -> int:
+        """Steps this rank will still receive in the current epoch from the current
+        position (right after `load_state_dict`, counted at this client's world size)."""
+        info = self.dataset_info
+        return steps_per_epoch(
+            info.windows, self.batch_size, self.world_size, self.rank, self.split, self._offset
+        )
 
     # ---------------------------------------------------------------- position
     def set_epoch(self, epoch: int) -> None:
@@ -315,7 +429,7 @@ class FeederClient:
 
     def _open(self, epoch: int, offset: int, step: int) -> tuple[StreamReader, Handoff]:
         """A started reader of `epoch` from (offset, step) and its queue."""
-        size = self._size()
+        size = self.dataset_info
         B, W = self.batch_size, self.world_size
         per_message = self.batches_per_message or max(
             1,
@@ -549,12 +663,23 @@ class _Epoch:
         return len(self._client)
 
 
-def _split_size(response: feeder_pb2.InfoResponse, dataset: str, split: str) -> SplitSize:
+def _dataset_info(response: feeder_pb2.InfoResponse, dataset: str, split: str) -> DatasetInfo:
     for ds in response.datasets:
         if ds.name == dataset:
             for s in ds.splits:
                 if s.name == split:
-                    return SplitSize(int(s.windows), int(s.steps), itemsize(ds.dtype))
+                    return DatasetInfo(
+                        name=ds.name,
+                        total_tokens=int(ds.total_tokens),
+                        vocab_size=int(ds.vocab_size) or None,
+                        eos_token_id=None if ds.eos_token_id < 0 else int(ds.eos_token_id),
+                        dtype=ds.dtype,
+                        tokenizer=ds.tokenizer or None,
+                        split=split,
+                        split_tokens=int(s.tokens),
+                        windows=int(s.windows),
+                        steps=int(s.steps),
+                    )
             raise NotFound(f"the feeder reports no split {split!r} for dataset {dataset!r}")
     names = [ds.name for ds in response.datasets]
     raise NotFound(f"the feeder has no dataset {dataset!r} (it has {names})")

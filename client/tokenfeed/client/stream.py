@@ -10,12 +10,20 @@ DATA_LOSS, UNAUTHENTICATED, PERMISSION_DENIED, ...) ends the thread at once. Eit
 way the outcome goes into the queue (a batch, `END`, or a `Failure`), so the training
 loop re-raises the thread's error instead of waiting forever.
 
+Giving up (`Outage`): a client that has never reached a feeder tries for
+`Timeouts.connect_timeout` (a wrong address fails fast, naming every address tried
+and the last error, and TLS when it is the cause); once one answered, an outage lasts
+as long as `Backoff` allows. Every failed attempt logs a WARNING on `tokenfeed.client`
+(address, reason, what happens next); a stream that starts or resumes logs an INFO
+line (rank, epoch, offset).
+
 The queue holds `prefetch` batches: with the one the loop is using and the one the
 thread is receiving, that is the double buffer.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
@@ -28,14 +36,18 @@ import grpc
 
 from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.transport import (
+    MAX_RECEIVE_BYTES,
     RETRYABLE,
     Channels,
     details_of,
     status_of,
+    tls_problem,
     to_feeder_error,
 )
 from tokenfeed.core.errors import FeederUnavailable
 from tokenfeed.v1 import feeder_pb2
+
+log = logging.getLogger("tokenfeed.client")
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,95 @@ class Backoff:
         return (self.max_retries is not None and failures > self.max_retries) or (
             self.deadline is not None and outage_seconds > self.deadline
         )
+
+
+class Outage:
+    """Failed attempts in a row at one call, and when to give up.
+
+    Until any feeder has answered (`channels.reached`), the budget is
+    `connect_timeout` seconds from the first attempt, the backoff's `max_retries` too:
+    a wrong address or a TLS mismatch fails fast. After, it is the backoff's
+    (`deadline` from the first failure, `max_retries`). `failed()` logs a WARNING
+    per failure and returns the wait before the next attempt, or raises
+    FeederUnavailable naming every address tried and the last error.
+    """
+
+    def __init__(
+        self,
+        channels: Channels,
+        backoff: Backoff,
+        what: str,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.channels, self.backoff, self.what, self.rng = channels, backoff, what, rng
+        self.connect_timeout = channels.options.connect_timeout
+        self.failures = 0
+        self.first_attempt = time.monotonic()
+        self.outage_start = self.first_attempt
+        self.tried: dict[str, None] = {}  # addresses, in the order tried
+        self._hints: dict[str, str | None] = {}  # address -> TLS diagnosis
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.channels.reached = True
+
+    def rpc_timeout(self) -> float:
+        """Deadline of the next unary attempt: within the connect budget until reached."""
+        timeout = self.channels.options.rpc_timeout
+        if self.channels.reached:
+            return timeout
+        left = self.connect_timeout - (time.monotonic() - self.first_attempt)
+        return max(0.05, min(timeout, left))
+
+    def failed(self, reason: str, message: str) -> float:
+        now = time.monotonic()
+        connecting = not self.channels.reached
+        if self.failures == 0:
+            self.outage_start = self.first_attempt if connecting else now
+        self.failures += 1
+        address = self.channels.current
+        self.tried[address] = None
+        if address not in self._hints:
+            # Probing with a handshake of our own is for first contact only: once a
+            # feeder answered, a closed socket is an outage, not a misconfiguration.
+            self._hints[address] = tls_problem(
+                message, address, self.channels.security, probe=connecting
+            )
+        hint = self._hints[address]
+        reason_text = message + (f"; {hint}" if hint else "")
+        elapsed = now - self.outage_start
+        delay = self.backoff.delay(self.failures - 1, self.rng)
+        error: FeederUnavailable | None = None
+        if connecting:
+            left = self.connect_timeout - elapsed
+            if left <= 0 or (
+                self.backoff.max_retries is not None and self.failures > self.backoff.max_retries
+            ):
+                error = FeederUnavailable(
+                    f"could not reach a feeder within connect_timeout={self.connect_timeout:g} s: "
+                    f"gave up after {self.failures} attempts over {elapsed:.1f} s; tried "
+                    f"{', '.join(self.tried)}; last error at {address}: {reason_text}"
+                )
+            delay = min(delay, max(left, 0.0))
+        elif self.backoff.exhausted(self.failures, elapsed):
+            error = FeederUnavailable(
+                f"{self.what}: gave up after {self.failures} attempts over {elapsed:.1f} s; "
+                f"last failure at {address}: {reason_text}"
+            )
+        log.warning(
+            "%s %s at %s: %s; attempt %d, %s",
+            self.what,
+            "could not connect" if connecting else "failed",
+            address,
+            reason_text,
+            self.failures,
+            "giving up"
+            if error is not None
+            else f"retrying at {self.channels.following} in {delay:.2f} s",
+        )
+        if error is not None:
+            raise error
+        return delay
 
 
 END = object()  # the epoch is complete
@@ -161,7 +262,8 @@ class StreamReader(threading.Thread):
 
     def _run(self) -> None:
         req = self.request
-        failures, outage_start = 0, 0.0
+        outage = Outage(self.channels, self.backoff, f"rank {req.rank}: epoch {req.epoch} stream")
+        resumed = self.offset > 0  # from a saved position, or (below) after a failure
         while not self._stop_event.is_set():
             reason = ""
             try:
@@ -174,6 +276,7 @@ class StreamReader(threading.Thread):
                         offset=self.offset,
                         step=self.step,
                         batches_per_message=req.batches_per_message,
+                        max_message_bytes=MAX_RECEIVE_BYTES,
                     ),
                     metadata=self.metadata,
                 )
@@ -181,28 +284,33 @@ class StreamReader(threading.Thread):
                     self._call = call
                 if self._stop_event.is_set():
                     call.cancel()
+                first = True
                 for response in call:
+                    if first:
+                        first = False
+                        outage.succeeded()
+                        self._log_start(resumed)
                     for batch in response.batches:
                         item = self.stage(batch)
                         if not self._put(item):
                             return
                         self.offset = min(batch.offset + req.global_batch, req.num_windows)
                         self.step = batch.step + 1
-                        failures = 0
                 # The server ended the stream cleanly; believe it only at the epoch's end.
                 if req.remaining(self.offset) == 0:
                     self._put(END)
                     return
-                reason, message = "ended_early", "the stream ended before the epoch did"
+                reason = "ended_early"
+                message = "the feeder ended the stream before the epoch did"
             except grpc.RpcError as e:
                 if self._stop_event.is_set():
                     return
                 code = status_of(e)
                 if code not in RETRYABLE:
                     raise to_feeder_error(e, self.channels.current) from None
-                reason, message = code.name.lower(), details_of(e)
+                reason, message = code.name.lower(), f"{code.name}: {details_of(e)}"
             except OSError as e:  # resolving a name failed: retried like an unreachable server
-                reason, message = "resolve", str(e)
+                reason, message = "resolve", f"cannot resolve the address: {e}"
             finally:
                 with self._call_lock:
                     self._call = None
@@ -212,48 +320,53 @@ class StreamReader(threading.Thread):
                 self._put(END)
                 return
             # Retry: backoff, next address, same position.
-            now = time.monotonic()
-            if failures == 0:
-                outage_start = now
-            failures += 1
-            address = self.channels.current
-            if self.backoff.exhausted(failures, now - outage_start):
-                raise FeederUnavailable(
-                    f"gave up after {failures} attempts over {now - outage_start:.1f} s; "
-                    f"last failure at {address}: {message} ({reason})"
-                )
+            outage.what = (
+                f"rank {req.rank}: epoch {req.epoch} stream at offset {self.offset} "
+                f"(step {self.step})"
+            )
+            delay = outage.failed(reason, message)
+            resumed = True
             self.reconnects += 1
             self.on_reconnect(reason)
             self.channels.rotate()
-            self._stop_event.wait(self.backoff.delay(failures - 1))
+            self._stop_event.wait(delay)
+
+    def _log_start(self, resumed: bool) -> None:
+        log.info(
+            "rank %d: epoch %d stream %s at offset %d (step %d) from %s",
+            self.request.rank,
+            self.request.epoch,
+            "resumed" if resumed else "started",
+            self.offset,
+            self.step,
+            self.channels.current,
+        )
 
 
 def call_with_retry(
     channels: Channels,
-    call: Callable[[Any], Any],
+    call: Callable[[Any, float], Any],
     backoff: Backoff,
     on_reconnect: Callable[[str], None],
+    what: str = "Info",
     rng: random.Random | None = None,
 ) -> Any:
-    """`call(stub)` for a unary RPC, retried like the stream (backoff, next address)."""
-    failures, outage_start = 0, time.monotonic()
+    """`call(stub, timeout)` for a unary RPC, retried like the stream (backoff, next
+    address; `Outage` decides when to give up and passes the call's deadline)."""
+    outage = Outage(channels, backoff, what, rng)
     while True:
         try:
-            return call(channels.stub())
+            result = call(channels.stub(), outage.rpc_timeout())
+            outage.succeeded()
+            return result
         except grpc.RpcError as e:
             code = status_of(e)
             if code not in RETRYABLE:
                 raise to_feeder_error(e, channels.current) from None
-            reason, message = code.name.lower(), details_of(e)
+            reason, message = code.name.lower(), f"{code.name}: {details_of(e)}"
         except OSError as e:
-            reason, message = "resolve", str(e)
-        failures += 1
-        elapsed = time.monotonic() - outage_start
-        if backoff.exhausted(failures, elapsed):
-            raise FeederUnavailable(
-                f"gave up after {failures} attempts over {elapsed:.1f} s; last failure at "
-                f"{channels.current}: {message} ({reason})"
-            )
+            reason, message = "resolve", f"cannot resolve the address: {e}"
+        delay = outage.failed(reason, message)
         on_reconnect(reason)
         channels.rotate()
-        time.sleep(backoff.delay(failures - 1, rng))
+        time.sleep(delay)

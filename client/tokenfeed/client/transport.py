@@ -12,14 +12,21 @@ address. A fresh channel connects at once, so the client's own backoff
 backoff (which grows to minutes).
 
 gRPC status codes are turned into the project's error hierarchy
-(`tokenfeed.core.errors`) here, in one place, with the server's message.
+(`tokenfeed.core.errors`) here, in one place, with the server's message. A failed
+connection whose cause is TLS (a plaintext client and a TLS feeder, a missing client
+certificate, an untrusted certificate) looks to gRPC like any unreachable address;
+`tls_problem` says which it is, from gRPC's message or, when that only says the
+socket closed, from one TLS handshake of its own.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
+import math
 import os
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +37,8 @@ import grpc
 
 from tokenfeed.core.errors import FeederError, error_for
 from tokenfeed.v1 import feeder_pb2_grpc
+
+log = logging.getLogger("tokenfeed.client")
 
 # Worth another attempt (possibly at another address): the request itself is fine.
 RETRYABLE = frozenset(
@@ -154,35 +163,152 @@ class Security:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
+# The largest message this client accepts, sent with every stream request (the
+# server packs fewer batches per message to stay below it): gRPC's hard limit.
+MAX_RECEIVE_BYTES = (1 << 31) - 1
+
+
 @dataclass(frozen=True)
 class Timeouts:
-    """Keepalive pings detect a black-holed connection while a stream waits for data:
-    no ack within `keepalive_timeout` after a ping closes the transport, the stream
-    fails with UNAVAILABLE and the client reconnects elsewhere. `connect_timeout`
-    bounds an attempt to reach a server that does not answer at all."""
+    """Seconds. `connect_timeout` bounds how long a client that has never reached a
+    feeder keeps trying (every address, with backoff) before it raises
+    FeederUnavailable: a wrong address or a TLS mismatch fails fast. Once a feeder
+    answered, reconnects follow `Backoff` (minutes). `attempt_timeout` bounds one
+    attempt to reach an address that does not answer at all (gRPC's own is 20 s).
+    Keepalive pings detect a black-holed connection while a stream waits for data: no
+    ack within `keepalive_timeout` after a ping closes the transport, the stream fails
+    with UNAVAILABLE and the client reconnects elsewhere. `rpc_timeout` bounds a unary
+    call (Info)."""
 
     keepalive_time: float = 20.0
     keepalive_timeout: float = 10.0
-    connect_timeout: float = 10.0
-    rpc_timeout: float = 30.0  # unary calls (Info)
+    connect_timeout: float = 30.0
+    attempt_timeout: float = 10.0
+    rpc_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "keepalive_time",
+            "keepalive_timeout",
+            "connect_timeout",
+            "attempt_timeout",
+            "rpc_timeout",
+        ):
+            _positive_seconds(name, getattr(self, name))
 
     def grpc_options(self, endpoint: Endpoint, security: Security) -> list[tuple[str, int | str]]:
+        dial = min(self.attempt_timeout, self.connect_timeout)
         opts: list[tuple[str, int | str]] = [
-            ("grpc.max_receive_message_length", -1),
-            ("grpc.keepalive_time_ms", int(self.keepalive_time * 1000)),
-            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout * 1000)),
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+            ("grpc.keepalive_time_ms", _ms(self.keepalive_time)),
+            ("grpc.keepalive_timeout_ms", _ms(self.keepalive_timeout)),
             ("grpc.http2.max_pings_without_data", 0),
             # Any unanswered ping (keepalive or flow-control probe) ends the transport.
-            ("grpc.http2.ping_timeout_ms", int(self.keepalive_timeout * 1000)),
-            ("grpc.http2.min_time_between_pings_ms", int(self.keepalive_time * 1000)),
+            ("grpc.http2.ping_timeout_ms", _ms(self.keepalive_timeout)),
+            ("grpc.http2.min_time_between_pings_ms", _ms(self.keepalive_time)),
             ("grpc.keepalive_permit_without_calls", 0),
             ("grpc.enable_retries", 0),
             # gRPC's minimum connect timeout (its default is 20 s).
-            ("grpc.min_reconnect_backoff_ms", int(self.connect_timeout * 1000)),
+            ("grpc.min_reconnect_backoff_ms", _ms(dial)),
         ]
         if security.tls and endpoint.authority:
             opts.append(("grpc.ssl_target_name_override", endpoint.authority))
         return opts
+
+
+def _positive_seconds(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"Timeouts.{name} must be a positive number of seconds, got {value!r}")
+
+
+def _ms(seconds: float) -> int:
+    return max(1, min(int(seconds * 1000), (1 << 31) - 1))
+
+
+# ------------------------------------------------------------------------ TLS
+
+
+def tls_problem(details: str, target: str, security: Security, probe: bool = True) -> str | None:
+    """What is wrong with TLS, if gRPC's message of a failed connection to `target`
+    shows it is TLS, or (`probe`) a handshake of our own does when the message only
+    says the peer hung up; None when TLS is not the cause."""
+    low = details.lower()
+    if "certificate_verify_failed" in low or "certificate verify failed" in low:
+        return (
+            "TLS: this client does not trust the feeder's certificate: pass root_certificates= "
+            "the CA that signed it (and use the name or IP the certificate was issued for)"
+        )
+    if security.tls and "wrong_version_number" in low:
+        return (
+            "TLS: the feeder does not speak TLS (a plaintext feeder?): drop tls/"
+            "root_certificates, or start the feeder with --tls-cert and --tls-key"
+        )
+    if "handshake failed" in low or "ssl_error" in low:
+        return f"TLS: the handshake with the feeder failed ({details})"
+    hung_up = ("socket closed", "connection reset", "end of tcp stream")
+    if not probe or not any(m in low for m in hung_up):
+        return None
+    answer = probe_tls(target)  # the peer hung up: find out whether it speaks TLS
+    if answer is None:
+        return None
+    if not security.tls:
+        return (
+            "TLS: the feeder speaks TLS but this client connects in plaintext: pass tls=True "
+            "(and root_certificates= if its certificate is not from a public CA)"
+        )
+    if answer == "client-certificate" and security.certificate_chain is None:
+        return (
+            "TLS: the feeder requires a client certificate (mutual TLS): pass "
+            "certificate_chain= and private_key="
+        )
+    if answer == "client-certificate":
+        return (
+            "TLS: the feeder requires a client certificate and did not accept this one "
+            "(is it signed by the CA the feeder's --tls-client-ca names?)"
+        )
+    return None
+
+
+def probe_tls(target: str, timeout: float = 2.0) -> str | None:
+    """One TLS handshake with `target` (certificates not checked, none sent):
+    "client-certificate" if the server demands one, "tls" if it speaks TLS, None if it
+    does not (or cannot be reached)."""
+    host, port = _host_port(target)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as raw:
+            with ctx.wrap_socket(raw) as tls:
+                # TLS 1.3 refuses a missing client certificate after the handshake: the
+                # server hangs up (or alerts) instead of sending HTTP/2 settings.
+                try:
+                    data = tls.recv(1)
+                except TimeoutError:
+                    return "tls"
+                except ssl.SSLError as e:
+                    return _alert(e) and "client-certificate"
+                except OSError:
+                    data = b""
+                return "tls" if data else "client-certificate"
+    except ssl.SSLError as e:
+        return _alert(e)
+    except OSError:
+        return None
+
+
+def _alert(error: ssl.SSLError) -> str | None:
+    """A TLS alert from the server means it speaks TLS; anything else, it does not."""
+    text = str(error).upper()
+    if "CERTIFICATE_REQUIRED" in text or "HANDSHAKE_FAILURE" in text:
+        return "client-certificate"
+    return "tls" if "ALERT" in text else None
 
 
 class Channels:
@@ -207,6 +333,9 @@ class Channels:
         self._stub: feeder_pb2_grpc.FeederStub | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # Whether any feeder ever answered: until then, a failure is a connect failure
+        # (bounded by Timeouts.connect_timeout), after, an outage (bounded by Backoff).
+        self.reached = False
 
     @property
     def current(self) -> str:
@@ -216,6 +345,14 @@ class Channels:
 
     def _endpoint(self) -> Endpoint:
         return self._endpoints[(self.start + self._turn) % len(self._endpoints)]
+
+    @property
+    def following(self) -> str:
+        """Where the attempt after a `rotate()` goes (after a whole turn names are
+        resolved again, so this is a guess then)."""
+        if not self._endpoints:
+            return self.addresses[(self.start + 1) % len(self.addresses)]
+        return self._endpoints[(self.start + self._turn + 1) % len(self._endpoints)].target
 
     def stub(self) -> feeder_pb2_grpc.FeederStub:
         """The stub of the current endpoint's channel, opening it if needed."""
@@ -243,8 +380,16 @@ class Channels:
         """(Re)resolve every address; names are looked up again each round, so
         replicas that moved are found."""
         endpoints: list[Endpoint] = []
+        failed: list[str] = []
         for a in self.addresses:
-            endpoints.extend(expand(a))
+            try:
+                endpoints.extend(expand(a))
+            except OSError as e:  # a name that does not resolve: try the others
+                failed.append(f"{a} ({e})")
+        if not endpoints:
+            raise OSError(f"no address resolves: {', '.join(failed)}")
+        if failed:
+            log.warning("skipping feeder address(es) that do not resolve: %s", ", ".join(failed))
         self._endpoints = endpoints
         self._turn = 0
 

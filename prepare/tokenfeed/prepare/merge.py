@@ -120,9 +120,16 @@ def merge(output: str | os.PathLike[str], keep_parts: bool = False) -> StoreMeta
         source=base
         | {"merged_parts": len(stores), "part_tokens": [s.total_tokens for s in stores]},
         created_at_unix=time.time(),
+        stats=_summed_stats([s.meta.stats for s in stores]),
     )
     write_meta(output, meta)
     if not keep_parts:
         for s in stores:
             shutil.rmtree(s.path)
     return meta
+
+
+def _summed_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The parts' counts added up (only the counts every part has)."""
+    keys = set.intersection(*(set(p) for p in parts)) if parts else set()
+    return {k: sum(int(p[k]) for p in parts) for k in sorted(keys)}

@@ -134,6 +134,18 @@ def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def _measured(
+    batches: Iterator[list[str]], sizes: collections.deque[np.ndarray]
+) -> Iterator[list[str]]:
+    """The batches, with each document's UTF-8 byte count appended to `sizes` as a
+    batch is taken (encoding runs ahead, but in order, so results pop them in order)."""
+    for batch in batches:
+        sizes.append(
+            np.array([len(d.encode("utf-8", "surrogatepass")) for d in batch], dtype=np.int64)
+        )
+        yield batch
+
+
 def _encoded(
     cfg: PrepareConfig, tok: Any, info: TokenizerInfo, batches: Iterator[list[str]]
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -203,12 +215,13 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
             path, claim.complete, 0, 0, time.perf_counter() - t0, already_complete=True
         )
     done_chunks: tuple[Chunk, ...] = ()
-    docs_done = carry = 0
+    docs_done = carry = bytes_done = 0
     if claim.resume is not None:
         out.drop_unrecorded_chunks(path, claim.resume)
         done_chunks = claim.resume.chunks
         docs_done = int(claim.progress.get("documents_done", 0)) if claim.progress else 0
         carry = int(claim.progress.get("carry_tokens", 0)) if claim.progress else 0
+        bytes_done = int(claim.progress.get("text_bytes_done", 0)) if claim.progress else 0
     writer = StoreWriter(
         path,
         dtype=info.dtype,
@@ -220,16 +233,21 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         chunks=tuple(done_chunks),
     )
     if claim.resume is None:  # the directory is this command's from the first moment
-        out.write_progress(path, writer.meta(), {"documents_done": 0, "carry_tokens": 0})
+        out.write_progress(
+            path, writer.meta(), {"documents_done": 0, "carry_tokens": 0, "text_bytes_done": 0}
+        )
     t_setup = time.perf_counter() - t0  # tokenizer load, fingerprint, output checks
     completed = sum(c.tokens for c in done_chunks)  # tokens in chunks on disk
     position = completed - carry  # where the next document starts in the shard's tokens
     docs = docs_done
+    text_bytes = bytes_done  # UTF-8 bytes of the documents before `docs`
     written = 0
+    sizes: collections.deque[np.ndarray] = collections.deque()
     try:
         with _progress_bar(cfg, path, completed) as bar:
-            batches = _batches(_shard_documents(cfg, docs_done), cfg.batch_size)
+            batches = _measured(_batches(_shard_documents(cfg, docs_done), cfg.batch_size), sizes)
             for tokens, lengths in _encoded(cfg, tok, info, batches):
+                byte_ends = text_bytes + np.cumsum(sizes.popleft())
                 ends = position + np.cumsum(lengths)
                 if carry:  # the resumed document: its first tokens are already on disk
                     tokens, carry = tokens[carry:], 0
@@ -244,13 +262,16 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
                         {
                             "documents_done": docs + k,
                             "carry_tokens": completed - prev_end,
+                            "text_bytes_done": int(byte_ends[k - 1]) if k else text_bytes,
                         },
                     )
                 position = int(ends[-1])
                 docs += len(lengths)
+                text_bytes = int(byte_ends[-1])
                 written += int(tokens.size)
                 bar.update(int(tokens.size))
                 bar.set_postfix(docs=docs, refresh=False)
+        writer.stats = {"documents": docs, "text_bytes": text_bytes}
         meta = writer.finish()
     except FeederError:
         out.abandon(claim)  # bad input: nothing half-written stays behind

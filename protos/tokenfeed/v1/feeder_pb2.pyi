@@ -85,13 +85,14 @@ class InfoResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("params", "epoch", "rank", "offset", "step", "batches_per_message", "document_ends")
+    __slots__ = ("params", "epoch", "rank", "offset", "step", "batches_per_message", "max_message_bytes", "document_ends")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BATCHES_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_ENDS_FIELD_NUMBER: _ClassVar[int]
     params: SamplingParams
     epoch: int
@@ -99,8 +100,9 @@ class StreamBatchesRequest(_message.Message):
     offset: int
     step: int
     batches_per_message: int
+    max_message_bytes: int
     document_ends: bool
-    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., step: _Optional[int] = ..., batches_per_message: _Optional[int] = ..., document_ends: _Optional[bool] = ...) -> None: ...
+    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., step: _Optional[int] = ..., batches_per_message: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., document_ends: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("epoch", "step", "offset", "shift", "rows", "cols", "dtype", "tokens", "starts", "document_ends")

@@ -48,6 +48,9 @@ except ImportError:  # pragma: no cover - grpc's internals moved; fall back to t
 SERVICE_NAME = "tokenfeed.v1.Feeder"
 INLINE_MAX_BYTES = 1 << 20  # messages up to this size from cached chunks: built on the loop
 MAX_BATCHES_PER_MESSAGE = 1024
+# A client that does not say how large a message it accepts gets gRPC's default
+# receive limit (StreamBatchesRequest.max_message_bytes).
+DEFAULT_CLIENT_MESSAGE_BYTES = 4 << 20
 
 
 # ----------------------------------------------------------------- requests -> plans
@@ -63,6 +66,36 @@ def plan_for(spec: SamplingSpec, ds: Dataset) -> sampling.Plan:
         ds.store.total_tokens,
         block_tokens=max(1, min(block_tokens or sampling.DEFAULT_BLOCK_TOKENS, MAX_PARAM)),
     )
+
+
+def _fit_client_limit(
+    per_message: int,
+    max_message_bytes: int,
+    rows: int,
+    cols: int,
+    itemsize: int,
+    document_ends: bool = False,
+) -> int:
+    """Batches per message so that no message exceeds the client's receive limit
+    (StreamBatchesRequest.max_message_bytes; unset = gRPC's default 4 MiB). A batch
+    takes its tokens plus at most 10 bytes per window start and 128 of fields, and with
+    `document_ends` up to 4 bytes more per token (every token ending a document)."""
+    limit = max_message_bytes or DEFAULT_CLIENT_MESSAGE_BYTES
+    if limit < 0:
+        raise InvalidArgument(f"max_message_bytes must be non-negative, got {limit}")
+    batch_bytes = rows * cols * (itemsize + 4 * document_ends) + 10 * rows + 128
+    if batch_bytes > limit:
+        raise InvalidArgument(
+            f"one batch ({rows} rows x {cols} tokens x {itemsize} bytes"
+            + (", and up to 4 bytes of document ends per token" if document_ends else "")
+            + f") takes up to "
+            f"{batch_bytes} bytes on the wire, more than the client accepts: "
+            f"max_message_bytes={limit}"
+            + (" (unset: gRPC's default 4 MiB receive limit)" if not max_message_bytes else "")
+            + "; lower batch_size or seq_len, or raise the client's max receive message "
+            "length and send it as max_message_bytes"
+        )
+    return min(per_message, limit // batch_bytes)
 
 
 # --------------------------------------------------------------------------- service
@@ -216,7 +249,6 @@ class FeederService:
                 f"batches_per_message must be in [0, {MAX_BATCHES_PER_MESSAGE}] (0 or 1 = one "
                 f"batch per message), got {request.batches_per_message}"
             )
-        per_message = max(1, request.batches_per_message)
         if request.epoch < 0 or request.step < 0:
             raise InvalidArgument(
                 f"epoch and step must be non-negative, got epoch={request.epoch} "
@@ -224,6 +256,14 @@ class FeederService:
             )
         plan.steps(request.rank, request.offset)  # validates rank and offset
         cols = plan.seq_len + plan.max_shift
+        per_message = _fit_client_limit(
+            max(1, request.batches_per_message),
+            request.max_message_bytes,
+            plan.batch_size,
+            cols,
+            ds.store.dtype.itemsize,
+            request.document_ends,
+        )
         message_bytes = per_message * plan.batch_size * cols * ds.store.dtype.itemsize
         if message_bytes > self.max_batch_bytes:  # the same as MessageBuilder.message_bytes
             raise InvalidArgument(

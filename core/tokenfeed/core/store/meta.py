@@ -11,7 +11,10 @@ Documents are concatenated with one EOS after each. `meta.json` is a superset of
 what the Streaming-Dataloader prepare script writes (`dtype`, `eos_token_id`,
 `tokenizer_name_or_path`, `tokens_per_chunk`, `chunks: [{file, tokens}]`,
 `total_tokens`, `created_at_unix`), so its stores are served as they are; tokenfeed
-adds `format_version`, `vocab_size`, a `checksum` per chunk and `source`.
+adds `format_version`, `vocab_size`, a `checksum` per chunk, `source` (what made the
+store: the command, which decides whether a re-run resumes) and `stats` (what was
+written: `documents` and their UTF-8 `text_bytes`, counted over the documents the
+store holds, not the whole corpus).
 
 The reader (reader.py) and the writer (writer.py) both import this module; neither
 owns the format.
@@ -63,6 +66,7 @@ class StoreMeta:
     source: dict[str, Any] = field(default_factory=dict)
     created_at_unix: float | None = None
     format_version: int | None = FORMAT_VERSION
+    stats: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -79,6 +83,7 @@ class StoreMeta:
             "total_tokens": self.total_tokens,
             "created_at_unix": self.created_at_unix,
             "source": self.source,
+            "stats": self.stats,
             "chunks": [
                 {"file": c.file, "tokens": c.tokens}
                 | ({"checksum": c.checksum} if c.checksum else {})
@@ -103,6 +108,7 @@ class StoreMeta:
                 source=doc.get("source") or {},
                 created_at_unix=doc.get("created_at_unix"),
                 format_version=_opt_int(doc.get("format_version")),
+                stats=dict(doc.get("stats") or {}),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise DataLoss(f"{where}: malformed meta.json ({type(e).__name__}: {e})") from None

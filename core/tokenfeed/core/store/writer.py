@@ -61,6 +61,7 @@ class StoreWriter:
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.source = dict(source or {})
+        self.stats: dict[str, Any] = {}  # what was written (StoreMeta.stats); the caller's
         self.chunks: list[Chunk] = list(chunks)
         self._limit = int(np.iinfo(self.dtype).max) if vocab_size is None else vocab_size - 1
         self._buf = np.empty(tokens_per_chunk, dtype=self.dtype)
@@ -109,6 +110,7 @@ class StoreWriter:
             tokens_per_chunk=self.tokens_per_chunk,
             source=self.source,
             created_at_unix=time.time(),
+            stats=dict(self.stats),
         )
 
     def finish(self) -> StoreMeta:

