@@ -8,12 +8,14 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.client.metrics import ClientMetrics
+from tokenfeed.core.store import write_store
 from tokenfeed.server.metrics import ServerMetrics, SupervisorMetrics
 
 
@@ -62,3 +64,35 @@ def assert_positional_batch(batch: dict[str, Any], seq_len: int) -> None:
     want = positional_rows(batch["starts"], seq_len + batch["shift"])
     np.testing.assert_array_equal(np.asarray(batch["input_ids"]), want[:, :seq_len])
     np.testing.assert_array_equal(np.asarray(batch["labels"]), want[:, batch["shift"] :])
+
+
+DOCUMENT_EOS = 7  # the EOS of make_document_store's stores
+
+
+def make_document_store(
+    path: Path,
+    total: int = 12_000,
+    mean: float = 40.0,
+    seed: int = 0,
+    dtype: str = "uint16",
+    eos: int | None = DOCUMENT_EOS,
+    tokens_per_chunk: int = 1_000,
+) -> np.ndarray:
+    """A store of documents ending in EOS (lengths from 1 up, geometric); returns T.
+    With eos=None the meta.json has no eos_token_id (the tokens are the same)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(DOCUMENT_EOS + 1, 500, size=total)
+    lengths = rng.geometric(1 / mean, size=total)
+    ends = np.cumsum(lengths) - 1
+    tokens[ends[ends < total]] = DOCUMENT_EOS
+    write_store(
+        path,
+        tokens.astype(dtype),
+        dtype=dtype,
+        tokens_per_chunk=tokens_per_chunk,
+        eos_token_id=eos,
+        vocab_size=500,
+        tokenizer="synthetic",
+        source={"kind": "test", "generator": "documents"},
+    )
+    return tokens

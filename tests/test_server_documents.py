@@ -11,45 +11,16 @@ import grpc
 import numpy as np
 import pytest
 from conftest import running_feeder
+from support import DOCUMENT_EOS as EOS
+from support import make_document_store
 
 from tokenfeed.core import documents
-from tokenfeed.core.store import TokenStore, write_store
+from tokenfeed.core.store import TokenStore
 from tokenfeed.server import documents as server_documents
 from tokenfeed.server import service
 from tokenfeed.server.datasets import Catalog
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
-
-EOS = 7
-
-
-def make_document_store(
-    path: Path,
-    total: int = 12_000,
-    mean: float = 40.0,
-    seed: int = 0,
-    dtype: str = "uint16",
-    eos: int | None = EOS,
-    tokens_per_chunk: int = 1_000,
-) -> np.ndarray:
-    """A store of documents ending in EOS (lengths from 1 up, geometric); returns T.
-    With eos=None the meta.json has no eos_token_id (the tokens are the same)."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(EOS + 1, 500, size=total)
-    lengths = rng.geometric(1 / mean, size=total)
-    ends = np.cumsum(lengths) - 1
-    tokens[ends[ends < total]] = EOS
-    write_store(
-        path,
-        tokens.astype(dtype),
-        dtype=dtype,
-        tokens_per_chunk=tokens_per_chunk,
-        eos_token_id=eos,
-        vocab_size=500,
-        tokenizer="synthetic",
-        source={"kind": "test", "generator": "documents"},
-    )
-    return tokens
 
 
 def params(dataset: str = "docs", **kw) -> pb.SamplingParams:
