@@ -22,7 +22,7 @@ tokens [starts[di[d]], starts[di[d+1]]) with starts = [0, cumsum(lengths)]. Sequ
 are sentences when the corpus was prepared with --split-sentences; documents are what
 `document_ends()` reports, so document masks need no EOS.
 
-The .bin is cut into chunks of about 32 MiB for the cache. A chunk is read with one
+The .bin is cut into chunks of 4 MiB (CHUNK_BYTES) for the cache. A chunk is read with one
 positioned read (not through a memory map: a file truncated under a mapping kills the
 process with SIGBUS), then narrowed to the store dtype: uint16 and the unsigned/
 non-negative types that fit it (uint8, int8, int16) -> uint16; int32 and int64 ->
@@ -59,7 +59,11 @@ DTYPE_CODES: dict[int, np.dtype] = {
     7: np.dtype("<f4"),  # legacy writers put float64 here too; token ids are never floats
     8: np.dtype("<u2"),
 }
-CHUNK_BYTES = 32 << 20  # store-dtype bytes per chunk: the native default's size
+# Store-dtype bytes per chunk. A chunk is the unit of caching and (about) of the block
+# shuffle, whose working set is shuffle_blocks + 1 chunks: 32 MiB slices made a 72 MiB
+# cache thrash in benchmarks/store_sources.py (0.003x a native store of 4 MiB chunks).
+# A positioned read of 4 MiB costs next to nothing more per byte than 32 MiB.
+CHUNK_BYTES = 4 << 20
 
 
 def split_prefix(path: str | os.PathLike[str]) -> Path:
