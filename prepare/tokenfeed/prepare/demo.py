@@ -97,4 +97,4 @@ def build_demo_store(
         overwrite=overwrite,
         progress=progress,
     )
-    return prepare(cfg).path
+    return Path(prepare(cfg).path)

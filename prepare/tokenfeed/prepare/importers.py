@@ -143,7 +143,7 @@ def write_tokens(
     except FeederError:
         out.abandon(claim)
         raise
-    (output / out.PROGRESS_NAME).unlink(missing_ok=True)
+    out.finish_progress(output)
     return meta
 
 

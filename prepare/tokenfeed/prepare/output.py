@@ -17,6 +17,10 @@ the progress file is removed after it. So:
 "The same command" means an identical `source` description: corpus, text field,
 tokenizer (name and a hash of its contents), tokens per chunk, max samples, shard.
 `--num-proc` and `--batch-size` change speed, not the result, so they are not in it.
+
+The output is a local directory or an `s3://bucket/prefix` (tokenfeed.core.store.files):
+the same rules hold under a prefix, with "directory" meaning the objects below it;
+every object is one PUT, so no temporary names are left behind there.
 """
 
 from __future__ import annotations
@@ -28,9 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenfeed.core.atomic import write_json
 from tokenfeed.core.errors import DataLoss, InvalidArgument
-from tokenfeed.core.store import META_NAME, StoreMeta
+from tokenfeed.core.store import META_NAME, LocalFiles, StoreFiles, StoreMeta, open_files
 
 PROGRESS_NAME = ".prepare-progress.json"
 PART_RE = re.compile(r"^part-\d{5}$")
@@ -38,9 +41,20 @@ _CHUNK_RE = re.compile(r"^chunk_\d{6}\.bin(\.tmp)?$")
 _OWN_FILES = {META_NAME, META_NAME + ".tmp", PROGRESS_NAME, PROGRESS_NAME + ".tmp"}
 
 
+Output = Path | StoreFiles  # a local directory, or any store location
+
+
+def as_files(output: Output | str) -> StoreFiles:
+    return output if isinstance(output, StoreFiles) else open_files(output)
+
+
 def part_dir(output: Path, index: int) -> Path:
     """Where shard `index` of a `--num-shards` run writes its part store."""
     return output / f"part-{index:05d}"
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:05d}"
 
 
 def normalize(doc: Any) -> Any:
@@ -54,8 +68,30 @@ def _is_ours(p: Path) -> bool:
     return p.name in _OWN_FILES or bool(_CHUNK_RE.match(p.name))
 
 
-def clean_output(path: Path) -> None:
-    """Delete the store files in `path`; refuse if it holds files tokenfeed did not write."""
+def _is_our_key(key: str) -> bool:
+    head, _, rest = key.partition("/")
+    if rest:
+        return bool(PART_RE.match(head)) and "/" not in rest and _is_our_key(rest)
+    return key in _OWN_FILES or bool(_CHUNK_RE.match(key))
+
+
+def clean_output(output: Output) -> None:
+    """Delete the store files in `output`; refuse if it holds files tokenfeed did not write."""
+    files = as_files(output)
+    if not isinstance(files, LocalFiles):
+        keys = files.names()
+        foreign = sorted(k for k in keys if not _is_our_key(k))
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise InvalidArgument(
+                f"{files.location} holds objects that are not part of a token store ({shown}); "
+                "refusing to delete them: choose an empty or new --output prefix"
+            )
+        files.delete(META_NAME)  # first: the prefix stops looking complete
+        for key in sorted(keys):
+            files.delete(key)
+        return
+    path = files.path
     if not path.is_dir():
         return
     foreign = sorted(p.name for p in path.iterdir() if not _is_ours(p))
@@ -78,18 +114,21 @@ def clean_output(path: Path) -> None:
 class Claim:
     """The state a run starts from."""
 
-    path: Path
+    files: StoreFiles
     created: bool  # the run made the directory (remove it again on a bad-input error)
     complete: StoreMeta | None = None  # same command already finished
     resume: StoreMeta | None = None  # same command interrupted: chunks done so far
     progress: dict[str, Any] | None = None
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(files: StoreFiles, name: str) -> Any:
     try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataLoss(f"{path}: unreadable ({e}); pass --overwrite to start over") from None
+        raw = files.read_small(name)
+        return json.loads(raw or b"")
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataLoss(
+            f"{files.where(name)}: unreadable ({e}); pass --overwrite to start over"
+        ) from None
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -97,34 +136,37 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
     return ", ".join(keys) or "nothing"
 
 
-def claim_output(path: Path, source: dict[str, Any], overwrite: bool, what: str) -> Claim:
-    """Decide how a run with this `source` starts in `path` (see the module docstring)."""
+def claim_output(output: Output, source: dict[str, Any], overwrite: bool, what: str) -> Claim:
+    """Decide how a run with this `source` starts in `output` (see the module docstring)."""
     source = normalize(source)
-    if path.exists() and not path.is_dir():
-        raise InvalidArgument(f"--output {path} exists and is not a directory")
-    created = not path.exists()
-    path.mkdir(parents=True, exist_ok=True)
+    files = as_files(output)
+    path = files.location
+    created = False
+    if isinstance(files, LocalFiles):
+        if files.path.exists() and not files.path.is_dir():
+            raise InvalidArgument(f"--output {path} exists and is not a directory")
+        created = not files.path.exists()
+        files.path.mkdir(parents=True, exist_ok=True)
     if overwrite:
-        clean_output(path)
-        return Claim(path, created)
-    if not any(path.iterdir()):
-        return Claim(path, created)
+        clean_output(files)
+        return Claim(files, created)
+    if not files.names():
+        return Claim(files, created)
     again = "re-run with --overwrite to replace it, or choose another --output"
-    meta_path, progress_path = path / META_NAME, path / PROGRESS_NAME
-    if meta_path.is_file():
-        meta = StoreMeta.from_json(_read_json(meta_path), str(path))
+    if files.exists(META_NAME):
+        meta = StoreMeta.from_json(_read_json(files, META_NAME), path)
         if normalize(meta.source) == source:
-            progress_path.unlink(missing_ok=True)  # a crash between meta.json and cleanup
-            return Claim(path, False, complete=meta)
+            files.delete(PROGRESS_NAME)  # a crash between meta.json and cleanup
+            return Claim(files, False, complete=meta)
         raise InvalidArgument(
             f"{path} already holds a complete token store made by a different command "
             f"(it differs in: {_differences(normalize(meta.source), source)}); {again}"
         )
-    if progress_path.is_file():
-        doc = _read_json(progress_path)
-        meta = StoreMeta.from_json(doc, str(progress_path))
+    if files.exists(PROGRESS_NAME):
+        doc = _read_json(files, PROGRESS_NAME)
+        meta = StoreMeta.from_json(doc, files.where(PROGRESS_NAME))
         if normalize(meta.source) == source:
-            return Claim(path, False, resume=meta, progress=dict(doc.get("progress") or {}))
+            return Claim(files, False, resume=meta, progress=dict(doc.get("progress") or {}))
         raise InvalidArgument(
             f"{path} holds an unfinished {what} of a different command (it differs in: "
             f"{_differences(normalize(meta.source), source)}); re-run that command to resume "
@@ -133,24 +175,31 @@ def claim_output(path: Path, source: dict[str, Any], overwrite: bool, what: str)
     raise InvalidArgument(f"--output {path} is not empty and holds no tokenfeed run; {again}")
 
 
-def write_progress(path: Path, meta: StoreMeta, progress: dict[str, Any]) -> None:
+def write_progress(output: Output, meta: StoreMeta, progress: dict[str, Any]) -> None:
     """Record the completed chunks and how far into the source they reach (atomic)."""
-    write_json(path / PROGRESS_NAME, meta.to_json() | {"progress": progress})
+    doc = meta.to_json() | {"progress": progress}
+    as_files(output).write(PROGRESS_NAME, json.dumps(doc, indent=2).encode() + b"\n")
 
 
-def drop_unrecorded_chunks(path: Path, meta: StoreMeta) -> None:
+def finish_progress(output: Output) -> None:
+    """The store is complete (meta.json written): the progress file goes."""
+    as_files(output).delete(PROGRESS_NAME)
+
+
+def drop_unrecorded_chunks(output: Output, meta: StoreMeta) -> None:
     """Remove chunk files a crash left behind that the progress file does not list."""
+    files = as_files(output)
     keep = {c.file for c in meta.chunks}
-    for p in path.iterdir():
-        if _CHUNK_RE.match(p.name) and p.name not in keep:
-            p.unlink()
+    for name in files.names():
+        if "/" not in name and _CHUNK_RE.match(name) and name not in keep:
+            files.delete(name)
 
 
 def abandon(claim: Claim) -> None:
     """After a bad-input error: leave nothing half-written (and no directory we made)."""
-    clean_output(claim.path)
-    if claim.created:
+    clean_output(claim.files)
+    if claim.created and isinstance(claim.files, LocalFiles):
         try:
-            claim.path.rmdir()
+            claim.files.path.rmdir()
         except OSError:
             pass

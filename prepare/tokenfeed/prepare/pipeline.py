@@ -39,7 +39,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from tokenfeed.core.errors import FeederError, InvalidArgument
-from tokenfeed.core.store import DEFAULT_TOKENS_PER_CHUNK, Chunk, StoreMeta, StoreWriter
+from tokenfeed.core.store import (
+    DEFAULT_TOKENS_PER_CHUNK,
+    Chunk,
+    StoreMeta,
+    StoreWriter,
+    is_url,
+    open_files,
+)
+from tokenfeed.core.store.objects import S3Url
 from tokenfeed.prepare import output as out
 from tokenfeed.prepare.tokenize import (
     Encoder,
@@ -62,7 +70,7 @@ class Source(Protocol):
 class PrepareConfig:
     source: Source
     tokenizer: str
-    output: Path
+    output: Path | str  # a directory, or "s3://bucket/prefix" (kept as a string)
     tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK
     max_samples: int | None = None
     num_proc: int = 1
@@ -73,7 +81,11 @@ class PrepareConfig:
     progress: bool | None = None  # tqdm bar; None = only when stderr is a terminal
 
     def __post_init__(self) -> None:
-        self.output = Path(self.output)
+        if is_url(self.output):
+            S3Url.parse(str(self.output))  # InvalidArgument for a malformed URL, now
+        else:
+            # Path() would fold "s3://b/p" into a local folder "s3:"; refuse other schemes
+            self.output = Path(open_files(self.output).location)
         for name in ("tokens_per_chunk", "num_proc", "batch_size", "num_shards"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1")
@@ -85,13 +97,17 @@ class PrepareConfig:
             )
 
     @property
-    def store_path(self) -> Path:
-        return out.part_dir(self.output, self.shard_index) if self.num_shards > 1 else self.output
+    def store_path(self) -> Path | str:
+        if self.num_shards == 1:
+            return self.output
+        if isinstance(self.output, Path):
+            return out.part_dir(self.output, self.shard_index)
+        return f"{str(self.output).rstrip('/')}/{out.part_name(self.shard_index)}"
 
 
 @dataclass
 class PrepareResult:
-    path: Path
+    path: Path | str  # str: an s3:// URL
     meta: StoreMeta
     documents: int  # documents of this shard in the store
     tokens_written: int  # tokens tokenized and written by this run
@@ -187,12 +203,12 @@ def _in_order(
             f.cancel()
 
 
-def _progress_bar(cfg: PrepareConfig, path: Path, initial: int) -> Any:
+def _progress_bar(cfg: PrepareConfig, path: Path | str, initial: int) -> Any:
     from tqdm import tqdm
 
     disable = None if cfg.progress is None else not cfg.progress
     return tqdm(
-        desc=f"prepare {path.name}",
+        desc=f"prepare {str(path).rstrip('/').rsplit('/', 1)[-1]}",
         unit="tok",
         unit_scale=True,
         initial=initial,
@@ -209,7 +225,8 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     info = describe_tokenizer(cfg.tokenizer, tok)
     source = describe(cfg, info)
     path = cfg.store_path
-    claim = out.claim_output(path, source, cfg.overwrite, "prepare")
+    files = open_files(path)
+    claim = out.claim_output(files, source, cfg.overwrite, "prepare")
     if claim.complete is not None:
         return PrepareResult(
             path, claim.complete, 0, 0, time.perf_counter() - t0, already_complete=True
@@ -217,13 +234,13 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     done_chunks: tuple[Chunk, ...] = ()
     docs_done = carry = bytes_done = 0
     if claim.resume is not None:
-        out.drop_unrecorded_chunks(path, claim.resume)
+        out.drop_unrecorded_chunks(files, claim.resume)
         done_chunks = claim.resume.chunks
         docs_done = int(claim.progress.get("documents_done", 0)) if claim.progress else 0
         carry = int(claim.progress.get("carry_tokens", 0)) if claim.progress else 0
         bytes_done = int(claim.progress.get("text_bytes_done", 0)) if claim.progress else 0
     writer = StoreWriter(
-        path,
+        files,
         dtype=info.dtype,
         tokens_per_chunk=cfg.tokens_per_chunk,
         eos_token_id=info.eos_token_id,
@@ -234,7 +251,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     )
     if claim.resume is None:  # the directory is this command's from the first moment
         out.write_progress(
-            path, writer.meta(), {"documents_done": 0, "carry_tokens": 0, "text_bytes_done": 0}
+            files, writer.meta(), {"documents_done": 0, "carry_tokens": 0, "text_bytes_done": 0}
         )
     t_setup = time.perf_counter() - t0  # tokenizer load, fingerprint, output checks
     completed = sum(c.tokens for c in done_chunks)  # tokens in chunks on disk
@@ -257,7 +274,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
                     k = int(np.searchsorted(ends, completed, side="right"))
                     prev_end = int(ends[k - 1]) if k else position
                     out.write_progress(
-                        path,
+                        files,
                         writer.meta(),
                         {
                             "documents_done": docs + k,
@@ -283,7 +300,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
             file=sys.stderr,
         )
         raise
-    (path / out.PROGRESS_NAME).unlink(missing_ok=True)
+    out.finish_progress(files)
     seconds = time.perf_counter() - t0
     return PrepareResult(
         path,

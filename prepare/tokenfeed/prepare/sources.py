@@ -18,6 +18,9 @@ Decisions:
   replaced (one bad byte does not stop a long run).
 * `.jsonl` has one JSON object per line; `.parquet` is read column-wise in batches.
   `.txt.gz` and `.jsonl.gz` are read through gzip.
+* Arrow IPC (`.arrow` stream or file format, `.feather` v2) and `.csv` (with a header
+  row; `.csv.gz` too) stream as well, one record batch or CSV block at a time
+  (readers.py): a file is never loaded whole.
 * The text field must exist in every row; a row without it stops the run with the
   fields the row does have. A `null` text is an empty document (dropped).
 """
@@ -34,7 +37,9 @@ from typing import IO, Any
 
 from tokenfeed.core.errors import InvalidArgument, NotFound
 
-SUFFIXES = (".txt", ".jsonl", ".parquet", ".txt.gz", ".jsonl.gz")
+ARROW_SUFFIXES = (".arrow", ".feather", ".ipc", ".arrows")
+CSV_SUFFIXES = (".csv", ".csv.gz", ".csv.bz2", ".csv.zst", ".csv.lz4")
+SUFFIXES = (".txt", ".jsonl", ".parquet", ".txt.gz", ".jsonl.gz", *ARROW_SUFFIXES, *CSV_SUFFIXES)
 
 
 def _text_of(row: Any, field: str, where: str) -> str:
@@ -132,7 +137,7 @@ def _open_text(path: Path) -> IO[str]:
 
 
 class FileSource:
-    """Local .txt / .jsonl / .parquet files."""
+    """Local .txt / .jsonl / .parquet / .arrow / .feather / .csv files."""
 
     def __init__(self, patterns: list[str], text_field: str) -> None:
         self.files = expand_globs(patterns)
@@ -153,6 +158,14 @@ class FileSource:
                     yield f.read()
             elif name.endswith((".jsonl", ".jsonl.gz")):
                 yield from self._jsonl(path)
+            elif name.endswith(ARROW_SUFFIXES):
+                from tokenfeed.prepare.readers import iter_arrow_texts
+
+                yield from iter_arrow_texts(path, self.text_field)
+            elif name.endswith(CSV_SUFFIXES):
+                from tokenfeed.prepare.readers import iter_csv_texts
+
+                yield from iter_csv_texts(path, self.text_field)
             else:
                 yield from self._parquet(path)
 

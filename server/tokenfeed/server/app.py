@@ -37,6 +37,7 @@ from tokenfeed.v1 import feeder_pb2
 log = logging.getLogger("tokenfeed.server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
+READAHEAD_THREADS_REMOTE = 4
 _REQUEST_LIMIT = 1 << 20  # requests are small; responses are bounded by --max-batch-bytes
 
 
@@ -107,8 +108,14 @@ class FeederServer:
         self.reuse_port = reuse_port
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ServerMetrics(self.registry)
-        self.cache = ChunkCache(config.cache_bytes, self.metrics)
+        # First: an s3:// root is listed here, so bad credentials fail before anything starts.
         self.datasets = Catalog(config.data_root, open_store)
+        # Object storage answers in tens of ms per request: more chunk loads in flight.
+        self.cache = ChunkCache(
+            config.cache_bytes,
+            self.metrics,
+            readahead_threads=READAHEAD_THREADS_REMOTE if self.datasets.remote else 2,
+        )
         self.executor = ThreadPoolExecutor(
             config.num_assembly_threads, thread_name_prefix="tokenfeed-batch"
         )

@@ -40,6 +40,12 @@ GROUP_MESSAGES = 4  # messages per group...
 GROUP_BYTES = 1 << 20  # ...unless they reach this size first
 LOOKAHEAD_BATCHES = 8  # batches past the last group built whose chunks are read ahead (min)
 ASK_AGAIN_GROUPS = 8  # a chunk read ahead is not asked for again for this many groups
+# Stores whose chunks come over the network (s3://): every DEEP_EVERY groups, also read
+# ahead the chunks of the next DEEP_BATCHES batches, so a shuffle group's chunks are
+# loading well before the stream reaches them (a GET costs tens of ms before its first
+# byte, a 32 MiB chunk a few hundred). Done every few groups, its cost stays small.
+DEEP_EVERY = 16
+DEEP_BATCHES = 1024
 
 Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, payload bytes)
 Span = tuple["LocatedRound", int, int]  # batches [i, j) of a round
@@ -242,8 +248,10 @@ class MessageBuilder:
         """Prefetch the chunks of the `lookahead` batches from `cursor` (in an unshuffled
         order, the chunk after them too); chunks asked for in the last few groups are
         not asked again."""
-        chunks = spans_chunks(self.ds, self._spans(self.lookahead, cursor)[0])
         store = self.ds.store
+        deep = store.remote and self._groups % DEEP_EVERY == 0
+        depth = max(self.lookahead, DEEP_BATCHES) if deep else self.lookahead
+        chunks = spans_chunks(self.ds, self._spans(depth, cursor)[0])
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
             chunks.add(max(chunks) + 1)
         self._groups += 1

@@ -24,7 +24,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class ServerConfig:
-    data_root: Path
+    data_root: Path | str  # a directory, or "s3://bucket/prefix" (kept as a string)
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 0  # 0 = no metrics endpoint
@@ -41,8 +41,14 @@ class ServerConfig:
     port_file: Path | None = None  # written with the bound port once serving (tests, scripts)
 
     def __post_init__(self) -> None:
-        root = Path(self.data_root)
-        if not root.is_dir():
+        root = self.data_root
+        if isinstance(root, str) and root.startswith("s3://"):
+            pass  # object storage: the feeder lists it at start (Catalog), exit 2 if it cannot
+        elif isinstance(root, str) and "://" in root:
+            raise InvalidArgument(
+                f"--data-root {root}: only local directories and s3://bucket/prefix are supported"
+            )
+        elif not Path(root).is_dir():
             raise InvalidArgument(f"--data-root {root} is not a directory")
         for name, lo, hi in (
             ("port", 0, 65535),
@@ -132,6 +138,8 @@ def _convert(name: str, type_name: str, raw: Any) -> Any:
     """Parse an env/flag value by the field's annotation (a string under `annotations`)."""
     flag = "--" + name.replace("_", "-")
     try:
+        if name == "data_root" and str(raw).startswith("s3://"):
+            return str(raw)  # Path() would fold "s3://b/p" into a local "s3:/b/p"
         if type_name.startswith("Path"):
             return Path(raw)
         if type_name == "int":

@@ -1,12 +1,25 @@
-"""Dataset names -> open token stores, never reaching outside the data root.
+"""Dataset names -> open stores of any served format, never reaching outside the data root.
 
-A dataset's name is its path relative to `--data-root` ("demo", "web/en"). A name
-comes from the network, so it is checked before it touches the filesystem: plain
-relative components only (no absolute paths, `.`/`..`, backslashes, control
-characters), and the resolved directory (symlinks followed) must still be inside the
-root. Opened stores are kept (opening stats every chunk) and reopened when their
-`meta.json` changes, and the cache key carries that generation, so a re-prepared
-store never serves stale chunks.
+A dataset's name is its path relative to `--data-root` ("demo", "web/en"). The root is
+a local directory or `s3://bucket/prefix`. What a name finds:
+
+    local root   ROOT/NAME/meta.json            native store
+                 ROOT/NAME/chunk_NNNNNN/        the seed loader's save_to_disk folders
+                 ROOT/NAME.bin + ROOT/NAME.idx  Megatron-LM / NeMo indexed dataset
+    s3:// root   ROOT/NAME/meta.json            native store
+
+Names are looked up when first asked for, so a store written (or uploaded) after the
+feeder started is found. A name comes from the network, so it is checked before it
+touches storage: plain relative components only (no absolute paths, `.`/`..`,
+backslashes, control characters); locally the resolved path (symlinks followed) must
+still be inside the root, and under s3:// such a name can only make keys below the
+root's prefix. Opened stores are kept and reopened when they change (meta.json's
+mtime or ETag; the .idx/.bin of a Megatron dataset; the chunk folders of a seed
+layout), and the cache key carries that generation, so a rewritten store never
+serves stale chunks.
+
+Opening an s3:// root lists it once (`check_access`): wrong credentials or no such
+bucket fail at start, not at the first request.
 """
 
 from __future__ import annotations
@@ -18,9 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
-from tokenfeed.core.store import META_NAME, TokenStore
+from tokenfeed.core.store import (
+    META_NAME,
+    MegatronStore,
+    ObjectFiles,
+    SeedStore,
+    StoreReader,
+    TokenStore,
+    detect,
+    is_url,
+)
+from tokenfeed.core.store.objects import ObjectStore, etag_generation
+from tokenfeed.core.store.seed import chunk_dirs, is_seed_layout
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +55,8 @@ MAX_NAME_LEN = 1024
 @dataclass(frozen=True)
 class Dataset:
     name: str
-    store: TokenStore
-    generation: int  # meta.json mtime_ns: part of every cache key of this store
+    store: StoreReader
+    generation: int  # changes when the store is rewritten: part of every cache key
 
     @cached_property
     def chunk_bounds(self) -> list[int]:
@@ -48,18 +73,36 @@ class Dataset:
 
 
 class Catalog:
-    """Stores by name. `open_store` opens one (TokenStore.open: chunks read into private
-    memory; chunks.MappedStore under --workers N: chunks mapped from the page cache)."""
+    """Stores by name, every served format. `open_store` opens a native store on a
+    local disk (TokenStore.open: chunks read into private memory; chunks.MappedStore
+    under --workers N: chunks mapped from the page cache)."""
 
     def __init__(
         self,
         root: str | os.PathLike[str],
         open_store: Callable[[Path], TokenStore] = TokenStore.open,
     ) -> None:
-        self.root = Path(root).resolve(strict=True)
         self._open_store = open_store
+        self.objects: ObjectStore | None = None
+        if is_url(root):
+            self.objects = ObjectStore(str(root))
+            self.objects.check_access()  # PermissionDenied / StorageUnavailable at start
+            self.root_text = str(self.objects.url)
+            self.root = Path(".")  # unused for s3:// roots
+        else:
+            try:
+                self.root = Path(root).resolve(strict=True)
+            except (OSError, RuntimeError):
+                raise NotFound(f"--data-root {root}: no such directory") from None
+            if not self.root.is_dir():
+                raise InvalidArgument(f"--data-root {root} is not a directory")
+            self.root_text = str(self.root)
         self._open: dict[str, Dataset] = {}
         self._lock = threading.Lock()
+
+    @property
+    def remote(self) -> bool:
+        return self.objects is not None
 
     def check_name(self, name: str) -> str:
         """Validate a requested name; InvalidArgument with the reason if it is not plain."""
@@ -85,51 +128,120 @@ class Catalog:
             )
         return name
 
-    def resolve(self, name: str) -> Path:
-        """The store directory of `name`, inside the root; NotFound when there is none."""
-        self.check_name(name)
+    def _inside(self, path: Path) -> Path | None:
+        """`path` resolved, if it exists inside the root (and is not the root)."""
         try:
-            path = (self.root / name).resolve(strict=True)
+            resolved = path.resolve(strict=True)
         except (OSError, RuntimeError):  # missing, or a symlink loop
+            return None
+        if not resolved.is_relative_to(self.root) or resolved == self.root:
+            return None
+        return resolved
+
+    def locate(self, name: str) -> tuple[str, Path]:
+        """(format, path) of a local dataset: its directory, or its Megatron PREFIX."""
+        self.check_name(name)
+        path = self._inside(self.root / name)
+        if path is not None and path.is_dir():
+            kind = detect(path)
+            if kind is not None:
+                return kind, path
+        prefix = self.root / name
+        idx = self._inside(prefix.with_name(prefix.name + ".idx"))
+        bin_ = self._inside(prefix.with_name(prefix.name + ".bin"))
+        if idx is not None and bin_ is not None and idx.is_file() and bin_.is_file():
+            return "megatron", prefix
+        raise NotFound(self._not_found(name))
+
+    def resolve(self, name: str) -> Path:
+        """The local store of `name` (directory or Megatron prefix); NotFound if none."""
+        return self.locate(name)[1]
+
+    def _probe(self, name: str) -> tuple[str, Any, int]:
+        """(format, where, generation) of `name` now: cheap (stats, or one HEAD)."""
+        if self.objects is not None:
+            self.check_name(name)
+            files = ObjectFiles(self.objects.child(name))
+            try:
+                info = files.store.head(META_NAME)
+            except NotFound:
+                raise NotFound(self._not_found(name)) from None
+            return "tokenfeed", files, etag_generation(info.etag, info.size)
+        kind, path = self.locate(name)
+        try:
+            if kind == "tokenfeed":
+                generation = (path / META_NAME).stat().st_mtime_ns
+            elif kind == "seed":
+                meta = path / META_NAME
+                generation = path.stat().st_mtime_ns ^ (
+                    meta.stat().st_mtime_ns if meta.is_file() else 0
+                )
+            else:
+                generation = path.with_name(path.name + ".idx").stat().st_mtime_ns ^ (
+                    path.with_name(path.name + ".bin").stat().st_mtime_ns << 1
+                )
+        except OSError:
             raise NotFound(self._not_found(name)) from None
-        if not path.is_relative_to(self.root) or path == self.root:
-            raise NotFound(self._not_found(name))
-        if not (path / META_NAME).is_file():
-            raise NotFound(self._not_found(name))
-        return path
+        return kind, path, generation
 
     def _not_found(self, name: str) -> str:
-        names = self.names()
+        try:
+            names = self.names()
+        except FeederError:
+            names = []
         shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
         return f"no dataset {name!r} under the data root; available: {shown or 'none'}"
 
     def get(self, name: str) -> Dataset:
-        path = self.resolve(name)
-        try:
-            generation = (path / META_NAME).stat().st_mtime_ns
-        except OSError:
-            raise NotFound(self._not_found(name)) from None
+        kind, where, generation = self._probe(name)
         with self._lock:
             ds = self._open.get(name)
             if ds is not None and ds.generation == generation:
                 return ds
-        store = self._open_store(path)
+        store: StoreReader
+        if kind == "tokenfeed":
+            store = (
+                TokenStore.open_files(where)
+                if isinstance(where, ObjectFiles)
+                else self._open_store(where)
+            )
+        elif kind == "seed":
+            store = SeedStore.open(where)
+        else:
+            store = MegatronStore.open(where)
         ds = Dataset(name, store, generation)
         with self._lock:
             self._open[name] = ds
         return ds
 
     def names(self) -> list[str]:
-        """Every store under the root (a directory holding meta.json), sorted.
+        """Every dataset under the root, sorted.
 
-        Symlinked directories are not walked, so listing never leaves the root.
+        Locally symlinked directories are not walked, so listing never leaves the root.
         """
-        found = []
+        if self.objects is not None:
+            found = {
+                o.key[: -len(META_NAME) - 1]
+                for o in self.objects.list("")
+                if o.key.endswith("/" + META_NAME)
+            }
+            return sorted(found)
+        out = []
         for dirpath, dirnames, filenames in os.walk(self.root, followlinks=False):
+            here = Path(dirpath)
+            rel = here.relative_to(self.root).as_posix()
+            if here != self.root and (
+                META_NAME in filenames or (chunk_dirs(here) and is_seed_layout(here))
+            ):
+                out.append(rel)
+                dirnames[:] = []  # a store's own folders are not datasets
+                continue
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            if META_NAME in filenames and Path(dirpath) != self.root:
-                found.append(Path(dirpath).relative_to(self.root).as_posix())
-        return sorted(found)
+            files = set(filenames)
+            for f in filenames:
+                if f.endswith(".idx") and f[:-4] + ".bin" in files:
+                    out.append((here / f[:-4]).relative_to(self.root).as_posix())
+        return sorted(out)
 
     def all(self) -> list[Dataset]:
         """Every store that opens; broken ones are logged and left out of the list."""
@@ -142,5 +254,11 @@ class Catalog:
         return out
 
     def redact(self, message: str) -> str:
-        """A message with the server's data-root path replaced (clients see names only)."""
+        """A message with a local data root's path replaced (clients see names only).
+
+        Under s3:// the object's URL stays: it is what an operator needs to find the
+        object that failed (UNAVAILABLE and DATA_LOSS name the object key).
+        """
+        if self.objects is not None:
+            return message
         return message.replace(str(self.root) + os.sep, "").replace(str(self.root), "<data-root>")

@@ -1,15 +1,36 @@
-"""Read a token store: metadata, chunk boundaries, verified chunk reads.
+"""Read token stores: one interface (StoreReader) that every served format implements.
 
-A directory with `meta.json` is a store (format in meta.py). A directory of bare
-`*.bin` files and no `meta.json` is also one when the dtype is given (the files, in
-name order, are the chunks).
+    StoreReader                 metadata, chunk boundaries, verified chunk reads
+    ├── TokenStore              the native store (meta.json + chunk_NNNNNN.bin), on a
+    │                           local directory or an s3:// prefix (files.py)
+    ├── SeedStore (seed.py)     the seed loader's chunk_NNNNNN/ save_to_disk folders
+    └── MegatronStore (megatron.py)  Megatron-LM / NeMo PREFIX.bin + PREFIX.idx
+
+What every reader gives the feeder and the CLI:
+
+* `meta` (a StoreMeta: dtype, chunks, eos, vocab, tokenizer; made up for formats
+  without a meta.json), `dtype`, `chunk_starts` (chunk i holds tokens
+  [chunk_starts[i], chunk_starts[i+1]) of the store's one token array T),
+  `total_tokens`, `num_chunks`, `chunk_nbytes(i)`, `chunk_of(token)`;
+* `read_chunk(i)`: chunk i as a uint16/uint32 array in its own anonymous memory map
+  (what the cache holds; narrowed from the format's dtype on the way in), verified:
+  DataLoss naming the file when it is short, corrupt or unreadable;
+* `verify()`: every problem found, as messages naming the file (empty = healthy);
+* `document_ends()`: for formats that record documents (Megatron), the exclusive
+  end offset in T of every document; None for the others (documents end at EOS);
+* `location`, `format`, `generation` (changes when the store is rewritten: part of
+  the feeder's cache keys).
+
+A directory with `meta.json` is a native store. A directory of bare `*.bin` files and
+no `meta.json` is one too when the dtype is given (the files, in name order, are the
+chunks). `open_store` (formats.py) tells the formats apart.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,50 +38,22 @@ import numpy as np
 
 from tokenfeed.core.dtypes import numpy_dtype
 from tokenfeed.core.errors import ChecksumMismatch, DataLoss, FeederError, InvalidArgument, NotFound
+from tokenfeed.core.store.files import LocalFiles, StoreFiles, open_files
 from tokenfeed.core.store.meta import META_NAME, Chunk, StoreMeta, checksum
 
 
-class TokenStore:
-    """Read access to one store: metadata, chunk boundaries, verified chunk reads."""
+class StoreReader(ABC):
+    """Read access to one store of any format (see the module docstring)."""
 
-    def __init__(self, path: Path, meta: StoreMeta) -> None:
-        self.path = path
+    format = "?"
+
+    def __init__(self, location: str, meta: StoreMeta, generation: int = 0) -> None:
+        self.location = location
         self.meta = meta
+        self.generation = generation
         self.dtype = numpy_dtype(meta.dtype)
         sizes = np.array([c.tokens for c in meta.chunks], dtype=np.int64)
-        # chunk i holds tokens [chunk_starts[i], chunk_starts[i+1]) of the token array T
         self.chunk_starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-
-    @classmethod
-    def open(
-        cls, path: str | os.PathLike[str], dtype: str | None = None, check_sizes: bool = True
-    ) -> TokenStore:
-        """Open a store; check that every chunk exists with the size meta.json claims.
-
-        `check_sizes=False` opens a damaged store anyway, so `verify` can list every
-        problem instead of stopping at the first.
-        """
-        root = Path(path)
-        if not root.is_dir():
-            raise NotFound(f"no token store at {root}: not a directory")
-        meta_path = root / META_NAME
-        if meta_path.is_file():
-            try:
-                doc = json.loads(meta_path.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise DataLoss(f"{meta_path}: unreadable meta.json ({e})") from None
-            meta = StoreMeta.from_json(doc, str(root))
-            if dtype is not None and dtype != meta.dtype:
-                raise InvalidArgument(
-                    f"{root}: dtype {dtype} was given but meta.json says {meta.dtype}"
-                )
-        else:
-            meta = _bare_meta(root, dtype)
-        store = cls(root, meta)
-        if check_sizes:
-            for c in meta.chunks:
-                store._check_size(c)
-        return store
 
     @property
     def total_tokens(self) -> int:
@@ -70,8 +63,10 @@ class TokenStore:
     def num_chunks(self) -> int:
         return len(self.meta.chunks)
 
-    def chunk_path(self, index: int) -> Path:
-        return self.path / self.meta.chunks[index].file
+    @property
+    def remote(self) -> bool:
+        """Whether chunks come over the network (read ahead deeper)."""
+        return False
 
     def chunk_nbytes(self, index: int) -> int:
         return self.meta.chunks[index].tokens * self.dtype.itemsize
@@ -80,15 +75,101 @@ class TokenStore:
         """Index of the chunk holding token position `token` of T."""
         return int(np.searchsorted(self.chunk_starts, token, side="right")) - 1
 
-    def _check_size(self, c: Chunk) -> None:
-        p = self.path / c.file
-        try:
-            size = p.stat().st_size
-        except OSError:
-            raise DataLoss(f"{self.path}: chunk {c.file} is missing") from None
+    @abstractmethod
+    def read_chunk(self, index: int, verify: bool = True) -> np.ndarray:
+        """Chunk `index` as the store dtype, in its own memory; DataLoss if damaged."""
+
+    @abstractmethod
+    def verify(self) -> list[str]:
+        """Every problem found (empty = healthy), each naming its file."""
+
+    def document_ends(self) -> np.ndarray | None:
+        """Exclusive end offsets (int64, non-decreasing) of the recorded documents, or
+        None when the format records none (documents then end at EOS)."""
+        return None
+
+    def _check_ids(self, index: int, data: np.ndarray) -> str | None:
+        vocab = self.meta.vocab_size
+        if vocab and data.size and int(data.max()) >= vocab:
+            return (
+                f"{self.location}: chunk {self.meta.chunks[index].file} has token id "
+                f"{int(data.max())} >= vocab_size {vocab}"
+            )
+        return None
+
+
+class TokenStore(StoreReader):
+    """The native store: meta.json + chunk files, in a local directory or under s3://."""
+
+    format = "tokenfeed"
+
+    def __init__(self, files: StoreFiles | Path, meta: StoreMeta, generation: int = 0) -> None:
+        if isinstance(files, Path):
+            files = LocalFiles(files)
+        super().__init__(files.location, meta, generation)
+        self.files = files
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike[str], dtype: str | None = None, check_sizes: bool = True
+    ) -> TokenStore:
+        """Open a store (a directory or `s3://bucket/prefix`); check that every chunk
+        exists with the size meta.json claims.
+
+        `check_sizes=False` opens a damaged store anyway, so `verify` can list every
+        problem instead of stopping at the first.
+        """
+        return cls.open_files(open_files(path), dtype, check_sizes)
+
+    @classmethod
+    def open_files(
+        cls, files: StoreFiles, dtype: str | None = None, check_sizes: bool = True
+    ) -> TokenStore:
+        root = files.location
+        if isinstance(files, LocalFiles) and not files.path.is_dir():
+            raise NotFound(f"no token store at {root}: not a directory")
+        raw = files.read_small(META_NAME)
+        generation = files.version(META_NAME) or 0
+        if raw is not None:
+            try:
+                doc = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise DataLoss(f"{files.where(META_NAME)}: unreadable meta.json ({e})") from None
+            meta = StoreMeta.from_json(doc, root)
+            if dtype is not None and dtype != meta.dtype:
+                raise InvalidArgument(
+                    f"{root}: dtype {dtype} was given but meta.json says {meta.dtype}"
+                )
+        else:
+            meta = _bare_meta(files, dtype)
+        store = cls(files, meta, generation)
+        if check_sizes:
+            sizes = files.names() if files.remote else None
+            for c in meta.chunks:
+                store._check_size(c, sizes)
+        return store
+
+    @property
+    def path(self) -> Path:
+        """The local directory (InvalidArgument for a store in object storage)."""
+        if not isinstance(self.files, LocalFiles):
+            raise InvalidArgument(f"{self.location} is in object storage, not a local directory")
+        return self.files.path
+
+    @property
+    def remote(self) -> bool:
+        return self.files.remote
+
+    def chunk_path(self, index: int) -> Path:
+        return self.path / self.meta.chunks[index].file
+
+    def _check_size(self, c: Chunk, sizes: dict[str, int] | None = None) -> None:
+        size = sizes.get(c.file) if sizes is not None else self.files.size(c.file)
+        if size is None:
+            raise DataLoss(f"{self.location}: chunk {c.file} is missing")
         if size != c.tokens * self.dtype.itemsize:
             raise DataLoss(
-                f"{self.path}: chunk {c.file} has {size} bytes, expected "
+                f"{self.location}: chunk {c.file} has {size} bytes, expected "
                 f"{c.tokens} tokens x {self.dtype.itemsize} = {c.tokens * self.dtype.itemsize}"
             )
 
@@ -101,69 +182,68 @@ class TokenStore:
         """
         c = self.meta.chunks[index]
         nbytes = c.tokens * self.dtype.itemsize
-        buf = mmap.mmap(-1, max(nbytes, 1))
         try:
-            with open(self.path / c.file, "rb") as f:
-                got = f.readinto(buf)
-                extra = len(f.read(1))
-        except OSError as e:
-            raise DataLoss(f"{self.path}: chunk {c.file} unreadable ({e})") from None
-        if got != nbytes or extra:
-            size = (self.path / c.file).stat().st_size
+            buf = self.files.read(c.file, nbytes)
+        except DataLoss:
+            size = self.files.size(c.file)
+            if size is None:
+                raise DataLoss(f"{self.location}: chunk {c.file} is missing") from None
             raise DataLoss(
-                f"{self.path}: chunk {c.file} holds {size // self.dtype.itemsize} tokens, "
+                f"{self.location}: chunk {c.file} holds {size // self.dtype.itemsize} tokens, "
                 f"meta.json says {c.tokens}"
-            )
+            ) from None
         data = np.frombuffer(buf, dtype=self.dtype, count=c.tokens)
         if verify and c.checksum and checksum(data) != c.checksum:
             raise ChecksumMismatch(
-                f"{self.path}: chunk {c.file} is corrupt (checksum {checksum(data)}, "
-                f"meta.json says {c.checksum}); run `tokenfeed verify {self.path}`"
+                f"{self.location}: chunk {c.file} is corrupt (checksum {checksum(data)}, "
+                f"meta.json says {c.checksum}); run `tokenfeed verify {self.location}`"
             )
         return data
 
     def verify(self) -> list[str]:
         """Every problem found in sizes, checksums and token ids (empty = healthy)."""
         problems: list[str] = []
+        sizes = self.files.names() if self.files.remote else None
         for i, c in enumerate(self.meta.chunks):
             try:
-                self._check_size(c)
+                self._check_size(c, sizes)
                 data = self.read_chunk(i)
             except FeederError as e:
+                if not isinstance(e, DataLoss):
+                    raise  # unreachable storage is not a finding about the store
                 problems.append(e.message)
                 continue
-            vocab = self.meta.vocab_size
-            if vocab and data.size and int(data.max()) >= vocab:
-                problems.append(
-                    f"{self.path}: chunk {c.file} has token id {int(data.max())} "
-                    f">= vocab_size {vocab}"
-                )
+            bad = self._check_ids(i, data)
+            if bad:
+                problems.append(bad)
         return problems
 
 
-def _bare_meta(root: Path, dtype: str | None) -> StoreMeta:
-    files = sorted(p for p in root.glob("*.bin") if p.is_file())
-    if not files:
-        raise NotFound(f"no token store at {root}: neither meta.json nor *.bin files")
+def _bare_meta(files: StoreFiles, dtype: str | None) -> StoreMeta:
+    root = files.location
+    names = sorted((n, s) for n, s in files.names().items() if "/" not in n and n.endswith(".bin"))
+    if not names:
+        if isinstance(files, LocalFiles) or files.names():
+            raise NotFound(f"no token store at {root}: neither meta.json nor *.bin files")
+        raise NotFound(f"no token store at {root}: nothing there")
     if dtype is None:
         raise InvalidArgument(
             f"{root} has *.bin files but no meta.json: give the dtype (uint16 or uint32)"
         )
     itemsize = numpy_dtype(dtype).itemsize
     chunks = []
-    for p in files:
-        size = p.stat().st_size
+    for name, size in names:
         if size % itemsize:
-            raise DataLoss(f"{root}: {p.name} has {size} bytes, not a whole number of {dtype}")
-        chunks.append(Chunk(p.name, size // itemsize))
+            raise DataLoss(f"{root}: {name} has {size} bytes, not a whole number of {dtype}")
+        chunks.append(Chunk(name, size // itemsize))
     return StoreMeta(dtype=dtype, chunks=tuple(chunks), format_version=None)
 
 
-def iter_tokens(store: TokenStore, verify: bool = True) -> Iterator[np.ndarray]:
+def iter_tokens(store: StoreReader, verify: bool = True) -> Iterator[np.ndarray]:
     """The store's tokens, chunk by chunk, in order."""
     for i in range(store.num_chunks):
         yield store.read_chunk(i, verify=verify)
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
-    return (Path(path) / META_NAME).is_file()
+    return open_files(path).exists(META_NAME)

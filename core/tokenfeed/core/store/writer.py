@@ -1,11 +1,14 @@
 """Write a token store, crash-safe: chunks as they fill, `meta.json` last.
 
-Every file is written under a temporary name and renamed (tokenfeed.core.atomic), and
-`meta.json` last, so a directory with a `meta.json` is always complete.
+Locally every file is written under a temporary name and renamed
+(tokenfeed.core.atomic); under s3:// every file is one PUT, which replaces an object
+atomically. `meta.json` goes last either way, so a store with a `meta.json` is always
+complete.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -13,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from tokenfeed.core.atomic import write_atomic, write_json
 from tokenfeed.core.dtypes import numpy_dtype
 from tokenfeed.core.errors import InvalidArgument
+from tokenfeed.core.store.files import LocalFiles, StoreFiles, open_files
 from tokenfeed.core.store.meta import (
     DEFAULT_TOKENS_PER_CHUNK,
     META_NAME,
@@ -26,9 +29,10 @@ from tokenfeed.core.store.meta import (
 )
 
 
-def write_meta(path: Path, meta: StoreMeta) -> None:
+def write_meta(path: Path | StoreFiles, meta: StoreMeta) -> None:
     """Write meta.json atomically: the moment a store becomes complete."""
-    write_json(path / META_NAME, meta.to_json())
+    files = LocalFiles(path) if isinstance(path, Path) else path
+    files.write(META_NAME, json.dumps(meta.to_json(), indent=2).encode() + b"\n")
 
 
 class StoreWriter:
@@ -40,7 +44,7 @@ class StoreWriter:
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | StoreFiles,
         *,
         dtype: str,
         tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK,
@@ -52,8 +56,9 @@ class StoreWriter:
     ) -> None:
         if tokens_per_chunk <= 0:
             raise InvalidArgument(f"tokens_per_chunk must be positive, got {tokens_per_chunk}")
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.files = path if isinstance(path, StoreFiles) else open_files(path)
+        if isinstance(self.files, LocalFiles):
+            self.files.path.mkdir(parents=True, exist_ok=True)
         self.dtype = numpy_dtype(dtype)
         self.dtype_name = dtype
         self.tokens_per_chunk = tokens_per_chunk
@@ -90,7 +95,7 @@ class StoreWriter:
     def _flush(self) -> Chunk:
         data = self._buf[: self._fill]
         name = chunk_name(len(self.chunks))
-        write_atomic(self.path / name, data.data.cast("B"))
+        self.files.write(name, data.data.cast("B"))
         chunk = Chunk(name, int(self._fill), checksum(data))
         self.chunks.append(chunk)
         self._fill = 0
@@ -118,11 +123,13 @@ class StoreWriter:
         if self._fill:
             self._flush()
         meta = self.meta()
-        write_meta(self.path, meta)
+        write_meta(self.files, meta)
         return meta
 
 
-def write_store(path: str | os.PathLike[str], tokens: np.ndarray, **kwargs: Any) -> StoreMeta:
+def write_store(
+    path: str | os.PathLike[str] | StoreFiles, tokens: np.ndarray, **kwargs: Any
+) -> StoreMeta:
     """Write a whole token array as a store (small stores, tests, imports)."""
     writer = StoreWriter(path, **kwargs)
     writer.add(tokens)
