@@ -96,3 +96,35 @@ def make_document_store(
         source={"kind": "test", "generator": "documents"},
     )
     return tokens
+
+
+def write_megatron(prefix: Path, docs: list[list[np.ndarray]]) -> Path:
+    """A Megatron-LM indexed dataset (uint16) of documents made of sequences (sentences),
+    written from the documented layout (test_stores_formats pins it to megatron-core's)."""
+    import struct
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    seqs = [s for d in docs for s in d]
+    lengths = np.array([len(s) for s in seqs], dtype="<i4")
+    pointers = (np.concatenate([[0], np.cumsum(lengths)[:-1]]) * 2).astype("<i8")
+    doc_index = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype("<i8")
+    header = struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 8, len(seqs), len(doc_index))
+    prefix.with_name(prefix.name + ".idx").write_bytes(
+        header + lengths.tobytes() + pointers.tobytes() + doc_index.tobytes()
+    )
+    np.concatenate(seqs).astype("<u2").tofile(prefix.with_name(prefix.name + ".bin"))
+    return prefix
+
+
+def megatron_corpus(root: Path, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Documents of 1-3 sentences, tokens 0-9 (so "EOS-like" ids occur anywhere): the
+    store's token array and its document ends."""
+    rng = np.random.default_rng(seed)
+    docs = [
+        [rng.integers(0, 10, size=int(rng.integers(1, 40))) for _ in range(int(rng.integers(1, 4)))]
+        for _ in range(300)
+    ]
+    write_megatron(root / "mg" / "corpus", docs)
+    tokens = np.concatenate([s for d in docs for s in d])
+    ends = np.cumsum([sum(len(s) for s in d) for d in docs])
+    return tokens, ends

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import running_feeder
 from support import DOCUMENT_EOS as EOS
-from support import make_document_store
+from support import make_document_store, megatron_corpus
 
 from tokenfeed.client import FeederClient
 from tokenfeed.core.errors import FailedPrecondition
@@ -168,3 +168,31 @@ def test_ends_that_do_not_fit_the_batch_are_an_error(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="strictly ascending"):
         document_arrays(msg, batch_array(msg), 4, ("cu_seqlens",), False)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_megatron_documents_come_from_its_index(tmp_path: Path, device) -> None:
+    """A Megatron store has no EOS: documents are its index's (not its sentences), and
+    token ids that happen to equal anything are just tokens."""
+    tokens, doc_ends = megatron_corpus(tmp_path)
+    with running_feeder(tmp_path) as f:
+        with FeederClient(
+            f.address,
+            dataset="mg/corpus",
+            seq_len=SEQ_LEN,
+            batch_size=4,
+            shift="auto",
+            device=device,
+            documents=True,
+            mask_cross_document_labels=True,
+        ) as c:
+            n = 0
+            for batch in c:
+                ref = reference.from_documents(
+                    tokens, batch["starts"].tolist(), doc_ends.tolist(), SEQ_LEN, batch["shift"]
+                )
+                for key in ("position_ids", "document_ids", "labels", "cu_seqlens"):
+                    np.testing.assert_array_equal(arr(batch[key]), ref[key], err_msg=key)
+                assert batch["max_seqlen"] == ref["max_seqlen"]
+                n += 1
+            assert n > 10

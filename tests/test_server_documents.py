@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import running_feeder
 from support import DOCUMENT_EOS as EOS
-from support import make_document_store
+from support import make_document_store, megatron_corpus
 
 from tokenfeed.core import documents
 from tokenfeed.core.store import TokenStore
@@ -123,3 +123,23 @@ def test_recorded_offsets_win_over_eos(tmp_path: Path) -> None:
     ds = Catalog(tmp_path).get("docs")
     object.__setattr__(ds, "store", store)
     assert server_documents.for_dataset(ds).recorded is not None
+
+
+def test_megatron_store_sends_its_recorded_document_ends(tmp_path: Path) -> None:
+    tokens, doc_ends = megatron_corpus(tmp_path)
+    is_end = np.zeros(len(tokens) + 1, dtype=bool)
+    is_end[doc_ends - 1] = True
+    with running_feeder(tmp_path) as f:
+        req = pb.StreamBatchesRequest(
+            params=params("mg/corpus", auto_shift=True), batches_per_message=3, document_ends=True
+        )
+        seen = 0
+        for data in raw_messages(f.address, req):
+            msg = pb.StreamBatchesResponse.FromString(data)
+            assert msg.SerializeToString() == data
+            for b in msg.batches:
+                window = np.array(b.starts)[:, None] + np.arange(b.cols)
+                want = np.flatnonzero(is_end[window])  # ends of documents, not sentences
+                np.testing.assert_array_equal(documents.ends_from_bytes(b.document_ends), want)
+                seen += len(want)
+        assert seen > 100

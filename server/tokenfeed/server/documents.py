@@ -7,8 +7,8 @@ cu_seqlens and the label mask from them (tokenfeed.core.documents). One wire pat
 both kinds of store:
 
 - stores that record document offsets (Megatron indexed datasets: the store reader's
-  `document_ends()`): from the batch's window starts, two binary searches over the
-  store's document ends; the tokens are not looked at (no EOS needed);
+  `document_ends()`, deduplicated once per store): from the batch's window starts,
+  two binary searches over them; the tokens are not looked at (no EOS needed);
 - stores whose documents end in EOS (meta.json's `eos_token_id`): one scan of the
   batch's tokens.
 
@@ -31,6 +31,7 @@ import numpy as np
 
 from tokenfeed.core import documents
 from tokenfeed.core.errors import FailedPrecondition
+from tokenfeed.core.store import StoreReader
 from tokenfeed.server import wire
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.v1 import feeder_pb2 as pb
@@ -103,10 +104,9 @@ def for_dataset(ds: Dataset) -> BatchEnds:
 
 
 @functools.lru_cache(maxsize=8)
-def _for_store(name: str, store: Any) -> BatchEnds:
+def _for_store(name: str, store: StoreReader) -> BatchEnds:
     # Recorded offsets win: a Megatron store's documents are its index's, EOS or not.
-    recorded_of = getattr(store, "document_ends", None)
-    raw = recorded_of() if recorded_of is not None else None
+    raw = store.document_ends()
     if raw is not None:
         return BatchEnds(name, store.dtype, None, documents.recorded_ends(raw))
     eos = store.meta.eos_token_id
