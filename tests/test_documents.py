@@ -167,6 +167,37 @@ def test_cu_seqlens_invariants(rows: int, seq_len: int, shift: int, data) -> Non
         np.testing.assert_array_equal(flat_pos[a:b], np.arange(b - a))
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 30), st.integers(1, 8), st.data())
+def test_the_loop_and_numpy_paths_agree(rows: int, seq_len: int, shift: int, data) -> None:
+    """segments() loops over few ends and uses numpy for many: the same results."""
+    cols = seq_len + shift
+    density = data.draw(st.sampled_from([0.0, 0.05, 0.3, 1.0]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    ends = (rng.random(rows * cols) < density).nonzero()[0]
+    loop = D._segments_loop(ends.astype("<u4"), rows, seq_len, shift, cols)
+    vec = D._segments_numpy(ends.astype("<u4"), rows, seq_len, shift, cols, validate=True)
+    for name in ("cu_seqlens", "cu", "lengths", "first", "local", "label_at"):
+        a, b = getattr(loop, name), getattr(vec, name)
+        assert a.dtype == b.dtype, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert loop.max_seqlen == vec.max_seqlen
+    labels = rng.integers(0, 9, size=(rows, seq_len))
+    np.testing.assert_array_equal(D.masked_labels(labels, loop), D.masked_labels(labels, vec))
+
+
+def test_many_ends_take_the_numpy_path_with_the_same_results() -> None:
+    rows, seq_len, shift = 8, 200, 3
+    rng = np.random.default_rng(1)
+    ends = (rng.random(rows * (seq_len + shift)) < 0.3).nonzero()[0]
+    assert len(ends) > D.LOOP_MAX_ENDS
+    buf = np.where(np.isin(np.arange(rows * (seq_len + shift)), ends), 0, 5).reshape(rows, -1)
+    out = D.from_ends(ends, rows, seq_len, shift, labels=buf[:, shift:])
+    check(
+        out, reference.from_tokens(buf, lambda r, k: buf[r][k] == 0, seq_len, shift), rows, seq_len
+    )
+
+
 def test_worked_example() -> None:
     """Positions restart after each end inside the window; an EOS as a row's last input
     token opens nothing; labels crossing an end are -100 (shift 2)."""
@@ -231,6 +262,10 @@ def test_megatron_style_offsets() -> None:
     [
         (lambda: D.segments(np.array([3, 3]), 1, 4, 1), "strictly ascending"),
         (lambda: D.segments(np.array([5]), 1, 4, 1), "strictly ascending"),
+        (lambda: D.segments(np.array([-1]), 1, 4, 1), "strictly ascending"),
+        (lambda: D._segments_numpy(np.array([3, 3]), 1, 4, 1, 5, True), "strictly ascending"),
+        (lambda: D._segments_numpy(np.array([5]), 1, 4, 1, 5, True), "strictly ascending"),
+        (lambda: D._segments_numpy(np.array([-1]), 1, 4, 1, 5, True), "strictly ascending"),
         (lambda: D.segments(np.array([[1]]), 1, 4, 1), "1-d"),
         (lambda: D.segments(np.array([], dtype=np.int64), 1, 4, 0), "shift"),
         (lambda: D.segments(np.array([], dtype=np.int64), 2**16, 2**16, 1), "int32"),

@@ -145,8 +145,10 @@ class Segments(NamedTuple):
     cu_seqlens: int32 [segments + 1], the segment starts over the flattened batch, then
     rows * seq_len; cu: the same, int64. max_seqlen: the longest segment. lengths:
     int64 [segments]. first: int32 [rows], the index of each row's first segment.
-    ends: the flat end indices into the [rows, seq_len + shift] buffer (int64); at:
-    the same in input space (r * seq_len + c); col: their columns c.
+    local: int32 [segments], each segment's document index within its row.
+    ends: the flat end indices into the [rows, seq_len + shift] buffer; label_at: the
+    input-space indices r * seq_len + c of the ends among input tokens (c < seq_len),
+    the labels a shift of 1 masks.
     (A NamedTuple: made once per batch, and a frozen dataclass's __init__ costs
     several microseconds.)
     """
@@ -159,9 +161,24 @@ class Segments(NamedTuple):
     max_seqlen: int
     lengths: np.ndarray
     first: np.ndarray
+    local: np.ndarray
     ends: np.ndarray
-    at: np.ndarray
-    col: np.ndarray
+    label_at: np.ndarray
+
+
+# Up to this many ends a batch's segments are found by a Python loop over the ends and
+# rows, above it by numpy: a numpy call costs ~1.5 us on small arrays (more on a busy
+# machine), and the numpy path takes about fifteen, so a loop over the few dozen ends
+# of a batch of ordinary documents is several times cheaper (see
+# benchmarks/trainer_loop.py and notes). Both give identical results (tested).
+LOOP_MAX_ENDS = 256
+
+
+def _bad_ends(rows: int, cols: int) -> ValueError:
+    return ValueError(
+        f"document ends must be strictly ascending flat indices in "
+        f"[0, {rows * cols}) of a {rows} x {cols} buffer"
+    )
 
 
 def segments(
@@ -170,23 +187,79 @@ def segments(
     """The document segments of a batch from the ascending flat end indices into its
     [rows, seq_len + shift] buffer (the module docstring has the definitions).
 
-    `validate=False` skips the check that `ends` ascend strictly inside the buffer: for
-    ends made here (eos_ends, offset_ends); keep it for ends that travelled.
+    `validate=False` skips the check that `ends` ascend strictly inside the buffer, for
+    ends made here (eos_ends, offset_ends); keep it for ends that travelled. The
+    numpy path checks them anyway when it is cheaper (the loop always does).
     """
     cols = _check_shape(rows, seq_len, shift)
-    ends = np.asarray(ends).astype(np.int64, copy=False)
-    if validate:
-        if ends.ndim != 1:
-            raise ValueError(f"ends must be 1-d flat indices, got shape {ends.shape}")
-        if len(ends) and (
-            ends[0] < 0
-            or ends[-1] >= rows * cols
-            or (len(ends) > 1 and bool((ends[1:] <= ends[:-1]).any()))
-        ):
-            raise ValueError(
-                f"document ends must be strictly ascending flat indices in "
-                f"[0, {rows * cols}) of a {rows} x {cols} buffer"
-            )
+    ends = np.asarray(ends)
+    if ends.ndim != 1:
+        raise ValueError(f"ends must be 1-d flat indices, got shape {ends.shape}")
+    if len(ends) <= LOOP_MAX_ENDS:
+        return _segments_loop(ends, rows, seq_len, shift, cols)
+    return _segments_numpy(ends, rows, seq_len, shift, cols, validate)
+
+
+def _segments_loop(ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: int) -> Segments:
+    """segments() by one pass over the ends and rows in Python (few ends)."""
+    flat = ends.tolist()
+    n = len(flat)
+    cu: list[int] = []
+    first: list[int] = []
+    local: list[int] = []
+    label_at: list[int] = []
+    k, prev = 0, -1
+    for r in range(rows):
+        base = r * cols  # the row's first buffer index
+        shift_in = r * shift  # buffer index - input-space index, in this row
+        first.append(len(cu))
+        cu.append(r * seq_len)
+        local.append(0)
+        inner, labelled, end = base + seq_len - 1, base + seq_len, base + cols
+        while k < n:
+            e = flat[k]
+            if e >= end:
+                break
+            if e <= prev:
+                raise _bad_ends(rows, cols)
+            prev = e
+            if e < labelled:  # an input token: it masks its own label at shift 1
+                label_at.append(e - shift_in)
+                if e < inner:  # not the last input token: the next one opens a segment
+                    cu.append(e - shift_in + 1)
+                    local.append(local[-1] + 1)
+            k += 1
+    if k < n:
+        raise _bad_ends(rows, cols)
+    cu.append(rows * seq_len)
+    cu64 = np.array(cu, dtype=np.int64)
+    lengths = cu64[1:] - cu64[:-1]
+    return Segments(
+        rows,
+        seq_len,
+        shift,
+        cu64.astype(np.int32),
+        cu64,
+        int(lengths.max()),
+        lengths,
+        np.array(first, dtype=np.int32),
+        np.array(local, dtype=np.int32),
+        ends,
+        np.array(label_at, dtype=np.int64),
+    )
+
+
+def _segments_numpy(
+    ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: int, validate: bool
+) -> Segments:
+    """segments() in about fifteen numpy calls, whatever the number of ends."""
+    ends = ends.astype(np.int64, copy=False)
+    if (
+        validate
+        and len(ends)
+        and (ends[0] < 0 or ends[-1] >= rows * cols or bool((ends[1:] <= ends[:-1]).any()))
+    ):
+        raise _bad_ends(rows, cols)
     total = rows * seq_len
     r, c = np.divmod(ends, cols)
     at = ends - r * shift  # input-space index r * seq_len + c
@@ -198,6 +271,7 @@ def segments(
     cu.sort()
     lengths = cu[1:] - cu[:-1]
     first = cu.searchsorted(_arange(total, np.int64)[::seq_len]).astype(np.int32)
+    local = _arange(len(lengths), np.int32) - first[cu[:-1] // seq_len]
     return Segments(
         rows,
         seq_len,
@@ -207,9 +281,9 @@ def segments(
         int(lengths.max()),
         lengths,
         first,
+        local,
         ends,
-        at,
-        c,
+        at[c < seq_len],
     )
 
 
@@ -224,11 +298,8 @@ def position_ids(seg: Segments) -> np.ndarray:
 
 
 def document_ids(seg: Segments) -> np.ndarray:
-    """[rows, seq_len] int32: each token's document index within its row (the global
-    segment index, minus the row's first, in place)."""
-    out = _arange(len(seg.lengths), np.int32).repeat(seg.lengths).reshape(seg.rows, seg.seq_len)
-    out -= seg.first[:, None]
-    return out
+    """[rows, seq_len] int32: each token's document index within its row (one pass)."""
+    return seg.local.repeat(seg.lengths).reshape(seg.rows, seg.seq_len)
 
 
 # Labels. Label j of row r is ignored when an end lies among buffer columns
@@ -247,7 +318,7 @@ def label_runs(seg: Segments) -> np.ndarray:
     [rows, seq_len + shift] buffer (they sum to rows * cols). Ends ascend, so clipping
     each interval's start to the previous end + 1 leaves disjoint ascending intervals;
     the size depends on the number of ends, not on the shift."""
-    ends = seg.ends
+    ends = seg.ends.astype(np.int64, copy=False)
     n = len(ends)
     size = seg.rows * (seg.seq_len + seg.shift)
     runs = np.empty(2 * n + 1, dtype=np.int64)
@@ -287,7 +358,7 @@ def masked_labels(labels: np.ndarray, seg: Segments) -> np.ndarray:
         raise ValueError(f"labels of shape {labels.shape}, segments of {seg.rows} x {seg.seq_len}")
     out = labels.astype(np.int64)  # always a copy
     if seg.shift == 1:
-        out.reshape(-1)[seg.at[seg.col < seg.seq_len]] = IGNORE_INDEX
+        out.reshape(-1)[seg.label_at] = IGNORE_INDEX
     else:
         np.copyto(out, _IGNORE, where=label_mask(seg))
     return out
