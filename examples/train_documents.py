@@ -15,7 +15,7 @@ next document (the cross-entropy ignores them). Here the document mask is built 
 
 and used either with scaled_dot_product_attention (a boolean mask, any device,
 `--attention sdpa`, the default) or with flex_attention's block mask
-(`--attention flex`; fast under torch.compile on a GPU, eager here). Absolute position
+(`--attention flex`, on a GPU: flex_attention has no backward on CPU). Absolute position
 embeddings are taken at `position_ids`, so every document sees the positions it would
 see alone. Logs one loss line every `--log-every` steps, then a summary.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -98,6 +97,7 @@ class TinyGPT(nn.Module):
         self.tokens = nn.Embedding(vocab_size, dim)
         nn.init.normal_(self.tokens.weight, std=0.02)
         self.positions = nn.Embedding(seq_len, dim)
+        nn.init.normal_(self.positions.weight, std=0.02)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
 
@@ -127,8 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     flex = args.attention == "flex"
-    if flex and device == "cpu":  # eager flex_attention on CPU works, and says it is slow
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    if flex and device == "cpu":  # its forward runs on CPU, its backward does not (torch 2.13)
+        raise SystemExit(
+            "--attention flex trains on a GPU only (flex_attention has no backward on CPU); "
+            "use --attention sdpa here"
+        )
 
     loader = FeederClient(
         args.feeder,

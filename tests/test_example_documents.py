@@ -1,5 +1,5 @@
 """examples/train_documents.py as a user runs it, against a real feeder: a store of
-documents where each next token is the previous one plus 1 (learnable inside a
+documents that each repeat one random token (the next token is learnable inside a
 document, random across one). The loss falls, and the batches held document segments
 and masked cross-document labels."""
 
@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 from conftest import running_feeder
 
 from tokenfeed.core.store import write_store
@@ -23,12 +22,12 @@ SUMMARY = re.compile(
 )
 
 
-def counting_documents(path: Path, total: int = 60_000, eos: int = 1, seed: int = 0) -> None:
+def repeating_documents(path: Path, total: int = 60_000, eos: int = 1, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     parts = []
     while sum(len(p) for p in parts) < total:
-        start, n = int(rng.integers(10, 150)), int(rng.integers(4, 40))
-        parts.append(np.append(np.arange(start, start + n), eos))
+        token, n = int(rng.integers(10, 250)), int(rng.integers(4, 40))
+        parts.append(np.append(np.full(n, token), eos))
     write_store(
         path,
         np.concatenate(parts)[:total].astype(np.uint16),
@@ -36,16 +35,14 @@ def counting_documents(path: Path, total: int = 60_000, eos: int = 1, seed: int 
         tokens_per_chunk=8_192,
         eos_token_id=eos,
         vocab_size=256,
-        tokenizer="counting",
-        source={"kind": "test", "generator": "counting documents"},
+        tokenizer="repeating",
+        source={"kind": "test", "generator": "repeating documents"},
     )
 
 
-@pytest.mark.parametrize(
-    ("attention", "steps"), [("sdpa", 60), pytest.param("flex", 8, marks=pytest.mark.slow)]
-)
-def test_example_trains_with_a_document_mask(tmp_path: Path, attention: str, steps: int) -> None:
-    counting_documents(tmp_path / "counting")
+def test_example_trains_with_a_document_mask(tmp_path: Path) -> None:
+    attention, steps = "sdpa", 60  # flex: GPU only (no backward on CPU); see the attention tests
+    repeating_documents(tmp_path / "repeating")
     with running_feeder(tmp_path) as f:
         out = subprocess.run(
             [
@@ -54,7 +51,7 @@ def test_example_trains_with_a_document_mask(tmp_path: Path, attention: str, ste
                 "--feeder",
                 f.address,
                 "--dataset",
-                "counting",
+                "repeating",
                 "--seq-len",
                 "64",
                 "--batch-size",
@@ -82,5 +79,4 @@ def test_example_trains_with_a_document_mask(tmp_path: Path, attention: str, ste
     assert int(done) == steps
     assert float(segments) > 2  # documents of ~24 tokens in rows of 64
     assert float(ignored) > 1  # labels whose target is the next document
-    if attention == "sdpa":
-        assert float(last) < float(first) - 1.0, out.stderr  # it learned "next = previous + 1"
+    assert float(last) < float(first) - 1.0, out.stderr  # it learned "next = previous"
