@@ -13,11 +13,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
+from tokenfeed.core.keyed import Permutation as _Permutation
 from tokenfeed.core.request import SamplingSpec, proper_divisors
 from tokenfeed.core.sampling import (
     EpochOrder,
     Plan,
-    _Permutation,
     split_bounds,
     steps_per_epoch,
     window_count,

@@ -38,107 +38,15 @@ from functools import cached_property
 import numpy as np
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
+from tokenfeed.core.keyed import Permutation, key
 from tokenfeed.core.request import AUTO, MAX_PARAM, SamplingSpec, proper_divisors
 
 DEFAULT_BLOCK_TOKENS = 1 << 24
 MAX_TOKENS = 1 << 62  # with MAX_PARAM: every product of the math stays inside int64
 
-_MASK64 = (1 << 64) - 1
-_ROUNDS = 6
 _POSITIONS_PER_ROUND = 4096
-# Domain tags for the key derivation: one RNG stream per purpose.
+# Domain tags for the key derivation: one RNG stream per purpose (mixture.py uses 16, 17).
 _BLOCKS, _GROUP, _SHIFT = 1, 2, 3
-
-
-# --------------------------------------------------------------------------- hashing
-
-
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic, no warnings).
-
-    In place, on two temporaries: cheaper than a new array per operation, which
-    matters at the few hundred values a round maps."""
-    y = x >> _S30
-    y ^= x
-    y *= _M1
-    t = y >> _S27
-    y ^= t
-    y *= _M2
-    np.right_shift(y, _S31, out=t)
-    y ^= t
-    return y
-
-
-def _mix_int(x: int) -> int:
-    """splitmix64 finaliser on a Python int (scalars: faster than numpy here)."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _key(*parts: int) -> int:
-    """A 64-bit key from integers (seed, epoch, tag, index...): a counter-based RNG."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = _mix_int(h ^ (p & _MASK64))
-    return h
-
-
-class _Permutation:
-    """A keyed bijection of range(n), evaluated pointwise.
-
-    A Feistel network over the smallest number of bits covering n permutes
-    [0, 2**bits) (the halves differ by at most one bit and swap widths every round;
-    an even number of rounds restores them); cycle walking (re-applying it until the
-    value lands below n) restricts it to [0, n). The domain is under 2n, so a point
-    walks twice on average. O(1) memory, O(len(x)) time.
-    """
-
-    def __init__(self, n: int, key: int) -> None:
-        self.n = n
-        bits = max(1, (n - 1).bit_length())
-        self._widths = (bits - bits // 2, bits // 2)  # (left, right) at the start
-        self._keys = [np.uint64(_key(key, r)) for r in range(_ROUNDS)]
-
-    @staticmethod
-    def _f(x: np.ndarray, k: np.uint64, width: int) -> np.ndarray:
-        return _mix(x ^ k) & np.uint64((1 << width) - 1)
-
-    def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        wl, wr = self._widths
-        left, right = x >> np.uint64(wr), x & np.uint64((1 << wr) - 1)
-        for k in self._keys:
-            left, right = right, left ^ self._f(right, k, wl)
-            wl, wr = wr, wl
-        return (left << np.uint64(wr)) | right
-
-    def _decrypt(self, x: np.ndarray) -> np.ndarray:
-        wl, wr = self._widths  # an even number of rounds: the widths at the end too
-        left, right = x >> np.uint64(wr), x & np.uint64((1 << wr) - 1)
-        for k in reversed(self._keys):
-            left, right = right ^ self._f(left, k, wr), left
-            wl, wr = wr, wl
-        return (left << np.uint64(wr)) | right
-
-    def _walk(self, x: np.ndarray, step) -> np.ndarray:  # type: ignore[no-untyped-def]
-        if self.n <= 1:
-            return np.zeros_like(x, dtype=np.int64)
-        out = step(np.asarray(x, dtype=np.uint64))
-        outside = out >= np.uint64(self.n)
-        while outside.any():
-            out[outside] = step(out[outside])
-            outside = out >= np.uint64(self.n)
-        return out.astype(np.int64)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self._walk(x, self._encrypt)
-
-    def inverse(self, y: np.ndarray) -> np.ndarray:
-        return self._walk(y, self._decrypt)
 
 
 # ------------------------------------------------------------------------ the math
@@ -198,10 +106,10 @@ class EpochOrder:
         self.deficit = nb * wpb - num_windows
         self.blocks_per_group = min(shuffle_blocks, nb)
         self.group_windows = self.blocks_per_group * wpb
-        self._blocks = _Permutation(nb, _key(seed, epoch, _BLOCKS))
+        self._blocks = Permutation(nb, key(seed, epoch, _BLOCKS))
         # Where the short block lands in the permuted block order.
         self._short_at = int(self._blocks.inverse(np.array([nb - 1]))[0])
-        self._groups: dict[int, tuple[_Permutation, np.ndarray]] = {}  # see _group
+        self._groups: dict[int, tuple[Permutation, np.ndarray]] = {}  # see _group
 
     def _group_start(self, g: np.ndarray) -> np.ndarray:
         short_group = self._short_at // self.blocks_per_group
@@ -248,7 +156,7 @@ class EpochOrder:
 
     def _group(
         self, group: int, size: int, first_block: int, n_blocks: int
-    ) -> tuple[_Permutation, np.ndarray]:
+    ) -> tuple[Permutation, np.ndarray]:
         """A group's permutation of its windows and its blocks' places, made once: a
         stream maps many rounds in one group, and permuting its few blocks costs about
         what permuting thousands of positions does (numpy's cost is per call)."""
@@ -257,7 +165,7 @@ class EpochOrder:
             if len(self._groups) >= 8:
                 self._groups.clear()
             made = self._groups[group] = (
-                _Permutation(size, _key(self.seed, self.epoch, _GROUP, group)),
+                Permutation(size, key(self.seed, self.epoch, _GROUP, group)),
                 self._blocks(first_block + np.arange(n_blocks, dtype=np.int64)),
             )
         return made
@@ -407,7 +315,7 @@ class Plan:
         if shift != AUTO:
             return int(shift)
         divisors = self.divisors
-        return divisors[_key(self.spec.seed, epoch, _SHIFT, offset) % len(divisors)]
+        return divisors[key(self.spec.seed, epoch, _SHIFT, offset) % len(divisors)]
 
     def _check(self, epoch: int, rank: int, offset: int, step: int) -> None:
         if not 0 <= rank < self.world_size:
