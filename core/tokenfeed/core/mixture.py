@@ -65,8 +65,10 @@ Per-source passes: item n of source i is position ``n % windows_i`` of pass
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -175,6 +177,14 @@ def _pairs(value: Any, field: str) -> list[tuple[Any, Any]]:
 def _from_tokens(value: Any, field: str) -> int:
     if isinstance(value, (bool, np.bool_)):
         raise _invalid(field, f"must be an integer token count, got {value!r}")
+    if isinstance(value, str):  # "2e9" (YAML 1.1 reads it as a string) or "2_000_000"
+        try:
+            exact = Decimal(value.strip().replace("_", ""))
+        except ArithmeticError:
+            raise _invalid(field, f"must be an integer token count, got {value!r}") from None
+        if not exact.is_finite() or exact != exact.to_integral_value():
+            raise _invalid(field, f"must be an integer token count, got {value!r}")
+        value = int(exact)
     if isinstance(value, (float, np.floating)):
         if not math.isfinite(value) or value != int(value):
             raise _invalid(field, f"must be an integer token count, got {value!r}")
@@ -222,6 +232,102 @@ class _Segment:
     @property
     def H(self) -> int:
         return sum(self.h)
+
+
+# ------------------------------------------------------------------ mixture files
+
+
+def load_mixture(mixture: Any, schedule: Any = None) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(sources, schedule) from what a user writes; Mixture validates the values.
+
+    `mixture`: a mapping name -> weight, a list of (name, weight) pairs, the command
+    line's ``web=0.7,code=0.3``, or the path of a YAML/JSON file
+    ``{sources: {web: 0.7, ...}, schedule: [{from_tokens: N, weights: {...}}, ...]}``.
+    `schedule`: a list of segments, or the path of a file holding that list (or a
+    mapping with a `schedule` key). The same file works for the client and the CLI.
+    """
+    file_schedule: Any = None
+    if isinstance(mixture, (str, os.PathLike)):
+        text = os.fspath(mixture)
+        if _looks_like_file(text):
+            doc = _read_doc(text, "mixture")
+            if not isinstance(doc, Mapping):
+                raise _invalid("mixture", f"{text}: expected a mapping with a `sources` key")
+            if "sources" in doc:
+                unknown = sorted(set(doc) - {"sources", "schedule"})
+                if unknown:
+                    raise _invalid("mixture", f"{text}: unknown keys {unknown}")
+                mixture, file_schedule = doc["sources"], doc.get("schedule")
+            else:
+                mixture = doc
+        else:
+            pairs = []
+            for n, part in enumerate(p for p in text.split(",") if p.strip()):
+                name, eq, weight = part.partition("=")
+                if not eq:
+                    raise _invalid(
+                        f"mixture[{n}]",
+                        f"{part!r} is not NAME=WEIGHT (and {text!r} is not a file)",
+                    )
+                pairs.append((name.strip(), weight.strip()))
+            mixture = pairs
+    if isinstance(schedule, (str, os.PathLike)):
+        doc = _read_doc(os.fspath(schedule), "schedule")
+        if isinstance(doc, Mapping):
+            if "schedule" not in doc:
+                raise _invalid("schedule", f"{os.fspath(schedule)}: no `schedule` key")
+            doc = doc["schedule"]
+        schedule = doc
+    if schedule is not None and file_schedule is not None:
+        raise _invalid("schedule", "given twice: in the mixture file and as schedule; keep one")
+    if schedule is None:
+        schedule = file_schedule or ()
+    if mixture is None:
+        raise _invalid("sources", "a schedule needs a mixture (sources)")
+    if isinstance(mixture, Mapping):
+        sources = tuple(mixture.items())
+    elif isinstance(mixture, Sequence) and not isinstance(mixture, (str, bytes)):
+        sources = tuple(tuple(x) if isinstance(x, list) else x for x in mixture)
+    else:
+        raise _invalid(
+            "sources",
+            f"must be a mapping name -> weight, a list of pairs or a file, got "
+            f"{type(mixture).__name__}",
+        )
+    if isinstance(schedule, (str, bytes)) or not isinstance(schedule, Sequence):
+        raise _invalid("schedule", f"must be a list of segments, got {type(schedule).__name__}")
+    return sources, tuple(schedule)
+
+
+def _looks_like_file(text: str) -> bool:
+    return os.path.exists(text) or text.lower().endswith((".yaml", ".yml", ".json"))
+
+
+def _read_doc(path: str, field: str) -> Any:
+    """A YAML or JSON file's content (JSON by suffix or when PyYAML is missing)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise _invalid(field, f"cannot read {path}: {e.strerror or e}") from None
+    if path.lower().endswith(".json"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise _invalid(field, f"{path}: not valid JSON ({e})") from None
+    try:
+        import yaml
+    except ImportError:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise _invalid(
+                field, f"{path}: YAML needs PyYAML (pip install pyyaml), or write it as JSON"
+            ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise _invalid(field, f"{path}: not valid YAML ({e})") from None
 
 
 # ------------------------------------------------------------------- key derivation
@@ -498,6 +604,12 @@ class Mixture:
                 field, f"must be in [0, {self.max_position}] (2**62 tokens / seq_len), got {p}"
             )
         return p
+
+    def weights(self, j: int) -> tuple[tuple[str, float], ...]:
+        """Segment j's weights as given (not normalized), (name, float) in source order."""
+        return tuple(
+            (name, float(w)) for name, w in zip(self.names, self._raw_weights[j], strict=True)
+        )
 
     def segment_of(self, p: int) -> int:
         """Index in `segments` of the segment that position p belongs to."""
