@@ -57,11 +57,15 @@ class LocatedRound:
         self.row_bytes = [c * store.dtype.itemsize for c in self.cols]
         self.row_lo = [0, *np.cumsum(rnd.rows).tolist()]
         # Only a round's last batch can be short, so its rows are a prefix of the flat array.
-        starts = rnd.starts.ravel()[: self.row_lo[-1]]
+        n = self.row_lo[-1]
+        own = rnd.starts.ravel()[:n]  # in each row's store (a mixture's: its source's)
+        sources = None if rnd.sources is None else rnd.sources.ravel()[:n]
+        starts = ds.virtual(own, sources)  # where assembly finds the rows
         cols = np.repeat(self.cols, rnd.rows) if len(set(self.cols)) > 1 else self.cols[0]
         bounds = store.chunk_starts
         first = np.searchsorted(bounds, starts, side="right") - 1
         self.starts = starts
+        self.sources = sources  # a mixture's: each row's source index
         self.chunk = first  # chunk holding each row's first token
         self.begin = (starts - bounds[first]) * store.dtype.itemsize  # its byte offset there
         # Windows cross chunks freely; such rows are rare and take the slow path.
@@ -81,7 +85,8 @@ class LocatedRound:
             self.cols,
             store.meta.dtype,
             store.dtype.itemsize,
-            starts,
+            own,
+            sources,
         )
 
     def __len__(self) -> int:
@@ -188,7 +193,7 @@ class MessageBuilder:
     def __init__(
         self,
         ds: Dataset,
-        plan: sampling.Plan,
+        plan: sampling.Plan | sampling.MixturePlan,
         rounds: Iterator[sampling.Round],
         per_message: int,
         cache: ChunkCache,
@@ -210,6 +215,12 @@ class MessageBuilder:
         self._pos = 0  # next batch of the first round
         self._groups = 0  # groups built so far
         self._asked: dict[int, int] = {}  # chunk -> group when last read ahead
+        # A mixture's messages' tokens per source, one array per message built, in order
+        # (the servicer counts them by source as it writes the messages).
+        self.by_source: deque[np.ndarray] | None = None
+        if isinstance(plan, sampling.MixturePlan):
+            self.by_source = deque()
+            self._k = len(plan.spec.sources)
         self._read_ahead((0, 0))
 
     @property
@@ -309,4 +320,11 @@ class MessageBuilder:
                 parts.append(lr.tails[b])
                 tokens += (hi - lo) * lr.cols[b]
             batches += j - i
+            if self.by_source is not None:
+                counts = np.zeros(self._k, dtype=np.int64)
+                for b in range(i, j):
+                    lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
+                    rows = cast(np.ndarray, lr.sources)[lo:hi]
+                    counts += np.bincount(rows, minlength=self._k) * lr.cols[b]
+                self.by_source.append(counts)
         return b"".join(parts), batches, tokens, tokens * self.ds.store.dtype.itemsize

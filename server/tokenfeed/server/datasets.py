@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
+
 from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
 from tokenfeed.core.store import META_NAME, TokenStore
 
@@ -44,6 +46,11 @@ class Dataset:
 
     def chunk_key(self, index: int) -> tuple[str, int, int]:
         return self.chunk_keys[index]
+
+    def virtual(self, starts: np.ndarray, sources: np.ndarray | None) -> np.ndarray:
+        """Where rows starting at `starts` lie in this dataset's token space: as they
+        are; a mixture (mixtures.MixtureSpace) maps each source's starts into its own."""
+        return starts
 
 
 class Catalog:
