@@ -22,6 +22,16 @@ Epochs. `set_epoch(e)` starts epoch e at offset 0, except right after
 set_epoch(epoch)` resume loop keeps the loaded position). Iterating again after an
 epoch ran to its end runs the same epoch again from the start, like a DataLoader
 without `set_epoch`. `len()` is the steps of a full epoch for this rank.
+
+Mixtures. `mixture=` (a dict, a list of (name, weight) pairs, or the path of a
+YAML/JSON file `{sources: {...}, schedule: [{from_tokens, weights}]}`) and
+`schedule=` blend several datasets' train splits by weight (design.md "Mixtures").
+The stream is endless: `batch["epoch"]` is 0, `len()` raises TypeError, `set_epoch(e)`
+with e > 0 is an error; `batch["sources"]` gives each row's index into
+`loader.sources`, and `batch["starts"]` its offset in that source's store. The state
+dict also holds the mixture, and a checkpoint may be resumed with another world size
+or batch size and with a schedule extended by segments that start at or after its
+position; any other change is refused with an error naming what differs.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.client.buffers import LAYOUTS, batch_array, batch_starts, views
@@ -50,9 +61,10 @@ from tokenfeed.client.stream import (
 )
 from tokenfeed.client.transport import Channels, Security, Timeouts
 from tokenfeed.core.dtypes import itemsize
-from tokenfeed.core.errors import NotFound
+from tokenfeed.core.errors import InvalidArgument, NotFound
+from tokenfeed.core.mixture import load_mixture
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import steps_per_epoch
+from tokenfeed.core.sampling import MAX_TOKENS, steps_per_epoch
 from tokenfeed.v1 import feeder_pb2
 
 STATE_KEYS = ("epoch", "offset", "step", "fingerprint", "world_size")
@@ -66,8 +78,8 @@ MAX_AUTO_BATCHES_PER_MESSAGE = 16
 
 @dataclass(frozen=True)
 class SplitSize:
-    windows: int  # of the epoch order
-    steps: int  # of a full epoch for this rank
+    windows: int  # of the epoch order (a mixture's: the stream's last position)
+    steps: int  # of a full epoch for this rank (a mixture's: 0, endless)
     itemsize: int  # bytes per token of the store
 
 
@@ -84,7 +96,8 @@ class FeederClient:
 
     Batches are dicts: `input_ids`, `labels` (numpy views of one buffer when
     `device` is None, else int64 tensors on the device), `shift`, `epoch`, `step`,
-    `offset` and `starts` (int64 numpy array: the store offset of each window).
+    `offset` and `starts` (int64 numpy array: the store offset of each window); a
+    mixture's also `sources` (int64 numpy array: each row's index into `sources`).
 
     Sampling (`dataset` .. `shuffle_blocks`, `world_size`) becomes a SamplingSpec,
     validated here before any feeder is contacted (InvalidArgument, a ValueError,
@@ -106,6 +119,8 @@ class FeederClient:
         address: str | Sequence[str],
         *,
         dataset: str | None = None,
+        mixture: Any = None,
+        schedule: Any = None,
         seq_len: int | None = None,
         batch_size: int | None = None,
         split: str = "train",
@@ -138,11 +153,24 @@ class FeederClient:
 
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         if spec is None:
-            if dataset is None or seq_len is None or batch_size is None:
-                raise TypeError("FeederClient needs dataset, seq_len and batch_size (or spec=)")
+            if dataset is not None and (mixture is not None or schedule is not None):
+                raise InvalidArgument(
+                    "dataset= and mixture= are mutually exclusive: stream one dataset, or "
+                    "name it among the mixture's sources",
+                    field="mixture",
+                )
+            if (dataset is None and mixture is None) or seq_len is None or batch_size is None:
+                raise TypeError(
+                    "FeederClient needs dataset (or mixture), seq_len and batch_size (or spec=)"
+                )
+            sources: Any = ()
+            if mixture is not None or schedule is not None:
+                sources, schedule = load_mixture(mixture, schedule)
             world = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
             spec = SamplingSpec(
-                dataset=dataset,
+                dataset=dataset or "",
+                sources=sources,
+                schedule=schedule or (),
                 seq_len=seq_len,
                 batch_size=batch_size,
                 split=split,
@@ -167,6 +195,7 @@ class FeederClient:
         if prefetch < 1 or (batches_per_message is not None and batches_per_message < 1):
             raise ValueError("prefetch and batches_per_message must be at least 1")
         self.dataset, self.split = spec.dataset, spec.split
+        self.sources: tuple[str, ...] = spec.source_names  # a mixture's, in request order
         self.seq_len, self.batch_size = spec.seq_len, spec.batch_size
         self.layout, self.prefetch = layout, int(prefetch)
         self.batches_per_message = batches_per_message
@@ -208,8 +237,13 @@ class FeederClient:
         rank and batch size are left out, so a resume may change them."""
         return self.spec.fingerprint()
 
+    @property
+    def is_mixture(self) -> bool:
+        return self.spec.is_mixture
+
     def _size(self) -> SplitSize:
-        """Windows and steps of this split for this rank (the Info RPC, cached)."""
+        """Windows and steps of this split for this rank (the Info RPC, cached). A
+        mixture's Info checks its sources (NOT_FOUND, FAILED_PRECONDITION) early."""
         key = (self.world_size, self.rank)
         if key not in self._sizes:
             request = feeder_pb2.InfoRequest(
@@ -223,16 +257,32 @@ class FeederClient:
                 self.backoff,
                 self._on_reconnect,
             )
-            self._sizes[key] = _split_size(response, self.dataset, self.split)
+            if self.is_mixture:
+                dtypes = {ds.dtype for ds in response.datasets}
+                self._sizes[key] = SplitSize(
+                    MAX_TOKENS // self.seq_len, 0, itemsize(dtypes.pop() if dtypes else "uint32")
+                )
+            else:
+                self._sizes[key] = _split_size(response, self.dataset, self.split)
         return self._sizes[key]
 
     def __len__(self) -> int:
+        if self.is_mixture:
+            raise TypeError(
+                "a mixture stream is endless and has no len(); stop at your own step or "
+                "token budget"
+            )
         return self._size().steps
 
     # ---------------------------------------------------------------- position
     def set_epoch(self, epoch: int) -> None:
         if epoch < 0:
             raise ValueError(f"epoch must be non-negative, got {epoch}")
+        if epoch > 0 and self.is_mixture:
+            raise ValueError(
+                f"a mixture stream is endless and has no epochs: set_epoch({epoch}) is not "
+                "allowed (set_epoch(0) is)"
+            )
         with self._lock:
             if self._resume and epoch == self._epoch:
                 return  # keep the position load_state_dict gave
@@ -248,19 +298,36 @@ class FeederClient:
                 ahead[0].stop()
 
     def state_dict(self) -> dict[str, Any]:
-        """Position of the first batch the training loop has not received."""
-        return {
+        """Position of the first batch the training loop has not received (and, for a
+        mixture, the mixture itself: a resume checks its sources and schedule)."""
+        state = {
             "epoch": self._epoch,
             "offset": self._offset,
             "step": self._step,
             "fingerprint": self.fingerprint,
             "world_size": self.world_size,
         }
+        if self.is_mixture:
+            state["mixture"] = self.spec.mixture_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = [k for k in STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"not a FeederClient state: missing {missing}")
+        if ("mixture" in state) != self.is_mixture:
+            raise ValueError(
+                "the state was saved by a "
+                + ("mixture" if "mixture" in state else "single-dataset")
+                + " loader and this one streams "
+                + ("a mixture" if self.is_mixture else f"dataset {self.dataset!r}")
+            )
+        if self.is_mixture:
+            problem = self.spec.resume_problem(state["mixture"], int(state["offset"]))
+            if problem:
+                raise ValueError(f"cannot resume this mixture checkpoint: {problem}")
+            if int(state["epoch"]) != 0:
+                raise ValueError(f"a mixture state has epoch 0, got {state['epoch']}")
         if state["fingerprint"] != self.fingerprint:
             raise ValueError(
                 f"the state was saved with different sampling parameters (fingerprint "
@@ -319,7 +386,11 @@ class FeederClient:
             batches_per_message=per_message,
             global_batch=B * W,
             num_windows=size.windows,
-            remaining=partial(steps_per_epoch, size.windows, B, W, self.rank, self.split),
+            remaining=(
+                _endless
+                if self.is_mixture
+                else partial(steps_per_epoch, size.windows, B, W, self.rank, self.split)
+            ),
         )
         q = Handoff(self.prefetch)
         reader = StreamReader(
@@ -355,6 +426,8 @@ class FeederClient:
             "offset": msg.offset,
             "starts": batch_starts(msg),
         }
+        if self.sources:
+            batch["sources"] = np.array(msg.sources, dtype=np.int64)
         if event is not None:
             batch["_event"] = (buf, event)
         return batch
@@ -473,6 +546,11 @@ class _Epoch:
 
     def __len__(self) -> int:
         return len(self._client)
+
+
+def _endless(offset: int) -> int:
+    """Steps a mixture stream has left: always some (it is endless)."""
+    return 1
 
 
 def _split_size(response: feeder_pb2.InfoResponse, dataset: str, split: str) -> SplitSize:

@@ -309,6 +309,7 @@ class MessageBuilder:
     def _message(self, spans: list[Span], views: dict[int, memoryview] | None) -> Message:
         parts: list[Any] = []
         batches = tokens = 0
+        by_source = None if self.by_source is None else np.zeros(self._k, dtype=np.int64)
         for lr, i, j in spans:
             for b in range(i, j):
                 lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
@@ -320,11 +321,10 @@ class MessageBuilder:
                 parts.append(lr.tails[b])
                 tokens += (hi - lo) * lr.cols[b]
             batches += j - i
-            if self.by_source is not None:
-                counts = np.zeros(self._k, dtype=np.int64)
-                for b in range(i, j):
-                    lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
-                    rows = cast(np.ndarray, lr.sources)[lo:hi]
-                    counts += np.bincount(rows, minlength=self._k) * lr.cols[b]
-                self.by_source.append(counts)
+            if by_source is not None:  # this span's tokens by source
+                rows = cast(np.ndarray, lr.sources)[lr.row_lo[i] : lr.row_lo[j]]
+                cols = np.repeat(lr.cols[i:j], np.diff(lr.row_lo[i : j + 1]))
+                by_source += np.bincount(rows, cols, minlength=self._k).astype(np.int64)
+        if self.by_source is not None:
+            self.by_source.append(by_source)  # type: ignore[arg-type]
         return b"".join(parts), batches, tokens, tokens * self.ds.store.dtype.itemsize

@@ -229,6 +229,10 @@ class ChunkCache:
                 self._cond.notify_all()
 
     def _insert(self, key: Hashable, nbytes: int) -> _Entry:
+        if self.metrics is not None and isinstance(key, tuple) and isinstance(key[0], str):
+            # a dataset's hit and miss series exist (at 0) from its first chunk load on
+            self.metrics.cache_dataset_hits.labels(dataset=key[0])
+            self.metrics.cache_dataset_misses.labels(dataset=key[0])
         entry = _Entry(nbytes)
         self._entries[key] = entry
         self._used += nbytes
