@@ -306,3 +306,38 @@ def test_tokens_and_cache_are_counted_by_source(mix_root: Path) -> None:
             assert hits is not None and misses is not None and hits + misses >= 1
         by_dataset = sum(value("tokenfeed_cache_dataset_hits_total", dataset=n) for n in ("a", "b"))
         assert value("tokenfeed_cache_hits_total") == by_dataset
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_info_prints_the_plan_of_a_mixture(mix_root: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(
+        "sources: {a: 0.7, b: 0.3}\nschedule:\n  - from_tokens: 2e9\n    weights: {a: 0.2, b: 0.8}\n"
+    )
+    base = [sys.executable, "-m", "tokenfeed", "info", "--data-root", str(mix_root)]
+    run = [*base, "--mixture", str(mix), "--tokens", "1e10", "--seq-len", str(SEQ), "--json"]
+    doc = json.loads(subprocess.run(run, check=True, capture_output=True, text=True).stdout)
+    spec = SamplingSpec(dataset="", seq_len=SEQ, batch_size=1, sources={"a": 0.7, "b": 0.3})
+    spec = spec.with_(schedule=((2 * 10**9, (("a", 0.2), ("b", 0.8))),))
+    counts = spec.mixture.counts(10**10 // SEQ)
+    assert [s["windows_drawn"] for s in doc["sources"]] == list(counts)
+    assert [s["shares"] for s in doc["sources"]] == [[0.7, 0.2], [0.3, 0.8]]
+    assert doc["sources"][1]["passes"] == pytest.approx(counts[1] / doc["sources"][1]["windows"])
+    text = subprocess.run(
+        [*base, "--mixture", "a=0.7,b=0.3", "--tokens", "1e12", "--seq-len", "16"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert "passes" in text and "700,000,000,000" in text
+    bad = subprocess.run(
+        [*base, "--mixture", "a=1,nope=1", "--tokens", "1e6", "--seq-len", "16"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "sources['nope']" in bad.stderr
