@@ -317,7 +317,8 @@ def test_info_prints_the_plan_of_a_mixture(mix_root: Path, tmp_path: Path) -> No
 
     mix = tmp_path / "mix.yaml"
     mix.write_text(
-        "sources: {a: 0.7, b: 0.3}\nschedule:\n  - from_tokens: 2e9\n    weights: {a: 0.2, b: 0.8}\n"
+        "sources: {a: 0.7, b: 0.3}\n"
+        "schedule:\n  - from_tokens: 2e9\n    weights: {a: 0.2, b: 0.8}\n"
     )
     base = [sys.executable, "-m", "tokenfeed", "info", "--data-root", str(mix_root)]
     run = [*base, "--mixture", str(mix), "--tokens", "1e10", "--seq-len", str(SEQ), "--json"]

@@ -661,12 +661,28 @@ class MixturePlan:
         window = self.orders.windows(sources, items // w, items % w)
         return window * self.spec.stride  # the train split begins at token 0
 
+    def check(self, rank: int, offset: int, step: int) -> None:
+        """InvalidArgument (naming the field) unless `rank` can stream from (offset, step)."""
+        spec = self.spec
+        if not 0 <= rank < spec.world_size:
+            raise InvalidArgument(
+                f"rank must be in [0, world_size={spec.world_size}), got {rank}", field="rank"
+            )
+        if not 0 <= step <= MAX_TOKENS:
+            raise InvalidArgument(f"step must be non-negative, got {step}", field="step")
+        last = self.mixture.max_position - spec.global_batch
+        if not 0 <= offset <= last:
+            raise InvalidArgument(
+                f"offset {offset} is outside the mixture stream's positions [0, {last}] "
+                f"(2**62 tokens / seq_len, less one global batch)",
+                field="offset",
+            )
+
     def rounds(self, rank: int, offset: int = 0, step: int = 0) -> Iterator[Round]:
         """`rank`'s batches from position `offset` on, endless, in Rounds (epoch 0).
         `starts` are offsets in each row's source store, `sources` the indices."""
         spec = self.spec
-        if isinstance(step, bool) or not 0 <= step <= MAX_TOKENS:
-            raise InvalidArgument(f"step must be non-negative, got {step}", field="step")
+        self.check(rank, offset, step)
         fixed = 0 if spec.shift == AUTO else int(spec.shift)
         B = spec.batch_size
         for r in self.mixture.rounds(
