@@ -102,7 +102,10 @@ MAX_PARAM = 1 << 40  # seq_len, batch_size, world_size
 MAX_SOURCES = 1 << 12
 _FAST_D = 1 << 31  # D <= this: every product of the kernels fits int64
 _ANCHOR_SPAN = 1 << 32  # large D: floats near an exact anchor over at most this span
-_POSITIONS_PER_ROUND = 4096
+# Positions of a rank per round: more than a dataset's 4096 (sampling.py), because a
+# mixture's round makes more numpy calls (counts, the step order, many sources' passes)
+# and larger rounds amortise them (~25 % per batch at 16 sources; benchmarks/).
+_POSITIONS_PER_ROUND = 16384
 # Key-derivation domain tags (the single-dataset engine uses 1..3).
 _TAG_STEP = 16
 _TAG_SOURCE = 17
