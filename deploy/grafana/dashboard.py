@@ -174,6 +174,27 @@ THROUGHPUT = [
     ),
     (
         timeseries(
+            "Tokens/s by source (mixtures)",
+            [
+                (
+                    f'sum by (source) (rate(tokenfeed_server_tokens_sent_total{{source!=""}}'
+                    f"[{RATE}]))",
+                    "{{source}}",
+                ),
+                (
+                    f'sum by (dataset) (rate(tokenfeed_server_tokens_sent_total{{source=""}}'
+                    f"[{RATE}]))",
+                    "{{dataset}} (alone)",
+                ),
+            ],
+            "short",
+            "A mixture's tokens by source (its weights at work); single-dataset streams "
+            "by dataset.",
+        ),
+        12,
+    ),
+    (
+        timeseries(
             "Bytes/s on the wire",
             [
                 (
