@@ -196,3 +196,47 @@ def test_megatron_documents_come_from_its_index(tmp_path: Path, device) -> None:
                 assert batch["max_seqlen"] == ref["max_seqlen"]
                 n += 1
             assert n > 10
+
+
+def test_a_mixture_of_eos_stores(tmp_path: Path) -> None:
+    """A mixture's rows come from several stores; each row's documents are its own
+    source's. Sources that end documents differently are FAILED_PRECONDITION naming
+    the source."""
+    tokens = {
+        "a": make_document_store(tmp_path / "a", total=6_000, mean=20, seed=1),
+        "b": make_document_store(tmp_path / "b", total=6_000, mean=60, seed=2),
+    }
+    make_document_store(tmp_path / "bare", total=6_000, eos=None)
+    with running_feeder(tmp_path) as f:
+        with FeederClient(
+            f.address,
+            mixture={"a": 0.5, "b": 0.5},
+            seq_len=SEQ_LEN,
+            batch_size=4,
+            shuffle=True,
+            documents=True,
+            mask_cross_document_labels=True,
+        ) as c:
+            names = c.sources
+            for i, batch in enumerate(c):
+                shift = batch["shift"]
+                buf = np.stack(
+                    [
+                        tokens[names[src]][s : s + SEQ_LEN + shift]
+                        for s, src in zip(batch["starts"], batch["sources"], strict=True)
+                    ]
+                )
+                ref = reference.from_tokens(buf, lambda r, k, b=buf: b[r][k] == EOS, SEQ_LEN, shift)
+                for key in ("position_ids", "document_ids", "labels", "cu_seqlens"):
+                    np.testing.assert_array_equal(batch[key], ref[key], err_msg=key)
+                if i == 30:
+                    break
+        with FeederClient(
+            f.address,
+            mixture={"a": 0.5, "bare": 0.5},
+            seq_len=SEQ_LEN,
+            batch_size=4,
+            documents=True,
+        ) as c:
+            with pytest.raises(FailedPrecondition, match="sources\\['bare'\\]"):
+                next(iter(c))

@@ -34,6 +34,7 @@ from tokenfeed.core.errors import FailedPrecondition
 from tokenfeed.core.store import StoreReader
 from tokenfeed.server import wire
 from tokenfeed.server.datasets import Dataset
+from tokenfeed.server.mixtures import MixtureSpace
 from tokenfeed.v1 import feeder_pb2 as pb
 
 _FIELD = wire.varint(pb.Batch.DESCRIPTOR.fields_by_name["document_ends"].number << 3 | 2)
@@ -99,8 +100,40 @@ def grow(head: bytes, extra: int) -> bytes:
 
 def for_dataset(ds: Dataset) -> BatchEnds:
     """How `ds`'s batches find their document ends; FailedPrecondition when its store
-    has neither recorded document offsets nor an eos_token_id."""
+    has neither recorded document offsets nor an eos_token_id.
+
+    A mixture (MixtureSpace: its sources end to end) works when every source records
+    offsets (the virtual store has them all) or every source ends documents with the
+    same EOS; FailedPrecondition names the source that does not fit."""
+    if isinstance(ds, MixtureSpace):
+        if ds.store.document_ends() is None:
+            return _for_eos_mixture(ds)
     return _for_store(ds.name, ds.store)
+
+
+def _for_eos_mixture(ds: MixtureSpace) -> BatchEnds:
+    first = ds.sources[0]
+    eos = first.store.meta.eos_token_id
+    for src in ds.sources:
+        if src.store.document_ends() is not None or src.store.meta.eos_token_id is None:
+            kind = "records document offsets" if src.store.meta.eos_token_id is None else ""
+            raise FailedPrecondition(
+                f"sources[{src.name!r}]: documents in a mixture need every source to end "
+                f"documents the same way, with one EOS or all with recorded offsets; source "
+                f"{src.name!r} "
+                + (kind or "has no eos_token_id")
+                + f" (source {first.name!r} has eos_token_id {eos})",
+                field=f"sources[{src.name!r}]",
+            )
+        if src.store.meta.eos_token_id != eos:
+            raise FailedPrecondition(
+                f"sources[{src.name!r}]: documents in a mixture need one EOS: source "
+                f"{src.name!r} has eos_token_id {src.store.meta.eos_token_id}, source "
+                f"{first.name!r} {eos}",
+                field=f"sources[{src.name!r}]",
+            )
+    assert eos is not None
+    return BatchEnds(ds.name, ds.store.dtype, int(eos), None)
 
 
 @functools.lru_cache(maxsize=8)
