@@ -63,7 +63,14 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from tokenfeed.client.buffers import LAYOUTS, batch_array, batch_starts, views
+from tokenfeed.client.buffers import (
+    DOCUMENT_OUTPUTS,
+    LAYOUTS,
+    batch_array,
+    batch_starts,
+    document_arrays,
+    views,
+)
 from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.metrics import ClientMetrics
 from tokenfeed.client.stream import (
@@ -171,7 +178,18 @@ def _check_arguments(args: dict[str, Any]) -> None:
         raise TypeError(
             f"FeederClient registry must be a prometheus_client.CollectorRegistry, got {registry!r}"
         )
-    for name in ("tls", "lookahead"):
+    docs = args["documents"]
+    if not isinstance(docs, bool) and (
+        isinstance(docs, str)
+        or not isinstance(docs, Sequence)
+        or not docs
+        or not all(d in DOCUMENT_OUTPUTS for d in docs)
+    ):
+        raise ValueError(
+            f"FeederClient documents must be True, False or a non-empty list of some of "
+            f"{list(DOCUMENT_OUTPUTS)}, got {docs!r}"
+        )
+    for name in ("tls", "lookahead", "mask_cross_document_labels"):
         _check_type(name, args[name], bool, "True or False")
     for name in ("root_certificates", "certificate_chain", "private_key"):
         value = args[name]
@@ -259,6 +277,8 @@ class FeederClient:
         timeouts: Timeouts | None = None,
         lookahead: bool = True,
         connect_timeout: float | None = None,
+        documents: bool | Sequence[str] = False,
+        mask_cross_document_labels: bool = False,
     ) -> None:
         from tokenfeed.client.device import check_device, resolve_device
 
@@ -307,6 +327,11 @@ class FeederClient:
         self.seq_len, self.batch_size = spec.seq_len, spec.batch_size
         self.layout, self.prefetch = layout, prefetch
         self.batches_per_message = batches_per_message
+        # Document outputs to build per batch (in the reader thread) and label masking.
+        self.documents: tuple[str, ...] = (
+            DOCUMENT_OUTPUTS if documents is True else tuple(documents or ())
+        )
+        self.mask_cross_document_labels = mask_cross_document_labels
         self.device = resolve_device(device)
         if self.device is not None:
             check_device(self.device)  # imports torch
@@ -518,6 +543,7 @@ class FeederClient:
                 if self.is_mixture
                 else partial(steps_per_epoch, size.windows, B, W, self.rank, self.split)
             ),
+            document_ends=bool(self.documents) or self.mask_cross_document_labels,
         )
         # A message's batches are in memory once it arrives: let them all wait in the
         # buffer (<= ~256 KiB), so the reader takes a message at a time, not a batch.
@@ -554,12 +580,19 @@ class FeederClient:
         while len(spent) > 1:  # not the newest: the loop may still hold it (see _next)
             spent.popleft()
         arr = batch_array(msg)
+        docs = (
+            None
+            if not (self.documents or self.mask_cross_document_labels)
+            else document_arrays(
+                msg, arr, self.seq_len, self.documents, self.mask_cross_document_labels
+            )
+        )
         if self._stager is None:
             inputs, labels = views(arr, self.seq_len, msg.shift, self.layout)
             pending = None
         else:
-            inputs, labels, pending = self._stager.stage_views(
-                arr, self.seq_len, msg.shift, self.layout
+            inputs, labels, docs, pending = self._stager.stage_views(
+                arr, self.seq_len, msg.shift, self.layout, docs
             )
         self.metrics.received(msg.rows * self.seq_len, arr.nbytes)
         batch = {
@@ -573,6 +606,10 @@ class FeederClient:
         }
         if self.sources:
             batch["sources"] = np.array(msg.sources, dtype=np.int64)
+        if docs is not None:
+            if "labels" in docs and self.layout == "grouped":
+                docs["labels"] = docs["labels"].reshape(labels.shape)
+            batch.update(docs)
         offset = min(msg.offset + self.batch_size * self.world_size, num_windows)
         return batch, offset, msg.step + 1, pending, msg.step == ahead_step
 

@@ -127,7 +127,7 @@ class InfoResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("params", "epoch", "rank", "offset", "step", "batches_per_message", "max_message_bytes")
+    __slots__ = ("params", "epoch", "rank", "offset", "step", "batches_per_message", "max_message_bytes", "document_ends")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class StreamBatchesRequest(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     BATCHES_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_ENDS_FIELD_NUMBER: _ClassVar[int]
     params: SamplingParams
     epoch: int
     rank: int
@@ -142,10 +143,11 @@ class StreamBatchesRequest(_message.Message):
     step: int
     batches_per_message: int
     max_message_bytes: int
-    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., step: _Optional[int] = ..., batches_per_message: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    document_ends: bool
+    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., step: _Optional[int] = ..., batches_per_message: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., document_ends: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("epoch", "step", "offset", "shift", "rows", "cols", "dtype", "tokens", "starts", "sources")
+    __slots__ = ("epoch", "step", "offset", "shift", "rows", "cols", "dtype", "tokens", "starts", "sources", "document_ends")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +158,7 @@ class Batch(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_ENDS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
     offset: int
@@ -166,7 +169,8 @@ class Batch(_message.Message):
     tokens: bytes
     starts: _containers.RepeatedScalarFieldContainer[int]
     sources: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., shift: _Optional[int] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., dtype: _Optional[str] = ..., tokens: _Optional[bytes] = ..., starts: _Optional[_Iterable[int]] = ..., sources: _Optional[_Iterable[int]] = ...) -> None: ...
+    document_ends: bytes
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., shift: _Optional[int] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., dtype: _Optional[str] = ..., tokens: _Optional[bytes] = ..., starts: _Optional[_Iterable[int]] = ..., sources: _Optional[_Iterable[int]] = ..., document_ends: _Optional[bytes] = ...) -> None: ...
 
 class StreamBatchesResponse(_message.Message):
     __slots__ = ("batches",)

@@ -31,6 +31,7 @@ from tokenfeed.core import sampling
 from tokenfeed.server import wire
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Dataset
+from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
 
 # A group is built in one go: one pin of its chunks, one thread-pool round trip. 8 was
@@ -204,8 +205,10 @@ class MessageBuilder:
         per_message: int,
         cache: ChunkCache,
         metrics: ServerMetrics,
+        documents: BatchEnds | None = None,
     ) -> None:
         self.ds, self.plan, self.cache, self.metrics = ds, plan, cache, metrics
+        self.documents = documents  # each batch's document ends, when the request asks
         self.per_message = per_message
         self.message_bytes = (
             per_message
@@ -321,12 +324,20 @@ class MessageBuilder:
         for lr, i, j in spans:
             for b in range(i, j):
                 lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
-                parts.append(lr.heads[b])
+                pieces: list[Any]
                 if views is not None:  # slices of the pinned chunks, copied once by the join
-                    parts += row_parts(self.ds, views, lr, b)
+                    pieces = row_parts(self.ds, views, lr, b)
                 else:
-                    parts.append(gather(self.ds, self.cache, lr.starts[lo:hi].tolist(), lr.cols[b]))
-                parts.append(lr.tails[b])
+                    pieces = [gather(self.ds, self.cache, lr.starts[lo:hi].tolist(), lr.cols[b])]
+                if self.documents is None:
+                    parts.append(lr.heads[b])
+                    parts += pieces
+                    parts.append(lr.tails[b])
+                else:
+                    starts = lr.starts[lo:hi]
+                    parts += self.documents.parts(
+                        lr.heads[b], pieces, lr.tails[b], starts, lr.cols[b]
+                    )
                 tokens += (hi - lo) * lr.cols[b]
             batches += j - i
             if by_source is not None:  # this span's tokens by source

@@ -31,6 +31,7 @@ import grpc
 from tokenfeed.core import sampling
 from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
 from tokenfeed.core.request import MAX_PARAM, SPLITS, SamplingSpec
+from tokenfeed.server import documents
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
@@ -79,18 +80,26 @@ def mixture_plan_for(spec: SamplingSpec, sources: list[Dataset]) -> sampling.Mix
 
 
 def _fit_client_limit(
-    per_message: int, max_message_bytes: int, rows: int, cols: int, itemsize: int
+    per_message: int,
+    max_message_bytes: int,
+    rows: int,
+    cols: int,
+    itemsize: int,
+    document_ends: bool = False,
 ) -> int:
     """Batches per message so that no message exceeds the client's receive limit
     (StreamBatchesRequest.max_message_bytes; unset = gRPC's default 4 MiB). A batch
-    takes its tokens plus at most 10 bytes per window start and 128 of fields."""
+    takes its tokens plus at most 10 bytes per window start and 128 of fields, and with
+    `document_ends` up to 4 bytes more per token (every token ending a document)."""
     limit = max_message_bytes or DEFAULT_CLIENT_MESSAGE_BYTES
     if limit < 0:
         raise InvalidArgument(f"max_message_bytes must be non-negative, got {limit}")
-    batch_bytes = rows * cols * itemsize + 10 * rows + 128
+    batch_bytes = rows * cols * (itemsize + 4 * document_ends) + 10 * rows + 128
     if batch_bytes > limit:
         raise InvalidArgument(
-            f"one batch ({rows} rows x {cols} tokens x {itemsize} bytes) takes up to "
+            f"one batch ({rows} rows x {cols} tokens x {itemsize} bytes"
+            + (", and up to 4 bytes of document ends per token" if document_ends else "")
+            + f") takes up to "
             f"{batch_bytes} bytes on the wire, more than the client accepts: "
             f"max_message_bytes={limit}"
             + (" (unset: gRPC's default 4 MiB receive limit)" if not max_message_bytes else "")
@@ -339,6 +348,7 @@ class FeederService:
             plan.batch_size,
             cols,
             ds.store.dtype.itemsize,
+            request.document_ends,
         )
         message_bytes = per_message * plan.batch_size * cols * ds.store.dtype.itemsize
         if message_bytes > self.max_batch_bytes:  # the same as MessageBuilder.message_bytes
@@ -352,7 +362,8 @@ class FeederService:
             rounds = plan.rounds(request.rank, request.offset, request.step)
         else:
             rounds = plan.rounds(request.epoch, request.rank, request.offset, request.step)
-        return MessageBuilder(ds, plan, rounds, per_message, self.cache, self.metrics)
+        ends = documents.for_dataset(ds) if request.document_ends else None
+        return MessageBuilder(ds, plan, rounds, per_message, self.cache, self.metrics, ends)
 
     async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
