@@ -242,7 +242,8 @@ def draw_mixture(draw, params: pb.SamplingParams) -> None:
         params.sources.add(name=name, weight=draw(WEIGHTS))
     tok = 0
     for _ in range(draw(st.integers(0, 3))):
-        tok = draw(st.one_of(st.integers(tok - 5, tok + 10_000), INT64))
+        near = st.integers(max(tok - 5, -(2**63)), min(tok + 10_000, 2**63 - 1))
+        tok = draw(st.one_of(near, INT64))
         seg = params.schedule.add(from_tokens=tok)
         shuffled = draw(st.permutations(names)) if names else []
         kept = shuffled if draw(st.integers(0, 4)) else shuffled[1:]
