@@ -226,8 +226,42 @@ def split_windows(
     return end - begin, window_count(end - begin, spec.seq_len, spec.stride, spec.max_shift)
 
 
+class _SpecView:
+    """The request's fields the math reads most, by name (Plan, MixturePlan)."""
+
+    spec: SamplingSpec
+
+    @property
+    def split(self) -> str:
+        return self.spec.split
+
+    @property
+    def seq_len(self) -> int:
+        return self.spec.seq_len
+
+    @property
+    def stride(self) -> int:
+        return self.spec.stride
+
+    @property
+    def batch_size(self) -> int:
+        return self.spec.batch_size
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def shuffle(self) -> bool:
+        return self.spec.shuffle
+
+    @property
+    def max_shift(self) -> int:
+        return self.spec.max_shift
+
+
 @dataclass(frozen=True)
-class Plan:
+class Plan(_SpecView):
     """A request's epoch orders over one store: `spec` applied to `total_tokens` tokens.
 
     The spec's values are checked by SamplingSpec; the Plan checks what depends on the
@@ -256,35 +290,6 @@ class Plan:
                 f"of batch_size {spec.batch_size} x world_size {spec.world_size} = "
                 f"{spec.global_batch}"
             )
-
-    # The spec's fields the math reads most, by name.
-    @property
-    def split(self) -> str:
-        return self.spec.split
-
-    @property
-    def seq_len(self) -> int:
-        return self.spec.seq_len
-
-    @property
-    def stride(self) -> int:
-        return self.spec.stride
-
-    @property
-    def batch_size(self) -> int:
-        return self.spec.batch_size
-
-    @property
-    def world_size(self) -> int:
-        return self.spec.world_size
-
-    @property
-    def shuffle(self) -> bool:
-        return self.spec.shuffle
-
-    @property
-    def max_shift(self) -> int:
-        return self.spec.max_shift
 
     @cached_property
     def _bounds(self) -> tuple[int, int]:
@@ -557,7 +562,7 @@ class PassOrders:
 
 
 @dataclass(frozen=True)
-class MixturePlan:
+class MixturePlan(_SpecView):
     """A mixture request over its sources' stores: `spec` (a mixture) applied to each
     source's `totals[i]` tokens, `block_tokens[i]` (about one chunk) sizing its blocks.
 
@@ -597,30 +602,6 @@ class MixturePlan:
     @property
     def mixture(self) -> Mixture:
         return self.spec.mixture
-
-    @property
-    def seq_len(self) -> int:
-        return self.spec.seq_len
-
-    @property
-    def batch_size(self) -> int:
-        return self.spec.batch_size
-
-    @property
-    def world_size(self) -> int:
-        return self.spec.world_size
-
-    @property
-    def max_shift(self) -> int:
-        return self.spec.max_shift
-
-    @property
-    def shuffle(self) -> bool:
-        return self.spec.shuffle
-
-    @property
-    def split(self) -> str:
-        return "train"
 
     @cached_property
     def windows(self) -> tuple[int, ...]:

@@ -109,6 +109,21 @@ def _fit_client_limit(
     return min(per_message, limit // batch_bytes)
 
 
+def _describe(resp: pb.InfoResponse, ds: Dataset) -> pb.DatasetInfo:
+    """Add `ds`'s DatasetInfo (metadata, no splits yet) to `resp`."""
+    meta = ds.store.meta
+    return resp.datasets.add(
+        name=ds.name,
+        total_tokens=ds.store.total_tokens,
+        num_chunks=ds.store.num_chunks,
+        dtype=meta.dtype,
+        vocab_size=meta.vocab_size or 0,
+        eos_token_id=-1 if meta.eos_token_id is None else meta.eos_token_id,
+        tokenizer=meta.tokenizer or "",
+        tokens_per_chunk=meta.tokens_per_chunk or 0,
+    )
+
+
 # --------------------------------------------------------------------------- service
 
 
@@ -235,17 +250,7 @@ class FeederService:
             found = self.datasets.all()
         resp = pb.InfoResponse()
         for ds in found:
-            meta = ds.store.meta
-            info = resp.datasets.add(
-                name=ds.name,
-                total_tokens=ds.store.total_tokens,
-                num_chunks=ds.store.num_chunks,
-                dtype=meta.dtype,
-                vocab_size=meta.vocab_size or 0,
-                eos_token_id=-1 if meta.eos_token_id is None else meta.eos_token_id,
-                tokenizer=meta.tokenizer or "",
-                tokens_per_chunk=meta.tokens_per_chunk or 0,
-            )
+            info = _describe(resp, ds)
             if request.HasField("params"):
                 spec = SamplingSpec.from_proto(request.params, dataset=ds.name)
                 for split in SPLITS:
@@ -271,17 +276,7 @@ class FeederService:
         budget = plan.budget(request.budget_tokens)
         resp = pb.InfoResponse()
         for ds, b, tokens in zip(sources, budget.sources, plan.train_tokens, strict=True):
-            meta = ds.store.meta
-            info = resp.datasets.add(
-                name=ds.name,
-                total_tokens=ds.store.total_tokens,
-                num_chunks=ds.store.num_chunks,
-                dtype=meta.dtype,
-                vocab_size=meta.vocab_size or 0,
-                eos_token_id=-1 if meta.eos_token_id is None else meta.eos_token_id,
-                tokenizer=meta.tokenizer or "",
-                tokens_per_chunk=meta.tokens_per_chunk or 0,
-            )
+            info = _describe(resp, ds)
             one = spec.with_(sources=(), schedule=(), dataset=ds.name)
             for split in SPLITS:
                 info.splits.append(self._split_info(one.with_(split=split), ds, request.rank))
