@@ -516,9 +516,12 @@ def test_step_order_is_the_keyed_bijection_of_the_source_major_layout(
 )
 def test_pass_orders_equal_each_sources_epoch_order(sources, shuffle_blocks, data):
     """PassOrders (many sources' passes in one call, group tables cached between calls)
-    element by element against EpochOrder, the single-dataset definition."""
+    element by element against EpochOrder, the single-dataset definition: on both of
+    its paths (vectorized over passes, and one EpochOrder per pass for a few passes)."""
     windows, wpb, seeds = (list(x) for x in zip(*sources, strict=True))
     orders = PassOrders(windows, wpb, shuffle_blocks, seeds, shuffle=True)
+    vectorized = PassOrders(windows, wpb, shuffle_blocks, seeds, shuffle=True)
+    vectorized.few_passes = 0
     for _ in range(3):  # later calls reuse (and add to) the cached groups and passes
         m = data.draw(st.integers(1, 60))
         src = np.array(
@@ -529,6 +532,7 @@ def test_pass_orders_equal_each_sources_epoch_order(sources, shuffle_blocks, dat
         )
         pos = np.array([data.draw(st.integers(0, windows[i] - 1)) for i in src.tolist()])
         got = orders.windows(src, epoch, pos)
+        assert np.array_equal(got, vectorized.windows(src, epoch, pos))
         for n in range(m):
             i, e = int(src[n]), int(epoch[n])
             want = EpochOrder(windows[i], wpb[i], shuffle_blocks, seeds[i], e, True)

@@ -433,10 +433,15 @@ class PassOrders:
     numpy calls with per-element keys and sizes instead of one EpochOrder per source
     and pass. What is per pass (where its short block lands) and per shuffle group
     (its key, its blocks' places) is computed for the groups a call touches and kept
-    for the next calls, like EpochOrder's group cache.
+    for the next calls, like EpochOrder's group cache. A call that touches only a few
+    passes (a round of a few sources, most of them) maps each pass's elements with
+    that pass's own EpochOrder (kept between calls too): scalar keys and sizes cost
+    less per element than the gathers of the vectorized path.
     """
 
     _CACHE = 4096  # groups (and passes) remembered
+    few_passes = 8  # up to this many passes in a call: one EpochOrder each
+    _ORDERS = 64  # EpochOrders remembered
 
     def __init__(
         self,
@@ -458,6 +463,8 @@ class PassOrders:
         self.bpg = np.minimum(shuffle_blocks, self.nb)
         self.gw = self.bpg * wpb
         self.seeds = [int(x) for x in seeds]
+        self.shuffle_blocks = shuffle_blocks
+        self._orders: dict[tuple[int, int], EpochOrder] = {}  # (source, pass) -> its order
         self._max_bpg = int(self.bpg.max())
         self._passes: dict[tuple[int, ...], int] = {}  # (source, pass) -> short block at
         # (source, pass, group) -> row of the group tables below
@@ -475,8 +482,19 @@ class PassOrders:
             return pos.copy()
         shape = pos.shape
         src, epoch, pos = src.ravel(), np.asarray(epoch, dtype=np.int64).ravel(), pos.ravel()
+        if not len(pos):
+            return pos.copy().reshape(shape)
+        pairs, pid = self._pass_ids(src, epoch)
+        if len(pairs) <= self.few_passes:
+            if len(pairs) == 1:
+                return self._order(*pairs[0]).windows(pos).reshape(shape)
+            out = np.empty_like(pos)
+            for n, pair in enumerate(pairs):
+                sel = np.flatnonzero(pid == n)
+                out[sel] = self._order(*pair).windows(pos[sel])
+            return out.reshape(shape)
         wpb, deficit, bpg, gw = self.wpb[src], self.deficit[src], self.bpg[src], self.gw[src]
-        short_at, pid = self._short_at(src, epoch)
+        short_at = self._short_at(pairs, pid)
         short_group = short_at // bpg
         g = pos // gw
         g += pos >= (g + 1) * gw - deficit * (g + 1 > short_group)
@@ -493,9 +511,22 @@ class PassOrders:
         out = self._g_blocks[row, j] * wpb + (u - block_start)
         return out.reshape(shape)
 
-    def _short_at(self, src: np.ndarray, epoch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Where each element's pass puts its source's short (last) block, and each
-        element's pass as an index into the passes of this call."""
+    def _order(self, i: int, e: int) -> EpochOrder:
+        """Pass e of source i's epoch order, made once (a few are kept)."""
+        order = self._orders.get((i, e))
+        if order is None:
+            if len(self._orders) >= self._ORDERS:
+                self._orders.clear()
+            order = self._orders[(i, e)] = EpochOrder(
+                int(self.n[i]), int(self.wpb[i]), self.shuffle_blocks, self.seeds[i], e, True
+            )
+        return order
+
+    def _pass_ids(
+        self, src: np.ndarray, epoch: np.ndarray
+    ) -> tuple[list[tuple[int, int]], np.ndarray]:
+        """The (source, pass) pairs of a call's elements, and each element's index
+        among them."""
         k = self.k
         if int(epoch.max()) < (1 << 62) // k:
             uniq, pid = _dense_ids(epoch * k + src)
@@ -504,6 +535,10 @@ class PassOrders:
             stacked, pid = np.unique(np.stack([src, epoch], axis=1), axis=0, return_inverse=True)
             pairs = [(int(a), int(b)) for a, b in stacked.tolist()]
             pid = pid.reshape(-1)
+        return pairs, pid
+
+    def _short_at(self, pairs: list[tuple[int, int]], pid: np.ndarray) -> np.ndarray:
+        """Where each element's pass (`pairs[pid]`) puts its source's short (last) block."""
         missing = [p for p in pairs if p not in self._passes]
         if missing:
             if len(self._passes) > self._CACHE:
@@ -515,7 +550,7 @@ class PassOrders:
             at = permute(nb - 1, nb, rk, inverse=True)
             self._passes.update(zip(missing, at.tolist(), strict=True))
         table = np.array([self._passes[p] for p in pairs], dtype=np.int64)
-        return table[pid], pid
+        return table[pid]
 
     def _seed_array(self, i: np.ndarray) -> np.ndarray:
         return np.array([self.seeds[x] for x in i.tolist()], dtype=np.uint64)
