@@ -10,7 +10,8 @@ Prometheus (Grafana needs an image no registry here serves; its provisioning is 
 by `make deploy-check`), then from outside: prepare exited 0, every feeder is healthy,
 both trainer ranks stream (their client metrics show tokens rising), Prometheus has
 every target up, every rule loaded and evaluating, no alert firing, and one query per
-dashboard panel (deploy/grafana/dashboard.py) returning data; then `compose down -v`.
+dashboard panel (deploy/grafana/dashboard.py) returning data, the tokens-by-source
+panel's for each source of the trainers' mixture; then `compose down -v`.
 Prints "N passed, M failed" and exits 1 on any failure.
 
 Engine `podman` (the default; CI): there is no Docker engine and no registry, so this
@@ -68,6 +69,7 @@ PROMETHEUS_IMAGE = "localhost/tokenfeed-prometheus:debian"
 BUILD_STATE = Path("/run/tokenfeed-compose-check")  # podman state of the image cache
 RATE_INTERVAL = "20s"  # Grafana's $__rate_interval at the 5 s scrape interval (4 x 5 s)
 TRAINER_METRICS_PORTS = (9401, 9402)  # the demo's ranks 0 and 1
+SOURCE_PANEL = "Tokens/s by source"  # the dashboard panel of a mixture's sources
 
 
 @dataclass(frozen=True)
@@ -575,6 +577,16 @@ def dashboard_panels() -> list[tuple[str, list[str]]]:
     return out
 
 
+def mixture_sources(setting: str | None) -> list[str]:
+    """The source names of the trainers' mixture: DEMO_MIXTURE, else the compose file's
+    default (`tokenfeed demo`'s)."""
+    if not setting:
+        from tokenfeed.cli.demo import MIXTURE
+
+        setting = MIXTURE
+    return [part.split("=")[0].strip() for part in setting.split(",") if part.strip()]
+
+
 def rules_in_files() -> list[str]:
     import yaml
 
@@ -769,6 +781,27 @@ class Stack:
         r.check(
             f"[{name}] a query of every dashboard panel returns data",
             *until(time.monotonic() + 90, queries, every=5),
+        )
+
+        # the trainers stream a mixture: the tokens-by-source panel's mixture query (the
+        # panel's first) has a series for each of its sources, not only the single
+        # dataset one
+        want_sources = mixture_sources(self.env.get("DEMO_MIXTURE"))
+        (by_source,) = [exprs[0] for title, exprs in panels if title.startswith(SOURCE_PANEL)]
+
+        def sources() -> tuple[bool, str]:
+            result = self.prom(
+                "/api/v1/query", query=by_source.replace("$__rate_interval", RATE_INTERVAL)
+            )["result"]
+            seen = {x["metric"].get("source", ""): float(x["value"][1]) for x in result}
+            return set(want_sources) <= {k for k, v in seen.items() if v > 0}, (
+                f"want {want_sources}; tokens/s by source: "
+                + (", ".join(f"{k}={v:.0f}" for k, v in sorted(seen.items())) or "none")
+            )
+
+        r.check(
+            f"[{name}] the tokens-by-source panel shows every source of the mixture",
+            *until(time.monotonic() + 60, sources, every=5),
         )
 
         # the feeders served (see Profile.every_feeder_serves), and the ranks still

@@ -289,8 +289,12 @@ def test_compose_wiring() -> None:
     assert s["feeder"]["healthcheck"]["test"] == ["CMD", "tokenfeed-healthcheck"]
     assert s["feeder"]["deploy"]["resources"]["limits"]
     assert "store:/data:ro" in s["feeder"]["volumes"]
-    # the demo store prepare writes is the dataset the trainer asks for (default "demo")
-    assert "/data/demo" in s["prepare"]["command"]
+    # prepare writes the demo stores under the data root: the trainer's mixture's sources
+    assert s["prepare"]["command"][:3] == ["prepare", "--demo-root", "/data"]
+    mixture = next(a for a in s["trainer"]["command"] if a.startswith("--mixture="))
+    from tokenfeed.cli.demo import MIXTURE
+
+    assert mixture == f"--mixture=${{DEMO_MIXTURE:-{MIXTURE}}}"  # `tokenfeed demo`'s
     assert s["feeder"]["environment"]["TOKENFEED_DATA_ROOT"] == "/data"
     # grafana loads the provisioned dashboard from where the provider looks
     provider = load_yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "tokenfeed.yml")

@@ -3,9 +3,11 @@
 The commands and environments are read from docker-compose.yml (with its `${VAR:-default}`
 interpolation) and the image's ENV from deploy/Dockerfile, so what runs here is what the
 containers run; only paths and ports are mapped to the test's temp dir and free ports:
-`prepare` builds the demo store (and a second run leaves it as it is), `feeder` serves
-it until the container health check passes, `trainer` streams an epoch on two ranks,
-and the feeder stops cleanly on SIGTERM as `docker compose down` asks.
+`prepare` builds the demo stores (and a second run leaves them as they are), `feeder`
+serves them until the container health check passes, `trainer` streams the demo
+mixture on two ranks until every source has been passed once, each pass exactly once,
+the feeder counts the tokens it sent by source, and it stops cleanly on SIGTERM as
+`docker compose down` asks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tokenfeed.core.store import TokenStore
 pytestmark = pytest.mark.slow
 
 TIMEOUT = 600
+STORES = ("demo", "comedies", "tragedies")  # what the prepare service builds
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:
@@ -56,7 +59,7 @@ def tokenfeed_argv(args: list[str]) -> list[str]:
 
 
 def test_compose_demo_path_as_processes(tmp_path: Path) -> None:
-    overrides = {"DEMO_EPOCHS": "1", "DEMO_STEP_TIME": "0"}  # one epoch, then exit
+    overrides = {"DEMO_EPOCHS": "1", "DEMO_STEP_TIME": "0"}  # one pass of each, then exit
     services = load_yaml(COMPOSE)["services"]
     data = tmp_path / "data"  # the `store` volume
     data.mkdir()
@@ -76,15 +79,20 @@ def test_compose_demo_path_as_processes(tmp_path: Path) -> None:
         tokenfeed_argv(prepare), env=base_env, capture_output=True, text=True, timeout=TIMEOUT
     )
     assert done.returncode == 0, done.stderr
-    store = TokenStore.open(data / "demo")
-    assert store.meta.total_tokens > 1_000_000
-    meta = data / "demo" / "meta.json"
-    stamp = meta.stat().st_mtime_ns
+    tokens = {name: TokenStore.open(data / name).meta.total_tokens for name in STORES}
+    assert tokens["demo"] > 1_000_000
+    # the mixture's sources are disjoint parts of the corpus
+    assert 200_000 < tokens["comedies"] and 200_000 < tokens["tragedies"]
+    assert tokens["comedies"] + tokens["tragedies"] < tokens["demo"]
+    stamps = {name: (data / name / "meta.json").stat().st_mtime_ns for name in STORES}
     again = subprocess.run(
         tokenfeed_argv(prepare), env=base_env, capture_output=True, text=True, timeout=TIMEOUT
     )
     assert again.returncode == 0, again.stderr
-    assert meta.stat().st_mtime_ns == stamp, "a complete demo store was rebuilt"
+    for name in STORES:
+        assert (data / name / "meta.json").stat().st_mtime_ns == stamps[name], (
+            f"a complete demo store was rebuilt: {name}"
+        )
 
     # ---- feeder: the service's environment on the image's, ports mapped
     port, metrics_port = free_port(), free_port()
@@ -120,7 +128,7 @@ def test_compose_demo_path_as_processes(tmp_path: Path) -> None:
             ).read_text()
             time.sleep(0.5)
 
-        # ---- trainer: two ranks for one epoch against the feeder
+        # ---- trainer: two ranks, one pass over each source of the mixture
         trainer_metrics = free_port()
         ports = {
             "feeder:50051": f"127.0.0.1:{port}",
@@ -133,20 +141,23 @@ def test_compose_demo_path_as_processes(tmp_path: Path) -> None:
             tokenfeed_argv(trainer), env=base_env, capture_output=True, text=True, timeout=TIMEOUT
         )
         assert run.returncode == 0, run.stdout + run.stderr
-        assert "each exactly once" in run.stdout, run.stdout
+        assert "mixture over 2 ranks: comedies" in run.stdout, run.stdout
+        assert "each pass exactly once" in run.stdout, run.stdout
 
+        # the tokens-by-source dashboard panel's series: the mixture's, by source
         text = (
             urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
             .read()
             .decode()
         )
-        sent = re.search(
-            r'^tokenfeed_server_tokens_sent_total\{dataset="demo",[^}]*split="train"\} '
-            r"(\S+)$",
-            text,
-            re.MULTILINE,
-        )
-        assert sent and float(sent.group(1)) > 0, text
+        for source in ("comedies", "tragedies"):
+            sent = re.search(
+                rf'^tokenfeed_server_tokens_sent_total\{{dataset="{source}",source="{source}",'
+                r'split="train"\} (\S+)$',
+                text,
+                re.MULTILINE,
+            )
+            assert sent and float(sent.group(1)) > 0, text
     finally:
         # `docker compose down`: SIGTERM, the feeder drains and exits 0
         if feeder.poll() is None:

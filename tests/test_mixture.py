@@ -17,15 +17,17 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
-from tokenfeed.core.keyed import permute, round_keys
+from tokenfeed.core.keyed import Permutation, permute, round_keys
 from tokenfeed.core.mixture import (
     MAX_TOKENS,
     Mixture,
     parse_weight,
     source_seed,
     split_passes,
+    step_key,
     step_keys,
 )
+from tokenfeed.core.sampling import EpochOrder, PassOrders
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -464,6 +466,77 @@ def test_step_permutation_is_a_bijection(n):
         assert sorted(y.tolist()) == list(range(n))
         # per-element keys equal the one-key form
         assert np.array_equal(y, permute(np.arange(n), n, rk[row]))
+
+
+@SETTINGS
+@given(
+    st.lists(st.sampled_from([0, 1, 2, 0.5, 0.3, 0.001]), min_size=1, max_size=40),
+    st.integers(1, 8),
+    st.sampled_from([1, 2, 3, 4, 5, 8, 16]),
+    st.integers(1, 6),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 10**6),
+)
+def test_step_order_is_the_keyed_bijection_of_the_source_major_layout(
+    weights, B, W, steps, seed, offset
+):
+    """rank_steps against its definition, one step at a time with scalar keys: the
+    step's items source-major, slot v of rank r = that layout at the bijection of
+    [0, B*W) keyed by step_key(seed, o_s) of slot r*B + v (a few sources and many, B*W
+    a power of two and not)."""
+    if not any(weights):
+        weights[0] = 1
+    mix = Mixture([(f"s{i}", w) for i, w in enumerate(weights)], seq_len=3)
+    gb = B * W
+    offset = offset // gb * gb
+    for rank in {0, W - 1}:
+        src, item = mix.rank_steps(
+            rank, offset, steps, batch_size=B, world_size=W, seed=seed, shuffle=True
+        )
+        for s in range(steps):
+            o = offset + s * gb
+            c0, c1 = mix.counts(o), mix.counts(o + gb)
+            layout = [(i, n) for i in range(mix.k) for n in range(c0[i], c1[i])]
+            slots = np.arange(rank * B, (rank + 1) * B)
+            v = Permutation(gb, step_key(seed, o))(slots)
+            assert list(zip(src[s].tolist(), item[s].tolist(), strict=True)) == [
+                layout[x] for x in v.tolist()
+            ]
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 300), st.integers(1, 40), st.integers(0, 2**64 - 1)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 5),
+    st.data(),
+)
+def test_pass_orders_equal_each_sources_epoch_order(sources, shuffle_blocks, data):
+    """PassOrders (many sources' passes in one call, group tables cached between calls)
+    element by element against EpochOrder, the single-dataset definition: on both of
+    its paths (vectorized over passes, and one EpochOrder per pass for a few passes)."""
+    windows, wpb, seeds = (list(x) for x in zip(*sources, strict=True))
+    orders = PassOrders(windows, wpb, shuffle_blocks, seeds, shuffle=True)
+    vectorized = PassOrders(windows, wpb, shuffle_blocks, seeds, shuffle=True)
+    vectorized.few_passes = 0
+    for _ in range(3):  # later calls reuse (and add to) the cached groups and passes
+        m = data.draw(st.integers(1, 60))
+        src = np.array(
+            data.draw(st.lists(st.integers(0, len(windows) - 1), min_size=m, max_size=m))
+        )
+        epoch = np.array(
+            data.draw(st.lists(st.integers(0, 3) | st.integers(0, 2**40), min_size=m, max_size=m))
+        )
+        pos = np.array([data.draw(st.integers(0, windows[i] - 1)) for i in src.tolist()])
+        got = orders.windows(src, epoch, pos)
+        assert np.array_equal(got, vectorized.windows(src, epoch, pos))
+        for n in range(m):
+            i, e = int(src[n]), int(epoch[n])
+            want = EpochOrder(windows[i], wpb[i], shuffle_blocks, seeds[i], e, True)
+            assert got[n] == want.windows(np.array([pos[n]]))[0]
 
 
 # ------------------------------------------------------------------- passes, keys

@@ -284,6 +284,9 @@ def test_info_reports_each_source_and_a_budget(mix_feeder) -> None:
     assert by["b"].passes == pytest.approx(by["b"].windows_drawn / by["b"].windows)
     assert list(by["a"].shares) == pytest.approx([0.7])
     assert [d.name for d in resp.datasets] == ["a", "b"]
+    # the client's dataset_info carries each source's windows (a pass), in source order
+    with loader(mix_feeder.address, 0, 1) as ld:
+        assert ld.dataset_info.source_windows == (by["a"].windows, by["b"].windows)
 
 
 def test_tokens_and_cache_are_counted_by_source(mix_root: Path) -> None:

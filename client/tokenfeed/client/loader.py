@@ -121,6 +121,8 @@ class DatasetInfo:
     split_tokens: int  # tokens of this split
     windows: int  # windows of this split's epoch order (all ranks)
     steps: int  # steps of a full epoch for this rank at this world size (= len(loader))
+    # a mixture's: each source's train windows (one pass), in `loader.sources` order
+    source_windows: tuple[int, ...] = ()
 
     @property
     def itemsize(self) -> int:
@@ -796,6 +798,7 @@ def _mixture_info(response: feeder_pb2.InfoResponse, seq_len: int) -> DatasetInf
         split_tokens=sum(int(d.splits[0].tokens) for d in response.datasets if d.splits),
         windows=MAX_TOKENS // seq_len,
         steps=0,
+        source_windows=tuple(int(s.windows) for s in response.sources),
     )
 
 

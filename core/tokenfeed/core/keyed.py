@@ -83,11 +83,22 @@ def keys(*parts: int | np.ndarray) -> np.ndarray:
 
 def round_keys(k: int | np.ndarray) -> np.ndarray:
     """The round keys key(K, r), r = 0..5, of the bijections keyed by `k`:
-    shape k.shape + (6,) (an int key gives shape (6,))."""
+    shape k.shape + (6,) (an int key gives shape (6,)). For a 1-d `k` the array is
+    column-major (`round_keys_by_round(k).T`), so each round's keys are contiguous."""
     if not isinstance(k, np.ndarray):
         return np.array([key(int(k), r) for r in range(ROUNDS)], dtype=np.uint64)
+    if k.ndim == 1:
+        return round_keys_by_round(k).T
     base = mix(np.uint64(_H0) ^ k.astype(np.uint64))
     return mix(base[..., None] ^ _ROUND_IDS)
+
+
+def round_keys_by_round(k: np.ndarray) -> np.ndarray:
+    """The round keys of 1-d keys `k`, round-major: [6, len(k)], row r = key(k, r).
+    Gather columns of it (`table[:, rows].T`) to hand `permute` per-element keys whose
+    rounds are contiguous: the Feistel reads one round's keys at a time."""
+    base = mix(np.uint64(_H0) ^ k.astype(np.uint64))
+    return mix(base[None, :] ^ _ROUND_IDS[:, None])
 
 
 def domain_bits(n: int | np.ndarray) -> Any:
@@ -163,6 +174,8 @@ def permute(
     """
     if bits is None:
         bits = domain_bits(n)
+    if isinstance(bits, np.ndarray) and bits.size and int(bits.min()) == int(bits.max()):
+        bits = int(bits.flat[0])  # one width for all: scalar shifts and masks are cheaper
     step = decrypt if inverse else encrypt
     out = step(np.asarray(x).astype(np.uint64), rk, bits)
     n_u = np.asarray(n).astype(np.uint64)

@@ -79,7 +79,15 @@ from typing import Any
 import numpy as np
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
-from tokenfeed.core.keyed import MASK64, key, keys, permute, round_keys
+from tokenfeed.core.keyed import (
+    MASK64,
+    domain_bits,
+    encrypt,
+    key,
+    keys,
+    permute,
+    round_keys_by_round,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +114,9 @@ _ANCHOR_SPAN = 1 << 32  # large D: floats near an exact anchor over at most this
 # mixture's round makes more numpy calls (counts, the step order, many sources' passes)
 # and larger rounds amortise them (~25 % per batch at 16 sources; benchmarks/).
 _POSITIONS_PER_ROUND = 16384
+# rank_steps finds a slot's source by counting (k - 1 compares per slot) up to this many
+# sources, by a binary search of every step's starts (~log2(steps * k) probes) above
+_COUNT_SOURCES = 32
 # Key-derivation domain tags (the single-dataset engine uses 1..3).
 _TAG_STEP = 16
 _TAG_SOURCE = 17
@@ -966,13 +977,31 @@ class Mixture:
         per = c[1:] - c[:-1]
         start = np.cumsum(per, axis=1) - per  # [steps, k] slot where source i begins
         slots = np.tile(rank * B + np.arange(B, dtype=np.int64), steps)
-        rk = np.repeat(round_keys(step_keys(seed, offs)), B, axis=0)
-        v = permute(slots, gb, rk).reshape(steps, B) if gb > 1 else np.zeros((steps, B), np.int64)
+        rk = round_keys_by_round(step_keys(seed, offs))  # [6, steps]
+        bits = domain_bits(gb)
+        if gb == 1:
+            v = np.zeros((steps, B), np.int64)
+        elif gb == 1 << bits:  # no value walks: one key per step, broadcast over its slots
+            v = encrypt(slots.reshape(steps, B).astype(np.uint64), rk.T[:, None, :], bits)
+            v = v.astype(np.int64)
+        else:
+            v = permute(slots, gb, np.repeat(rk, B, axis=1).T, bits).reshape(steps, B)
+        # slot v of step s holds source i = the last i with start[s, i] <= v (starts do
+        # not decrease along i): a count of the starts at or below v for a few sources,
+        # a search in all steps' starts laid end to end for many
+        k = self.k
+        if k <= _COUNT_SOURCES:
+            src = np.zeros((steps, B), dtype=np.int64)
+            for i in range(1, k):
+                src += v >= start[:, i : i + 1]
+            at = (src + (k * np.arange(steps, dtype=np.int64))[:, None]).ravel()
+            item = c[:-1].ravel()[at] + (v.ravel() - start.ravel()[at])
+            return src, item.reshape(steps, B)
         row = (gb * np.arange(steps, dtype=np.int64))[:, None]
         gstart = (start + row).ravel()
         gv = (v + row).ravel()
         idx = np.searchsorted(gstart, gv, side="right") - 1
-        src = idx % self.k
+        src = idx % k
         item = c[:-1].ravel()[idx] + (gv - gstart[idx])
         return src.reshape(steps, B), item.reshape(steps, B)
 

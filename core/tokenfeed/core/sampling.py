@@ -38,7 +38,15 @@ from functools import cached_property
 import numpy as np
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
-from tokenfeed.core.keyed import Permutation, key, keys, permute, round_keys
+from tokenfeed.core.keyed import (
+    Permutation,
+    domain_bits,
+    key,
+    keys,
+    permute,
+    round_keys,
+    round_keys_by_round,
+)
 from tokenfeed.core.mixture import Budget, Mixture, source_seed
 from tokenfeed.core.request import AUTO, MAX_PARAM, SamplingSpec, proper_divisors
 
@@ -48,6 +56,7 @@ MAX_TOKENS = 1 << 62  # with MAX_PARAM: every product of the math stays inside i
 _POSITIONS_PER_ROUND = 4096
 # Domain tags for the key derivation: one RNG stream per purpose (mixture.py uses 16, 17).
 _BLOCKS, _GROUP, _SHIFT = 1, 2, 3
+_FAR = 1 << 62  # PassOrders: the short block of a group that has none (past every block)
 
 
 # ------------------------------------------------------------------------ the math
@@ -429,10 +438,15 @@ class PassOrders:
     numpy calls with per-element keys and sizes instead of one EpochOrder per source
     and pass. What is per pass (where its short block lands) and per shuffle group
     (its key, its blocks' places) is computed for the groups a call touches and kept
-    for the next calls, like EpochOrder's group cache.
+    for the next calls, like EpochOrder's group cache. A call that touches only a few
+    passes (a round of a few sources, most of them) maps each pass's elements with
+    that pass's own EpochOrder (kept between calls too): scalar keys and sizes cost
+    less per element than the gathers of the vectorized path.
     """
 
     _CACHE = 4096  # groups (and passes) remembered
+    few_passes = 8  # up to this many passes in a call: one EpochOrder each
+    _ORDERS = 64  # EpochOrders remembered
 
     def __init__(
         self,
@@ -454,12 +468,17 @@ class PassOrders:
         self.bpg = np.minimum(shuffle_blocks, self.nb)
         self.gw = self.bpg * wpb
         self.seeds = [int(x) for x in seeds]
+        self.shuffle_blocks = shuffle_blocks
+        self._orders: dict[tuple[int, int], EpochOrder] = {}  # (source, pass) -> its order
         self._max_bpg = int(self.bpg.max())
         self._passes: dict[tuple[int, ...], int] = {}  # (source, pass) -> short block at
         # (source, pass, group) -> row of the group tables below
         self._groups: dict[tuple[int, ...], int] = {}
-        self._g_rk = np.zeros((0, 6), dtype=np.uint64)
+        self._g_rk = np.zeros((6, 0), dtype=np.uint64)  # round-major: [6, groups]
         self._g_blocks = np.zeros((0, self._max_bpg), dtype=np.int64)
+        self._g_size = np.zeros(0, dtype=np.int64)  # windows in the group
+        self._g_bits = np.zeros(0, dtype=np.int64)  # domain_bits of that
+        self._g_short = np.zeros(0, dtype=np.int64)  # short block's index in it, or _FAR
 
     def windows(self, src: np.ndarray, epoch: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Window indices (int64) of the elements (int64 arrays of one shape)."""
@@ -468,30 +487,51 @@ class PassOrders:
             return pos.copy()
         shape = pos.shape
         src, epoch, pos = src.ravel(), np.asarray(epoch, dtype=np.int64).ravel(), pos.ravel()
+        if not len(pos):
+            return pos.copy().reshape(shape)
+        pairs, pid = self._pass_ids(src, epoch)
+        if len(pairs) <= self.few_passes:
+            if len(pairs) == 1:
+                return self._order(*pairs[0]).windows(pos).reshape(shape)
+            out = np.empty_like(pos)
+            for n, pair in enumerate(pairs):
+                sel = np.flatnonzero(pid == n)
+                out[sel] = self._order(*pair).windows(pos[sel])
+            return out.reshape(shape)
         wpb, deficit, bpg, gw = self.wpb[src], self.deficit[src], self.bpg[src], self.gw[src]
-        nb = self.nb[src]
-        short_at, pid = self._short_at(src, epoch)
+        short_at = self._short_at(pairs, pid)
         short_group = short_at // bpg
         g = pos // gw
         g += pos >= (g + 1) * gw - deficit * (g + 1 > short_group)
         within = pos - (g * gw - deficit * (g > short_group))
-        first_block = g * bpg
-        n_blocks = np.minimum(bpg, nb - first_block)
-        short = short_at - first_block
-        has_short = (short >= 0) & (short < n_blocks)
-        size = n_blocks * wpb - deficit * has_short
-        row = self._group_rows(src, epoch, g, pid)
-        u = permute(within, size, self._g_rk[row])
-        # u indexes the concatenation of the group's blocks, in permuted order
+        row = self._group_rows(src, epoch, g, pid, short_at)
+        # what is per group (its size, where its short block is) from the group tables
+        u = permute(within, self._g_size[row], self._g_rk[:, row].T, self._g_bits[row])
+        # u indexes the concatenation of the group's blocks, in permuted order; `short`
+        # is past every block of a group without the short one, so both terms vanish
+        short = self._g_short[row]
         j = u // wpb
-        j += has_short & (u >= (j + 1) * wpb - deficit * (j + 1 > short))
-        block_start = j * wpb - deficit * ((j > short) & has_short)
+        j += u >= (j + 1) * wpb - deficit * (j + 1 > short)
+        block_start = j * wpb - deficit * (j > short)
         out = self._g_blocks[row, j] * wpb + (u - block_start)
         return out.reshape(shape)
 
-    def _short_at(self, src: np.ndarray, epoch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Where each element's pass puts its source's short (last) block, and each
-        element's pass as an index into the passes of this call."""
+    def _order(self, i: int, e: int) -> EpochOrder:
+        """Pass e of source i's epoch order, made once (a few are kept)."""
+        order = self._orders.get((i, e))
+        if order is None:
+            if len(self._orders) >= self._ORDERS:
+                self._orders.clear()
+            order = self._orders[(i, e)] = EpochOrder(
+                int(self.n[i]), int(self.wpb[i]), self.shuffle_blocks, self.seeds[i], e, True
+            )
+        return order
+
+    def _pass_ids(
+        self, src: np.ndarray, epoch: np.ndarray
+    ) -> tuple[list[tuple[int, int]], np.ndarray]:
+        """The (source, pass) pairs of a call's elements, and each element's index
+        among them."""
         k = self.k
         if int(epoch.max()) < (1 << 62) // k:
             uniq, pid = _dense_ids(epoch * k + src)
@@ -500,6 +540,10 @@ class PassOrders:
             stacked, pid = np.unique(np.stack([src, epoch], axis=1), axis=0, return_inverse=True)
             pairs = [(int(a), int(b)) for a, b in stacked.tolist()]
             pid = pid.reshape(-1)
+        return pairs, pid
+
+    def _short_at(self, pairs: list[tuple[int, int]], pid: np.ndarray) -> np.ndarray:
+        """Where each element's pass (`pairs[pid]`) puts its source's short (last) block."""
         missing = [p for p in pairs if p not in self._passes]
         if missing:
             if len(self._passes) > self._CACHE:
@@ -511,16 +555,22 @@ class PassOrders:
             at = permute(nb - 1, nb, rk, inverse=True)
             self._passes.update(zip(missing, at.tolist(), strict=True))
         table = np.array([self._passes[p] for p in pairs], dtype=np.int64)
-        return table[pid], pid
+        return table[pid]
 
     def _seed_array(self, i: np.ndarray) -> np.ndarray:
         return np.array([self.seeds[x] for x in i.tolist()], dtype=np.uint64)
 
     def _group_rows(
-        self, src: np.ndarray, epoch: np.ndarray, g: np.ndarray, pid: np.ndarray
+        self,
+        src: np.ndarray,
+        epoch: np.ndarray,
+        g: np.ndarray,
+        pid: np.ndarray,
+        short_at: np.ndarray,
     ) -> np.ndarray:
-        """Each element's row in the group tables (round keys, blocks' places), adding
-        the groups not seen yet. `pid` numbers the elements' passes."""
+        """Each element's row in the group tables (round keys, blocks' places, size,
+        domain bits, short block), adding the groups not seen yet. `pid` numbers the
+        elements' passes, `short_at` is where each element's pass puts the short block."""
         n_pass = int(pid.max()) + 1
         g_min = np.full(n_pass, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(g_min, pid, g)
@@ -534,14 +584,20 @@ class PassOrders:
         if missing:
             if len(self._groups) + len(missing) > self._CACHE:
                 self._groups.clear()
-                self._g_rk = self._g_rk[:0]
+                self._g_rk = self._g_rk[:, :0]
                 self._g_blocks = self._g_blocks[:0]
+                self._g_size = self._g_size[:0]
+                self._g_bits = self._g_bits[:0]
+                self._g_short = self._g_short[:0]
                 missing = groups
+                at = short_at[first]
+            else:
+                at = short_at[first][[n for n, x in enumerate(groups) if x not in self._groups]]
             i = np.array([x[0] for x in missing], dtype=np.int64)
             e = np.array([x[1] for x in missing], dtype=np.int64)
             grp = np.array([x[2] for x in missing], dtype=np.int64)
             seeds = self._seed_array(i)
-            rk = round_keys(keys(seeds, e, _GROUP, grp))
+            rk = round_keys_by_round(keys(seeds, e, _GROUP, grp))
             # the blocks of each group, padded to the widest group (pads map block 0)
             nb, bpg = self.nb[i], self.bpg[i]
             blocks = grp[:, None] * bpg[:, None] + np.arange(self._max_bpg)
@@ -553,10 +609,18 @@ class PassOrders:
                 np.repeat(nb, self._max_bpg),
                 np.repeat(brk, self._max_bpg, axis=0),
             ).reshape(blocks.shape)
-            base = len(self._g_rk)
+            base = self._g_rk.shape[1]
             self._groups.update((x, base + n) for n, x in enumerate(missing))
-            self._g_rk = np.concatenate([self._g_rk, rk])
+            self._g_rk = np.concatenate([self._g_rk, rk], axis=1)
             self._g_blocks = np.concatenate([self._g_blocks, np.where(real, flat, 0)])
+            # the group's size, less the short block's deficit if it holds that block
+            n_blocks = np.minimum(bpg, nb - grp * bpg)
+            short = at - grp * bpg
+            has_short = (short >= 0) & (short < n_blocks)
+            size = n_blocks * self.wpb[i] - self.deficit[i] * has_short
+            self._g_size = np.concatenate([self._g_size, size])
+            self._g_bits = np.concatenate([self._g_bits, domain_bits(size)])
+            self._g_short = np.concatenate([self._g_short, np.where(has_short, short, _FAR)])
         table = np.array([self._groups[x] for x in groups], dtype=np.int64)
         return table[inverse]
 
@@ -638,8 +702,8 @@ class MixturePlan(_SpecView):
     def starts(self, sources: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Item `items[m]` of source `sources[m]` -> its window's start in that source's
         store (pass items // windows, position items % windows of that pass)."""
-        w = self._windows_np[sources]
-        window = self.orders.windows(sources, items // w, items % w)
+        passes, positions = np.divmod(items, self._windows_np[sources])
+        window = self.orders.windows(sources, passes, positions)
         return window * self.spec.stride  # the train split begins at token 0
 
     def check(self, rank: int, offset: int, step: int) -> None:

@@ -58,7 +58,9 @@ class LocatedRound:
     goes on the wire as heads[i] + its rows' tokens + tails[i].
     """
 
-    def __init__(self, ds: Dataset, rnd: sampling.Round, seq_len: int) -> None:
+    def __init__(
+        self, ds: Dataset, rnd: sampling.Round, seq_len: int, num_sources: int = 0
+    ) -> None:
         store = ds.store
         self.cols = [seq_len + s for s in rnd.shifts]
         self.row_bytes = [c * store.dtype.itemsize for c in self.cols]
@@ -73,6 +75,15 @@ class LocatedRound:
         first = np.searchsorted(bounds, starts, side="right") - 1
         self.starts = starts
         self.sources = sources  # a mixture's: each row's source index
+        # a mixture's tokens by source, summed over batches [0, i) in row i: a span's
+        # count is one subtraction (`num_sources` > 0 for a mixture)
+        self.source_tokens: np.ndarray | None = None
+        if sources is not None and num_sources:
+            batch = np.repeat(np.arange(len(self.cols), dtype=np.int64), rnd.rows)
+            per = np.bincount(batch * num_sources + sources, minlength=len(self.cols) * num_sources)
+            per = per.reshape(-1, num_sources) * np.asarray(self.cols, dtype=np.int64)[:, None]
+            self.source_tokens = np.zeros((len(self.cols) + 1, num_sources), dtype=np.int64)
+            np.cumsum(per, axis=0, out=self.source_tokens[1:])
         self.chunk = first  # chunk holding each row's first token
         self.begin = (starts - bounds[first]) * store.dtype.itemsize  # its byte offset there
         # Windows cross chunks freely; such rows are rare and take the slow path.
@@ -227,6 +238,7 @@ class MessageBuilder:
         # A mixture's messages' tokens per source, one array per message built, in order
         # (the servicer counts them by source as it writes the messages).
         self.by_source: deque[np.ndarray] | None = None
+        self._k = 0  # a mixture's number of sources
         if isinstance(plan, sampling.MixturePlan):
             self.by_source = deque()
             self._k = len(plan.spec.sources)
@@ -247,7 +259,7 @@ class MessageBuilder:
                 if rnd is None:
                     self._exhausted = True
                     break
-                self._rounds.append(LocatedRound(self.ds, rnd, self.plan.seq_len))
+                self._rounds.append(LocatedRound(self.ds, rnd, self.plan.seq_len, self._k))
             lr = self._rounds[k]
             j = min(len(lr), pos + n)
             spans.append((lr, pos, j))
@@ -320,7 +332,7 @@ class MessageBuilder:
     def _message(self, spans: list[Span], views: dict[int, memoryview] | None) -> Message:
         parts: list[Any] = []
         batches = tokens = 0
-        by_source = None if self.by_source is None else np.zeros(self._k, dtype=np.int64)
+        by_source: np.ndarray | None = None
         for lr, i, j in spans:
             for b in range(i, j):
                 lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
@@ -340,10 +352,9 @@ class MessageBuilder:
                     )
                 tokens += (hi - lo) * lr.cols[b]
             batches += j - i
-            if by_source is not None:  # this span's tokens by source
-                rows = cast(np.ndarray, lr.sources)[lr.row_lo[i] : lr.row_lo[j]]
-                cols = np.repeat(lr.cols[i:j], np.diff(lr.row_lo[i : j + 1]))
-                by_source += np.bincount(rows, cols, minlength=self._k).astype(np.int64)
+            if lr.source_tokens is not None:  # this span's tokens by source
+                span = lr.source_tokens[j] - lr.source_tokens[i]
+                by_source = span if by_source is None else by_source + span
         if self.by_source is not None:
             self.by_source.append(by_source)  # type: ignore[arg-type]
         return b"".join(parts), batches, tokens, tokens * self.ds.store.dtype.itemsize
