@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     from tokenfeed.core.store import is_complete
-    from tokenfeed.prepare.demo import build_demo_stores, demo_store_names
+    from tokenfeed.prepare.demo import DEMO_STORE, build_demo_store, demo_store_names
 
     missing = [n for n in demo_store_names() if not is_complete(data_root / n)]
     if missing:
@@ -169,7 +169,8 @@ def _start_feeder(data_root: Path, workdir: Path) -> tuple[subprocess.Popen[byte
             file=sys.stderr,
             flush=True,
         )
-        build_demo_stores(data_root)
+        for name in missing:  # a complete store is kept, whatever made it
+            build_demo_store(data_root / name, part=None if name == DEMO_STORE else name)
     port_file, log = workdir / "port", workdir / "feeder.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
