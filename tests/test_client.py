@@ -840,3 +840,26 @@ def test_torch_cpu_views_are_int64_views_of_one_buffer() -> None:
         ref_in, ref_lab = views(arr.astype(np.int64), 8, 2, layout)
         assert (inputs.numpy() == ref_in).all() and (labels.numpy() == ref_lab).all()
         assert np.shares_memory(inputs.numpy(), labels.numpy())
+
+
+def test_a_channel_closed_by_another_stream_is_retried_not_raised(feeder) -> None:
+    """A rank's streams share one channel: when one fails over it closes it, and a call
+    another one makes on it at that moment raises ValueError("Channel closed"). The
+    call is tried again on the new channel instead of killing the rank."""
+    from tokenfeed.client.stream import call_with_retry
+
+    channels = Channels([feeder.address], Security(), Timeouts())
+    calls = []
+
+    def info(stub, timeout):  # type: ignore[no-untyped-def]
+        calls.append(stub)
+        if len(calls) == 1:
+            channels.rotate()  # another stream fails over: this stub's channel closes
+        return stub.Info(feeder_pb2.InfoRequest(), timeout=timeout)
+
+    try:
+        resp = call_with_retry(channels, info, Backoff(deadline=10), lambda reason: None)
+    finally:
+        channels.close()
+    assert [d.name for d in resp.datasets] == [FEEDER_DATASET]
+    assert len(calls) == 2 and calls[0] is not calls[1]

@@ -313,6 +313,10 @@ class StreamReader(threading.Thread):
                 reason, message = code.name.lower(), f"{code.name}: {details_of(e)}"
             except OSError as e:  # resolving a name failed: retried like an unreachable server
                 reason, message = "resolve", f"cannot resolve the address: {e}"
+            except ValueError as e:
+                if not closed_by_another_stream(e):
+                    raise
+                continue  # at once: that stream already moved to the next address
             finally:
                 with self._call_lock:
                     self._call = None
@@ -368,7 +372,20 @@ def call_with_retry(
             reason, message = code.name.lower(), f"{code.name}: {details_of(e)}"
         except OSError as e:
             reason, message = "resolve", f"cannot resolve the address: {e}"
+        except ValueError as e:
+            if not closed_by_another_stream(e):
+                raise
+            continue  # at once: that stream already moved to the next address
         delay = outage.failed(reason, message)
         on_reconnect(reason)
         channels.rotate()
         time.sleep(delay)
+
+
+def closed_by_another_stream(error: ValueError) -> bool:
+    """A rank's streams (the epoch's, the next epoch's lookahead, Info) share one
+    channel; when one of them fails over it closes that channel, and a call another
+    one makes on it at that moment raises this ValueError rather than a gRPC error.
+    The caller simply tries again, on the channel the failing stream moved to."""
+    text = str(error).lower()  # "Channel closed!", "Cannot invoke RPC on closed channel!"
+    return "closed" in text and "channel" in text
