@@ -282,12 +282,7 @@ additionalimagestores = {json.dumps([str(s) for s in image_stores])}
 
     # ---- images
     def base_image_name(self) -> str:
-        m = re.search(
-            r"^ARG PYTHON_IMAGE=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE
-        )
-        if not m:
-            raise RuntimeError("deploy/Dockerfile has no `ARG PYTHON_IMAGE=` default")
-        return m.group(1)
+        return dockerfile_arg("PYTHON_IMAGE")
 
     def cached(self, kind: str, key: str, make: Callable[[str], None]) -> None:
         """Make the image `kind` in the image cache unless the one for `key` is there.
@@ -383,7 +378,8 @@ additionalimagestores = {json.dumps([str(s) for s in image_stores])}
         self.cached("base", base_key, mmdebstrap)
 
         image = self.env.get("TOKENFEED_IMAGE", "tokenfeed:local")
-        extras = self.env.get("TOKENFEED_EXTRAS", "server,prepare")
+        # (the image compose would build: the Dockerfile's default unless the variable is set)
+        extras = self.env.get("TOKENFEED_EXTRAS", dockerfile_arg("EXTRAS"))
         context = [ROOT / "deploy" / "Dockerfile", ROOT / ".dockerignore"] + [
             ROOT / line[1:].rstrip("/")
             for line in (ROOT / ".dockerignore").read_text().splitlines()
@@ -487,6 +483,14 @@ additionalimagestores = {json.dumps([str(s) for s in image_stores])}
             run(["podman", "system", "reset", "--force"], env=self.env, check=False, capture=True)
             shutil.rmtree(BUILD_STATE, ignore_errors=True)
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def dockerfile_arg(name: str) -> str:
+    """The default of `ARG name=...` in deploy/Dockerfile."""
+    m = re.search(rf"^ARG {name}=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE)
+    if not m:
+        raise RuntimeError(f"deploy/Dockerfile has no `ARG {name}=` default")
+    return m.group(1)
 
 
 def dpkg_installed(package: str) -> bool:
