@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -112,13 +113,13 @@ def make_bucket(name: str, proc: subprocess.Popen[bytes], deadline: float) -> No
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM now, SIGKILL after `grace` s; never waits (safe in a signal handler, where
+    the interrupted `proc.wait()` still holds the Popen's wait lock)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        timer = threading.Timer(grace, lambda: proc.poll() is None and proc.kill())
+        timer.daemon = True
+        timer.start()
 
 
 def serve(extra: list[str]) -> int:
@@ -132,11 +133,12 @@ def serve(extra: list[str]) -> int:
         return 2
     grace = float(os.environ.get("SEAWEEDFS_STOP_GRACE", "3"))
     proc = subprocess.Popen([weed, "server", *FLAGS, *extra], stdin=subprocess.DEVNULL)
+    stopping = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log(f"{signal.Signals(signum).name}: stopping weed ({grace:.0f} s grace, then SIGKILL)")
+        stopping.set()
         stop(proc, grace)
-        sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -145,11 +147,15 @@ def serve(extra: list[str]) -> int:
         for name in buckets():
             make_bucket(name, proc, deadline)
     except RuntimeError as e:
-        log(str(e))
-        stop(proc, grace)
-        return 1
-    log(f"S3 on :{S3_PORT}, buckets ready: {', '.join(buckets()) or '(none)'}")
-    return proc.wait()
+        if not stopping.is_set():
+            log(str(e))
+            stop(proc, grace)
+            proc.wait()
+            return 1
+    else:
+        log(f"S3 on :{S3_PORT}, buckets ready: {', '.join(buckets()) or '(none)'}")
+    code = proc.wait()
+    return 0 if stopping.is_set() else code
 
 
 def main(argv: list[str]) -> int:
