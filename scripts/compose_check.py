@@ -899,16 +899,28 @@ class Stack:
                 "; ".join(lines) or "no start-up line in its log",
             )
         cid = self.container(self.profile.feeders[0])["Id"]
-        info = self.engine.podman_like(
-            "exec", cid, "tokenfeed", "info", f"{root}/demo", check=False
-        )
-        lines = (info.stdout + info.stderr).strip().splitlines()
-        r.check(
-            f"[{name}] {root}/demo holds the demo store (tokenfeed info)",
-            info.returncode == 0,
-            " ".join(next((x for x in lines if "tokens" in x), lines[0] if lines else "").split())
-            or f"exit {info.returncode}",
-        )
+        failed: list[str] = []
+
+        def info() -> tuple[bool, str]:
+            proc = self.engine.podman_like(
+                "exec", cid, "tokenfeed", "info", f"{root}/demo", check=False
+            )
+            lines = (proc.stdout + proc.stderr).strip().splitlines()
+            tokens = [" ".join(x.split()) for x in lines if "tokens" in x]
+            if proc.returncode == 0 and tokens:
+                return True, tokens[0]
+            failed.append(f"exit {proc.returncode}: " + " | ".join(lines[-4:]))
+            return False, failed[-1]
+
+        # (tokenfeed's own retries span ~30 s; a second try after that is reported)
+        ok, detail = until(time.monotonic() + 90, info, every=5)
+        if failed:
+            detail += f" (after {len(failed)} failed attempt(s); the first: {failed[0]})"
+            for service in self.profile.services:  # what the storage side said meanwhile
+                text = self.compose_logs(service)
+                print(f"--- {service}: warnings and errors in its log", flush=True)
+                print("\n".join(x for x in text.splitlines() if "| I" not in x)[-5000:])
+        r.check(f"[{name}] {root}/demo holds the demo store (tokenfeed info)", ok, detail)
 
     def credentials_hidden(self) -> tuple[bool, str]:
         """No value of the profile's credential variables in a metric or a tokenfeed log,
@@ -981,6 +993,7 @@ class Stack:
         print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
 
     def down(self) -> None:
+        t0 = time.monotonic()
         proc = run(
             [*self.compose, "down", "--volumes", "--remove-orphans", "--timeout", "30"],
             env=self.env,
@@ -991,7 +1004,9 @@ class Stack:
         self.results.check(
             f"[{self.profile.name}] compose down -v",
             proc.returncode == 0,
-            "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-2000:],
+            f"{time.monotonic() - t0:.0f} s"
+            if proc.returncode == 0
+            else (proc.stdout + proc.stderr)[-2000:],
         )
 
 
