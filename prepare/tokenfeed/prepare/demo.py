@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tokenfeed.core.errors import NotFound
+from tokenfeed.core.store.objects import is_url
 from tokenfeed.prepare.sources import IterableSource
 from tokenfeed.prepare.tokenize import OFFLINE_GPT2
 
@@ -104,9 +105,9 @@ def build_demo_store(
     num_proc: int = 1,
     overwrite: bool = False,
     progress: bool | None = None,
-) -> Path:
-    """Build (or keep, if already complete) the demo store at `path`, or the store of
-    one of DEMO_PARTS; returns the path."""
+) -> Path | str:
+    """Build (or keep, if already complete) the demo store at `path` (a directory or an
+    s3:// prefix), or the store of one of DEMO_PARTS; returns where it is."""
     from tokenfeed.prepare.pipeline import PrepareConfig, prepare
 
     if tokens_per_chunk is None:
@@ -114,13 +115,13 @@ def build_demo_store(
     cfg = PrepareConfig(
         source=demo_source(part),
         tokenizer=OFFLINE_GPT2,
-        output=Path(path),
+        output=str(path) if is_url(path) else Path(path),
         tokens_per_chunk=tokens_per_chunk,
         num_proc=num_proc,
         overwrite=overwrite,
         progress=progress,
     )
-    return Path(prepare(cfg).path)
+    return prepare(cfg).path
 
 
 def demo_store_names() -> list[str]:
@@ -134,13 +135,14 @@ def build_demo_stores(
     num_proc: int = 1,
     overwrite: bool = False,
     progress: bool | None = None,
-) -> dict[str, Path]:
-    """Build (or keep, each if already complete) every demo store under `root`: `demo`
-    (the whole corpus) and the demo mixture's sources (DEMO_PARTS). Returns name -> path."""
-    out = {}
+) -> dict[str, Path | str]:
+    """Build (or keep, each if already complete) every demo store under `root` (a
+    directory or an s3:// prefix): `demo` (the whole corpus) and the demo mixture's
+    sources (DEMO_PARTS). Returns name -> where it is."""
+    out: dict[str, Path | str] = {}
     for name in demo_store_names():
         out[name] = build_demo_store(
-            Path(root) / name,
+            f"{str(root).rstrip('/')}/{name}" if is_url(root) else Path(root) / name,
             part=None if name == DEMO_STORE else name,
             num_proc=num_proc,
             overwrite=overwrite,
