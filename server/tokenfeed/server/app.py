@@ -115,6 +115,7 @@ class FeederServer:
             config.cache_bytes,
             self.metrics,
             readahead_threads=READAHEAD_THREADS_REMOTE if self.datasets.remote else 2,
+            readahead_bytes=config.readahead_budget,
         )
         self.executor = ThreadPoolExecutor(
             config.num_assembly_threads, thread_name_prefix="tokenfeed-batch"
@@ -244,12 +245,13 @@ async def serve(
     server = server if server is not None else create_server(config)
     await server.start()
     log.info(
-        "tokenfeed feeder serving %s on %s (tls=%s, auth=%s, cache %d bytes)%s",
+        "tokenfeed feeder serving %s on %s (tls=%s, auth=%s, cache %d bytes, read-ahead %d)%s",
         config.data_root,
         server.address,
         config.tls,
         config.auth_token_file is not None,
         config.cache_bytes,
+        config.readahead_budget,
         f", metrics on :{server.metrics_port}" if server.metrics_port else "",
     )
     stop = asyncio.Event()
