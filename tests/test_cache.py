@@ -233,6 +233,20 @@ def test_read_ahead_waits_for_pins_nowhere_and_stays_within_both_bounds() -> Non
     cache.close()
 
 
+def test_pin_resident_moves_a_read_ahead_without_evicting_what_it_pins() -> None:
+    cache = ChunkCache(200, readahead_bytes=100)
+    for k in ("a", "b"):
+        with cache.pinned(k, 100, lambda: chunk(1, 100)):
+            pass
+    assert cache.prefetch("r", 100, lambda: chunk(7, 100))
+    loaded(cache, "r")
+    entries = cache.pin_resident(["r", "a"])  # "a" is the least recent, but pinned here
+    assert entries is not None and [int(e.data[0]) for e in entries] == [7, 1]
+    cache.release_all(entries)
+    assert "a" in cache and "r" in cache and "b" not in cache
+    cache.close()
+
+
 def test_read_ahead_nobody_used_gives_its_room_up_once_stale() -> None:
     now = [0.0]
     cache = ChunkCache(1000, readahead_bytes=100, stale_seconds=60, clock=lambda: now[0])

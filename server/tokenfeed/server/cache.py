@@ -162,6 +162,7 @@ class ChunkCache:
             for key, e in zip(keys, entries, strict=True):
                 e.pins += 1
                 self._entries.move_to_end(key)
+            for e in entries:  # after pinning all: a promotion evicts only unpinned chunks
                 if e.ahead:
                     self._promote(e)
             self.stats.hits += len(entries)
