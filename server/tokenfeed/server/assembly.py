@@ -40,11 +40,14 @@ GROUP_BYTES = 1 << 20  # ...unless they reach this size first
 LOOKAHEAD_BATCHES = 8  # batches past the last group built whose chunks are read ahead (min)
 ASK_AGAIN_GROUPS = 8  # a chunk read ahead is not asked for again for this many groups
 # Stores whose chunks come over the network (s3://): every DEEP_EVERY groups, also read
-# ahead the chunks of the next DEEP_BATCHES batches, so a shuffle group's chunks are
-# loading well before the stream reaches them (a GET costs tens of ms before its first
-# byte, a 32 MiB chunk a few hundred). Done every few groups, its cost stays small.
+# ahead the chunks of the next shuffle group's worth of batches (at least DEEP_BATCHES,
+# at most MAX_DEEP_BATCHES), nearest first, so the next shuffle group's chunks are
+# loading about a group before the stream reaches them (a GET costs tens of ms before
+# its first byte, a 32 MiB chunk a few hundred). They wait in the cache's read-ahead
+# budget (cache.py). Done every few groups, its cost stays small.
 DEEP_EVERY = 16
 DEEP_BATCHES = 1024
+MAX_DEEP_BATCHES = 16384
 
 Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, payload bytes)
 Span = tuple["LocatedRound", int, int]  # batches [i, j) of a round
@@ -117,6 +120,18 @@ def spans_chunks(ds: Dataset, spans: list[Span]) -> set[int]:
             chunks.update(rows_chunks(ds, lr, lr.row_lo[run[1]], lr.row_lo[run[2]]))
         run = span
     return chunks
+
+
+def chunks_by_first_use(ds: Dataset, spans: list[Span]) -> list[int]:
+    """The chunks spans touch, in the order the rows first need them (rows crossing into
+    a next chunk add it after the others of their span: they are rare)."""
+    seen: dict[int, None] = {}
+    for lr, i, j in spans:
+        lo, hi = lr.row_lo[i], lr.row_lo[j]
+        ids, first = np.unique(lr.chunk[lo:hi], return_index=True)
+        seen.update(dict.fromkeys(ids[np.argsort(first)].tolist()))
+        seen.update(dict.fromkeys(rows_chunks(ds, lr, lo, hi)))
+    return list(seen)
 
 
 def _pieces(bounds: list[int], c: int, start: int, end: int) -> Iterator[tuple[int, int, int]]:
@@ -210,6 +225,10 @@ class MessageBuilder:
         )
         self.group_messages = max(1, min(GROUP_MESSAGES, GROUP_BYTES // self.message_bytes))
         self.lookahead = max(LOOKAHEAD_BATCHES, self.group_messages * per_message)
+        # this rank's batches per shuffle group (a step takes batch_size x world_size windows)
+        group_windows = plan.windows_per_block * (plan.spec.shuffle_blocks if plan.shuffle else 1)
+        per_group = -(-group_windows // (plan.batch_size * plan.world_size))
+        self.deep = min(MAX_DEEP_BATCHES, max(DEEP_BATCHES, per_group + self.lookahead))
         self._source = rounds
         self._exhausted = False
         self._rounds: deque[LocatedRound] = deque()  # located, not yet (all) sent
@@ -243,14 +262,16 @@ class MessageBuilder:
 
     def _read_ahead(self, cursor: tuple[int, int]) -> None:
         """Prefetch the chunks of the `lookahead` batches from `cursor` (in an unshuffled
-        order, the chunk after them too); chunks asked for in the last few groups are
-        not asked again."""
+        order, the chunk after them too; remote stores: every few groups, a shuffle
+        group's worth, nearest first); chunks asked for in the last few groups are not
+        asked again."""
         store = self.ds.store
-        deep = store.remote and self._groups % DEEP_EVERY == 0
-        depth = max(self.lookahead, DEEP_BATCHES) if deep else self.lookahead
-        chunks = spans_chunks(self.ds, self._spans(depth, cursor)[0])
+        if store.remote and self._groups % DEEP_EVERY == 0:
+            chunks = chunks_by_first_use(self.ds, self._spans(self.deep, cursor)[0])
+        else:
+            chunks = sorted(spans_chunks(self.ds, self._spans(self.lookahead, cursor)[0]))
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
-            chunks.add(max(chunks) + 1)
+            chunks.append(max(chunks) + 1)
         self._groups += 1
         if len(self._asked) > 4096:
             self._asked.clear()
