@@ -247,6 +247,20 @@ def test_pin_resident_moves_a_read_ahead_without_evicting_what_it_pins() -> None
     cache.close()
 
 
+def test_cooled_chunks_go_first_and_warm_up_again_when_used() -> None:
+    cache = ChunkCache(300)
+    for k in (1, 2, 3):
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    cache.cool([3, 2, "absent"])  # a stream is past 2 and 3: they go before 1
+    with cache.pinned(2, 100, lambda: chunk(2, 100)):  # ...but 2 is used again: warm
+        pass
+    with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 3, the coldest
+        pass
+    assert 3 not in cache and all(k in cache for k in (1, 2, 4))
+    cache.close()
+
+
 def test_read_ahead_nobody_used_gives_its_room_up_once_stale() -> None:
     now = [0.0]
     cache = ChunkCache(1000, readahead_bytes=100, stale_seconds=60, clock=lambda: now[0])

@@ -260,16 +260,20 @@ class MessageBuilder:
             k, pos = (k + 1, 0) if j == len(lr) else (k, j)
         return spans, (k, pos)
 
-    def _read_ahead(self, cursor: tuple[int, int]) -> None:
+    def _read_ahead(self, cursor: tuple[int, int], used: set[int] | None = None) -> None:
         """Prefetch the chunks of the `lookahead` batches from `cursor` (in an unshuffled
         order, the chunk after them too; remote stores: every few groups, a shuffle
         group's worth, nearest first); chunks asked for in the last few groups are not
-        asked again."""
+        asked again. Chunks of `used` (the group just built) those batches do not need
+        go to the cold end of the cache's order: the stream is past them (cache.cool)."""
         store = self.ds.store
+        near = spans_chunks(self.ds, self._spans(self.lookahead, cursor)[0])
+        if used:
+            self.cache.cool([self.ds.chunk_key(c) for c in used - near])
         if store.remote and self._groups % DEEP_EVERY == 0:
             chunks = chunks_by_first_use(self.ds, self._spans(self.deep, cursor)[0])
         else:
-            chunks = sorted(spans_chunks(self.ds, self._spans(self.lookahead, cursor)[0]))
+            chunks = sorted(near)
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
             chunks.append(max(chunks) + 1)
         self._groups += 1
@@ -318,7 +322,7 @@ class MessageBuilder:
         finally:
             if views is not None:
                 self.cache.release_all(views[0])
-        self._read_ahead(cursor)  # before the cursor moves: it counts from the first round
+        self._read_ahead(cursor, chunks)  # before the cursor moves: it counts from the first round
         self._advance(cursor)
         batches = sum(g[1] for g in group)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)

@@ -205,6 +205,20 @@ class ChunkCache:
             self._fail(key, entry, DataLoss("cache closed"), log_it=False)
         return True
 
+    def cool(self, keys: list[Hashable]) -> None:
+        """Move `keys` (those cached) to the cold end of the LRU order: a stream is done
+        with them for a while (its shuffle group moved on), so they go first when room
+        is needed, before chunks it has not reached yet. Any later use warms them again.
+
+        Plain LRU keeps exactly the wrong chunks when the cache holds less than an
+        epoch: the ones the epoch has already used, evicting the ones still to come.
+        """
+        with self._cond:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is not None and not e.ahead:
+                    self._entries.move_to_end(key, last=False)
+
     def clear(self) -> None:
         """Drop every unpinned chunk (used chunks go when released)."""
         with self._cond:
