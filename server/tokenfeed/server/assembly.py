@@ -123,14 +123,21 @@ def spans_chunks(ds: Dataset, spans: list[Span]) -> set[int]:
 
 
 def chunks_by_first_use(ds: Dataset, spans: list[Span]) -> list[int]:
-    """The chunks spans touch, in the order the rows first need them (rows crossing into
-    a next chunk add it after the others of their span: they are rare)."""
+    """The chunks spans touch, in the order their rows first need them (a row crossing
+    into the next chunks needs those at its own place in the order too)."""
     seen: dict[int, None] = {}
     for lr, i, j in spans:
         lo, hi = lr.row_lo[i], lr.row_lo[j]
-        ids, first = np.unique(lr.chunk[lo:hi], return_index=True)
+        rows, chunks = [np.arange(lo, hi)], [lr.chunk[lo:hi]]
+        crossing = lr.crossing
+        for r in crossing[bisect_left(crossing, lo) : bisect_left(crossing, hi)]:
+            s, cols = int(lr.starts[r]), lr.cols[bisect_right(lr.row_lo, r) - 1]
+            more = [c for c, _, _ in _pieces(ds.chunk_bounds, int(lr.chunk[r]), s, s + cols)]
+            rows.append(np.full(len(more), r))
+            chunks.append(np.array(more, dtype=lr.chunk.dtype))
+        flat = np.concatenate(chunks)[np.argsort(np.concatenate(rows), kind="stable")]
+        ids, first = np.unique(flat, return_index=True)
         seen.update(dict.fromkeys(ids[np.argsort(first)].tolist()))
-        seen.update(dict.fromkeys(rows_chunks(ds, lr, lo, hi)))
     return list(seen)
 
 
