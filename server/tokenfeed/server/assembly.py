@@ -221,7 +221,10 @@ class MessageBuilder:
         per_message: int,
         cache: ChunkCache,
         metrics: ServerMetrics,
+        then: Iterator[sampling.Round] | None = None,
     ) -> None:
+        """`then`: the rounds of this rank's next epoch from its start (lazy: only a
+        remote store's deep read-ahead looks at its first batches, as this one ends)."""
         self.ds, self.plan, self.cache, self.metrics = ds, plan, cache, metrics
         self.per_message = per_message
         self.message_bytes = (
@@ -237,6 +240,8 @@ class MessageBuilder:
         per_group = -(-group_windows // (plan.batch_size * plan.world_size))
         self.deep = min(MAX_DEEP_BATCHES, max(DEEP_BATCHES, per_group + self.lookahead))
         self._source = rounds
+        self._then = then
+        self._then_rounds: list[LocatedRound] = []  # the next epoch's first rounds, located
         self._exhausted = False
         self._rounds: deque[LocatedRound] = deque()  # located, not yet (all) sent
         self._pos = 0  # next batch of the first round
@@ -278,7 +283,10 @@ class MessageBuilder:
         if used:
             self.cache.cool([self.ds.chunk_key(c) for c in used - near])
         if store.remote and self._groups % DEEP_EVERY == 0:
-            chunks = chunks_by_first_use(self.ds, self._spans(self.deep, cursor)[0])
+            spans = self._spans(self.deep, cursor)[0]
+            if self._exhausted:  # the epoch ends within reach: the next one's start too
+                spans += self._then_spans(self.deep - sum(j - i for _, i, j in spans))
+            chunks = chunks_by_first_use(self.ds, spans)
         else:
             chunks = sorted(near)
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
@@ -292,6 +300,22 @@ class MessageBuilder:
             self._asked[c] = self._groups
             if nbytes := store.chunk_nbytes(c):
                 self.cache.prefetch(self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))
+
+    def _then_spans(self, n: int) -> list[Span]:
+        """The next epoch's first n batches (as far as it has them), located once."""
+        spans: list[Span] = []
+        k = 0
+        while n > 0:
+            if k == len(self._then_rounds):
+                rnd = None if self._then is None else next(self._then, None)
+                if rnd is None:
+                    break
+                self._then_rounds.append(LocatedRound(self.ds, rnd, self.plan.seq_len))
+            lr = self._then_rounds[k]
+            spans.append((lr, 0, min(n, len(lr))))
+            n -= len(lr)
+            k += 1
+        return spans
 
     def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int]]:
         """The next n messages as spans of rounds, and the cursor after them."""

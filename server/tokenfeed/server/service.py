@@ -263,7 +263,8 @@ class FeederService:
                 "batches_per_message (or raise --max-batch-bytes)"
             )
         rounds = plan.rounds(request.epoch, request.rank, request.offset, request.step)
-        return MessageBuilder(ds, plan, rounds, per_message, self.cache, self.metrics)
+        then = plan.rounds(request.epoch + 1, request.rank)  # a generator: nothing runs yet
+        return MessageBuilder(ds, plan, rounds, per_message, self.cache, self.metrics, then)
 
     async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
