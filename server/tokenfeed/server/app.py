@@ -37,7 +37,7 @@ from tokenfeed.v1 import feeder_pb2
 log = logging.getLogger("tokenfeed.server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
-READAHEAD_THREADS_REMOTE = 4
+READAHEAD_THREADS_REMOTE = 8
 _REQUEST_LIMIT = 1 << 20  # requests are small; responses are bounded by --max-batch-bytes
 
 
@@ -110,7 +110,8 @@ class FeederServer:
         self.metrics = ServerMetrics(self.registry)
         # First: an s3:// root is listed here, so bad credentials fail before anything starts.
         self.datasets = Catalog(config.data_root, open_store)
-        # Object storage answers in tens of ms per request: more chunk loads in flight.
+        # Object storage answers in tens of ms per request: more chunk loads in flight (8:
+        # a shuffle group's chunks at once; the threads mostly wait, GIL released).
         self.cache = ChunkCache(
             config.cache_bytes,
             self.metrics,
