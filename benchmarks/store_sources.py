@@ -23,7 +23,11 @@ taken within its repeat (row / `local` of the same repeat) and reported as the m
 and range over the repeats.
 
 The cache (--cache-bytes) holds about 3/4 of the store, so every epoch reads chunks
-again: steady state is chunk loading plus serving, not a warm cache. Per row:
+again: steady state is chunk loading plus serving, not a warm cache. Every row gets the
+same --cache-bytes and --readahead-bytes (10 chunks: a shuffle group of 8 plus room).
+One FeederClient drains epoch after epoch, as a training loop does (its lookahead opens
+the next epoch's stream as one ends); the store is small, so an epoch lasts well under
+a second and epoch starts weigh far more than in training. Per row:
 steady-state tokens/s (after the first 2 s), the ratio to `local`, the time to the
 first batch from a cold server (process start excluded: from the first request), and
 memory: how far the server's resident set grew from idle (serving, before the first
@@ -111,6 +115,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def scrape(port: int) -> dict[str, float]:
+    """The feeder's /metrics: the cache's counters (misses: a stream waited for a chunk)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if not sample.labels or sample.name.endswith(("_sum", "_count")):
+                out[sample.name] = sample.value
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def status(pid: int) -> dict[str, int]:
     """/proc/PID/status sizes in bytes (VmRSS, VmHWM, RssAnon, RssFile, ...)."""
     out = {}
@@ -155,15 +182,22 @@ def measure(
     from tokenfeed.client import FeederClient
 
     port_file = tmp / f"port-{time.monotonic_ns()}"
+    watchdog: threading.Timer | None = None
     log = open(tmp / "serve.log", "ab")  # noqa: SIM115 - closed below
+    metrics_port = free_port()
     proc = subprocess.Popen(
-        serve_argv(root, port_file, log_level="WARNING", **flags),  # type: ignore[arg-type]
+        serve_argv(root, port_file, log_level="WARNING", metrics_port=metrics_port, **flags),  # type: ignore[arg-type]
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
     )
     try:
         port = wait_for_port(proc, port_file, 120)
+        # a feeder that stops serving must fail the row, not hang the run (the client
+        # reconnects on its own): stopped after twice the row's time plus a minute
+        watchdog = threading.Timer(2 * seconds + 60, proc.kill)
+        watchdog.daemon = True
+        watchdog.start()
         time.sleep(0.5)  # settle: imports done, threads started
         idle = status(proc.pid)
         sampler = Sampler(proc.pid)
@@ -171,12 +205,15 @@ def measure(
         kw = dict(dataset=dataset, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True, seed=1)
         t0 = time.perf_counter()
         cpu0: list[float] = []
+        m0: dict[str, float] = {}
         first = None
         tokens = 0
         marks: list[tuple[float, int]] = []
         epoch = 0
-        while True:
-            with FeederClient(f"127.0.0.1:{port}", rank=0, world_size=1, **kw) as c:
+        # one client for every epoch, as a training loop: set_epoch(epoch + 1) adopts the
+        # stream the client opened ahead as the epoch ended (its `lookahead`)
+        with FeederClient(f"127.0.0.1:{port}", rank=0, world_size=1, **kw) as c:
+            while time.perf_counter() - t0 <= seconds:
                 c.set_epoch(epoch)
                 for b in c:
                     now = time.perf_counter()
@@ -186,12 +223,12 @@ def measure(
                     marks.append((now, tokens))
                     if not cpu0 and now - t0 >= 2.0:
                         cpu0 = [cpu_seconds(p) for p in (proc.pid, os.getpid(), *others)]
+                        m0 = scrape(metrics_port)
                     if now - t0 > seconds:
                         break
-            if time.perf_counter() - t0 > seconds:
-                break
-            epoch += 1
+                epoch += 1
         cpu1 = [cpu_seconds(p) for p in (proc.pid, os.getpid(), *others)]
+        m1 = scrape(metrics_port)
         sampler.done.set()
         sampler.join()
         peak = status(proc.pid)
@@ -199,8 +236,17 @@ def measure(
         end = marks[-1]
         if end[0] <= warm[0] or not cpu0:
             raise RuntimeError(f"{root}/{dataset}: {len(marks)} batches, first {first}")
-        cpu = [(b - a) / (end[0] - warm[0]) for a, b in zip(cpu0, cpu1, strict=True)]
+        span = end[0] - warm[0]
+        cpu = [(b - a) / span for a, b in zip(cpu0, cpu1, strict=True)]
+
+        def rate(name: str) -> float:
+            return (m1.get(name, 0.0) - m0.get(name, 0.0)) / span
+
+        loads = rate("tokenfeed_chunk_load_seconds_count")
         return {
+            "loads": loads,
+            "waits": rate("tokenfeed_cache_misses_total"),
+            "load_ms": 1e3 * rate("tokenfeed_chunk_load_seconds_sum") / loads if loads else 0.0,
             "feeder_cpu": cpu[0],
             "client_cpu": cpu[1],
             "other_cpu": sum(cpu[2:]),
@@ -211,6 +257,8 @@ def measure(
             "epochs": epoch + 1,
         }
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         stop(proc, 15)
         log.close()
 
@@ -227,7 +275,11 @@ def main() -> int:
     ap.add_argument("--tokens", default="48M")
     ap.add_argument("--chunk-tokens", default="2M")
     ap.add_argument("--cache-bytes", default=None, help="default: 3/4 of the store")
-    ap.add_argument("--readahead-bytes", default=None, help="the feeder's default if not given")
+    ap.add_argument(
+        "--readahead-bytes",
+        default=None,
+        help="every row's --readahead-bytes (default: 10 chunks, shuffle_blocks + 2)",
+    )
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--latency", type=float, default=0.020)
@@ -238,9 +290,8 @@ def main() -> int:
         ap.error(f"--rows: a list of {', '.join(ROWS)} that includes local")
     n, per = parse_size(args.tokens), parse_size(args.chunk_tokens)
     cache = parse_size(args.cache_bytes) if args.cache_bytes else n * 3 // 2  # n uint16 = 2n
-    flags: dict[str, object] = {"cache_bytes": cache}
-    if args.readahead_bytes is not None:
-        flags["readahead_bytes"] = parse_size(args.readahead_bytes)
+    ahead = parse_size(args.readahead_bytes) if args.readahead_bytes else 10 * 2 * per
+    flags: dict[str, object] = {"cache_bytes": cache, "readahead_bytes": ahead}
     sys.path.insert(0, str(TESTS))
     from seaweed import SeaweedS3
 
@@ -284,17 +335,18 @@ def main() -> int:
                             f"  first {got['first_batch_s']:.2f} s"
                             f"  grew {got['grew'] / 2**20:.0f} MiB  CPU feeder "
                             f"{got['feeder_cpu']:.2f} client {got['client_cpu']:.2f} "
-                            f"S3+proxy {got['other_cpu']:.2f}",
+                            f"S3+proxy {got['other_cpu']:.2f}  loads/s {got['loads']:.1f} "
+                            f"({got['load_ms']:.0f} ms) waits/s {got['waits']:.1f}",
                             flush=True,
                         )
             finally:
                 proxy.kill()
                 proxy.wait()
-    ra = f", read-ahead {flags['readahead_bytes']}" if "readahead_bytes" in flags else ""
     print(
         f"\nstore {2 * n / 2**20:.0f} MiB in chunks of {2 * per / 2**20:.0f} MiB, cache "
-        f"{cache / 2**20:.0f} MiB{ra}; {args.seconds:g} s per row, {args.repeats} repeats "
-        "interleaved: median (range)"
+        f"{cache / 2**20:.0f} MiB + read-ahead {ahead / 2**20:.0f} MiB = memory bound "
+        f"{(cache + ahead) / 2**20:.0f} MiB; {args.seconds:g} s per row, {args.repeats} "
+        "repeats interleaved: median (range)"
     )
     print(
         f"{'store':<28} {'M tokens/s':>18} {'ratio':>17} {'first batch s':>17} "
@@ -311,7 +363,10 @@ def main() -> int:
             f"{spread([r['grew'] / 2**20 for r in rs], '.0f'):>15} "
             f"{spread([r['heap_grew'] / 2**20 for r in rs], '.0f'):>15}"
         )
-    print("\nCPU cores busy in the steady state (median): feeder, client, S3 server + proxy")
+    print(
+        "\nsteady state (medians): CPU cores busy (feeder, client, S3 server + proxy); chunk"
+        " loads/s and ms per load; waits/s (a stream asked for a chunk not loaded yet)"
+    )
     for row in rows:
         rs = results[row]
         label = LABELS[row].format(ms=round(args.latency * 1000))
@@ -319,7 +374,7 @@ def main() -> int:
             f"{label:<28} "
             + "  ".join(
                 f"{statistics.median(r[k] for r in rs):5.2f}"
-                for k in ("feeder_cpu", "client_cpu", "other_cpu")
+                for k in ("feeder_cpu", "client_cpu", "other_cpu", "loads", "load_ms", "waits")
             )
         )
     return 0
