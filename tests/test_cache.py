@@ -261,6 +261,21 @@ def test_cooled_chunks_go_first_and_warm_up_again_when_used() -> None:
     cache.close()
 
 
+def test_read_ahead_of_a_cached_chunk_warms_it() -> None:
+    """A stream about to need a cached chunk asks for it ahead: it moves to the warm
+    end, so the room the next load needs is taken from chunks not needed soon."""
+    cache = ChunkCache(300)
+    for k in (1, 2, 3):
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    assert not cache.prefetch(1, 100, lambda: chunk(1, 100))  # cached: no load, warmed
+    with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 2, not 1
+        pass
+    assert 2 not in cache and all(k in cache for k in (1, 3, 4))
+    assert cache.stats.loads == 4
+    cache.close()
+
+
 def test_read_ahead_nobody_used_gives_its_room_up_once_stale() -> None:
     now = [0.0]
     cache = ChunkCache(1000, readahead_bytes=100, stale_seconds=60, clock=lambda: now[0])

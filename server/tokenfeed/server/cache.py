@@ -180,6 +180,8 @@ class ChunkCache:
         """Start loading `key` in the background unless present, in flight or no room.
 
         Never blocks and never evicts a pinned chunk; returns whether a load started.
+        A chunk already cached moves to the warm end of the LRU order: a stream will
+        need it soon, so room is made from chunks it will not.
         With a read-ahead budget the chunk waits in it until first used (see the module
         docstring); without one it joins at the cold end of the LRU order and moves up
         when first used: a read-ahead guess (a slow stream's far future, say) must not
@@ -187,7 +189,11 @@ class ChunkCache:
         """
         self._check_fits(key, nbytes)
         with self._cond:
-            if self._closed or key in self._entries:
+            if self._closed:
+                return False
+            if (present := self._entries.get(key)) is not None:
+                if not present.ahead:  # needed soon: warm, so room is made elsewhere first
+                    self._entries.move_to_end(key)
                 return False
             if self.readahead_capacity:
                 if not self._make_ahead_room(nbytes):
