@@ -47,11 +47,21 @@ import numpy as np
 
 from tokenfeed.cli.bench import measure
 from tokenfeed.cli.process import serve_argv, wait_for_port
-from tokenfeed.core.sampling import Plan
+from tokenfeed.core.request import SamplingSpec
+from tokenfeed.core.sampling import DEFAULT_BLOCK_TOKENS, Plan
 from tokenfeed.core.store import TokenStore, write_store
 
 SEQ_LEN, BATCH, DATASET = 1024, 16, "bench"
 VARIANTS = ("feeder/numpy", "feeder/torch", "dataloader/w0", "dataloader/w2", "lru-chunks/w2")
+# Document variants (issue 15), e.g. --variants feeder/numpy+docs,feeder/torch+docs,dataloader/w0:
+# +docs every document output and masked labels; +varlen what FlashAttention's varlen
+# functions take (cu_seqlens, max_seqlen, position_ids); +mask masked labels only.
+DOC_OPTIONS: dict[str, dict[str, Any]] = {
+    "docs": {"documents": True, "mask_cross_document_labels": True},
+    "varlen": {"documents": ("cu_seqlens", "max_seqlen", "position_ids")},
+    "mask": {"mask_cross_document_labels": True},
+}
+EOS = 50256
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -61,7 +71,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 def epoch_starts(store: TokenStore) -> np.ndarray:
     """The window starts of epoch 0 in the feeder's order (world size 1)."""
-    plan = Plan(store.total_tokens, "train", 1.0, SEQ_LEN, SEQ_LEN, BATCH, 1, shift=1, shuffle=True)
+    spec = SamplingSpec(dataset=DATASET, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True)
+    plan = Plan(spec, store.total_tokens, store.meta.tokens_per_chunk or DEFAULT_BLOCK_TOKENS)
     return np.concatenate([bp.starts for bp in plan.batches(0, 0)])
 
 
@@ -186,7 +197,8 @@ def child(args: argparse.Namespace) -> None:
             shuffle=True,
             rank=0,
             world_size=1,
-            device="cpu" if args.child == "feeder/torch" else None,
+            device="cpu" if args.child.startswith("feeder/torch") else None,
+            **DOC_OPTIONS.get(args.child.partition("+")[2], {}),
         )
 
         epoch = [0]
@@ -249,6 +261,14 @@ def main() -> None:
         help="simulated training step(s) in ms, comma-separated (default 1,5,20)",
     )
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--doc-tokens",
+        type=float,
+        default=400,
+        help="median document length of the store, lognormal (default 400: mean ~660)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="rounds of every variant, interleaved")
+    p.add_argument("--json", help="also write every result to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
@@ -259,7 +279,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as tmp:
         root = Path(tmp)
         n = int(args.tokens)
-        tokens = (np.arange(n, dtype=np.int64) * 7919 % 50257).astype(np.uint16)
+        tokens = (np.arange(n, dtype=np.int64) * 7919 % EOS).astype(np.uint16)
+        # Documents of lognormal lengths (median ~--doc-tokens), each ending in EOS.
+        rng = np.random.default_rng(0)
+        lengths = rng.lognormal(np.log(args.doc_tokens), 1.0, size=n // 64 + 1).astype(np.int64)
+        ends = np.cumsum(lengths + 1) - 1
+        tokens[ends[ends < n]] = EOS
         write_store(
             root / DATASET,
             tokens,
@@ -287,7 +312,8 @@ def main() -> None:
                 flush=True,
             )
             results = []
-            for variant in args.variants.split(","):
+            rounds = [args.variants.split(",")] * args.repeat
+            for k, variant in ((k, v) for k, vs in enumerate(rounds) for v in vs):
                 feeder_cpu0 = _proc(feeder.pid)[1]
                 out = subprocess.run(
                     [
@@ -315,25 +341,57 @@ def main() -> None:
                     if variant.startswith("feeder")
                     else None
                 )
+                r["round"] = k
                 results.append(r)
-                print(f"  done {variant}", file=sys.stderr, flush=True)
+                print(f"  done {variant} (round {k + 1})", file=sys.stderr, flush=True)
         finally:
             feeder.terminate()
             feeder.wait(30)
-    report(results, args.step_ms)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    for k in range(args.repeat):
+        if args.repeat > 1:
+            print(f"\n== round {k + 1} of {args.repeat}")
+        report([r for r in results if r["round"] == k], args.step_ms)
+    if args.repeat > 1:
+        ratio_ranges(results)
+
+
+def ratio_ranges(results: list[dict[str, Any]]) -> None:
+    """Each feeder variant against DataLoader(0 workers) of the same round: min, median
+    and max over the rounds."""
+    base = {r["round"]: r["empty"] for r in results if r["variant"] == "dataloader/w0"}
+    if not base:
+        return
+    print("\nagainst dataloader/w0 of the same round (min / median / max over rounds):")
+    names = sorted({r["variant"] for r in results if r["variant"].startswith("feeder/")})
+    for name in names:
+        rows = [r for r in results if r["variant"] == name and r["round"] in base]
+        tps = sorted(r["empty"]["tokens_per_s"] / base[r["round"]]["tokens_per_s"] for r in rows)
+        cpu = sorted(
+            r["empty"]["cpu_s_per_1e9_tokens"] / base[r["round"]]["cpu_s_per_1e9_tokens"]
+            for r in rows
+        )
+        stall = sorted(r["train"][-1]["stall_fraction"] * 100 for r in rows)
+        print(
+            f"  {name:<22} tokens/s {tps[0]:.2f} / {tps[len(tps) // 2]:.2f} / {tps[-1]:.2f}x   "
+            f"CPU per token {cpu[0]:.2f} / {cpu[len(cpu) // 2]:.2f} / {cpu[-1]:.2f}x   "
+            f"stall at the last step {stall[0]:.2f} / {stall[len(stall) // 2]:.2f} / "
+            f"{stall[-1]:.2f} %"
+        )
 
 
 def report(results: list[dict[str, Any]], step_ms: str) -> None:
     steps = step_ms.split(",")
     sim = " | ".join(f"{f'{ms} ms step':^24}" for ms in steps)
     head = (
-        f"{'loader':<15} {'Mtok/s':>8} {'CPU s/1e9':>10} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'loader':<22} {'Mtok/s':>8} {'CPU s/1e9':>10} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'RSS MB':>7} | "
         + " | ".join(f"{'stall %':>7} {'p99 ms':>8} {'max ms':>7}" for _ in steps)
         + f" | {'feeder CPU s/1e9':>16}"
     )
     print()
-    print(f"{'':<15} {'empty loop':^46} | {sim} |")
+    print(f"{'':<22} {'empty loop':^46} | {sim} |")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -344,14 +402,14 @@ def report(results: list[dict[str, Any]], step_ms: str) -> None:
             for t in r["train"]
         )
         print(
-            f"{r['variant']:<15} {e['tokens_per_s'] / 1e6:>8.1f} "
+            f"{r['variant']:<22} {e['tokens_per_s'] / 1e6:>8.1f} "
             f"{e['cpu_s_per_1e9_tokens']:>10.1f} {e['wait_p50_ms']:>8.3f} "
             f"{e['wait_p99_ms']:>8.3f} {r['peak_rss_mb']:>7.0f} | {sims} | {fc:>16}"
         )
     by = {r["variant"]: r["empty"] for r in results}
     print()
-    for name in ("feeder/numpy", "feeder/torch"):
-        if name not in by:
+    for name in by:
+        if not name.startswith("feeder/"):
             continue
         f = by[name]
         for base in ("dataloader/w0", "dataloader/w2", "lru-chunks/w2"):

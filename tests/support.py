@@ -8,12 +8,14 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.client.metrics import ClientMetrics
+from tokenfeed.core.store import write_store
 from tokenfeed.server.metrics import ServerMetrics, SupervisorMetrics
 
 
@@ -62,3 +64,67 @@ def assert_positional_batch(batch: dict[str, Any], seq_len: int) -> None:
     want = positional_rows(batch["starts"], seq_len + batch["shift"])
     np.testing.assert_array_equal(np.asarray(batch["input_ids"]), want[:, :seq_len])
     np.testing.assert_array_equal(np.asarray(batch["labels"]), want[:, batch["shift"] :])
+
+
+DOCUMENT_EOS = 7  # the EOS of make_document_store's stores
+
+
+def make_document_store(
+    path: Path,
+    total: int = 12_000,
+    mean: float = 40.0,
+    seed: int = 0,
+    dtype: str = "uint16",
+    eos: int | None = DOCUMENT_EOS,
+    tokens_per_chunk: int = 1_000,
+) -> np.ndarray:
+    """A store of documents ending in EOS (lengths from 1 up, geometric); returns T.
+    With eos=None the meta.json has no eos_token_id (the tokens are the same)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(DOCUMENT_EOS + 1, 500, size=total)
+    lengths = rng.geometric(1 / mean, size=total)
+    ends = np.cumsum(lengths) - 1
+    tokens[ends[ends < total]] = DOCUMENT_EOS
+    write_store(
+        path,
+        tokens.astype(dtype),
+        dtype=dtype,
+        tokens_per_chunk=tokens_per_chunk,
+        eos_token_id=eos,
+        vocab_size=500,
+        tokenizer="synthetic",
+        source={"kind": "test", "generator": "documents"},
+    )
+    return tokens
+
+
+def write_megatron(prefix: Path, docs: list[list[np.ndarray]]) -> Path:
+    """A Megatron-LM indexed dataset (uint16) of documents made of sequences (sentences),
+    written from the documented layout (test_stores_formats pins it to megatron-core's)."""
+    import struct
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    seqs = [s for d in docs for s in d]
+    lengths = np.array([len(s) for s in seqs], dtype="<i4")
+    pointers = (np.concatenate([[0], np.cumsum(lengths)[:-1]]) * 2).astype("<i8")
+    doc_index = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype("<i8")
+    header = struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 8, len(seqs), len(doc_index))
+    prefix.with_name(prefix.name + ".idx").write_bytes(
+        header + lengths.tobytes() + pointers.tobytes() + doc_index.tobytes()
+    )
+    np.concatenate(seqs).astype("<u2").tofile(prefix.with_name(prefix.name + ".bin"))
+    return prefix
+
+
+def megatron_corpus(root: Path, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Documents of 1-3 sentences, tokens 0-9 (so "EOS-like" ids occur anywhere): the
+    store's token array and its document ends."""
+    rng = np.random.default_rng(seed)
+    docs = [
+        [rng.integers(0, 10, size=int(rng.integers(1, 40))) for _ in range(int(rng.integers(1, 4)))]
+        for _ in range(300)
+    ]
+    write_megatron(root / "mg" / "corpus", docs)
+    tokens = np.concatenate([s for d in docs for s in d])
+    ends = np.cumsum([sum(len(s) for s in d) for d in docs])
+    return tokens, ends

@@ -834,8 +834,8 @@ def test_torch_cpu_views_are_int64_views_of_one_buffer() -> None:
 
     arr = batch_array(_batch_msg(3, 8, 2))
     for layout, shape in (("flat", (3, 8)), ("grouped", (3, 4, 2))):
-        inputs, labels, pending = TorchStager("cpu", 2).stage_views(arr, 8, 2, layout)
-        assert pending is None and inputs.dtype == labels.dtype == torch.int64
+        inputs, labels, docs, pending = TorchStager("cpu", 2).stage_views(arr, 8, 2, layout)
+        assert pending is None and docs is None and inputs.dtype == labels.dtype == torch.int64
         assert inputs.shape == labels.shape == shape
         ref_in, ref_lab = views(arr.astype(np.int64), 8, 2, layout)
         assert (inputs.numpy() == ref_in).all() and (labels.numpy() == ref_lab).all()

@@ -141,7 +141,7 @@ def test_compose_demo_path_as_processes(tmp_path: Path) -> None:
             .decode()
         )
         sent = re.search(
-            r'^tokenfeed_server_tokens_sent_total\{dataset="demo",split="train"\} '
+            r'^tokenfeed_server_tokens_sent_total\{dataset="demo",[^}]*split="train"\} '
             r"(\S+)$",
             text,
             re.MULTILINE,

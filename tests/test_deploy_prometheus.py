@@ -139,18 +139,18 @@ class Prometheus:
 class Trainer(threading.Thread):
     """One rank streaming epoch after epoch until stopped, like the demo trainer."""
 
-    def __init__(self, address: str, rank: int, metrics_port: int) -> None:
+    def __init__(self, address: str, rank: int, metrics_port: int | None, **sampling) -> None:
         super().__init__(name=f"trainer-{rank}", daemon=True)
+        sampling = {"dataset": "positions", "world_size": 2} | sampling
         self.client = FeederClient(
             address,
-            dataset="positions",
             seq_len=64,
             batch_size=4,
             shuffle=True,
             seed=1,
             rank=rank,
-            world_size=2,
             metrics_port=metrics_port,
+            **sampling,
         )
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
@@ -158,7 +158,8 @@ class Trainer(threading.Thread):
 
     def run(self) -> None:
         try:
-            for epoch in itertools.count():
+            # a mixture's stream is endless: one iteration, no epochs
+            for epoch in [0] if self.client.is_mixture else itertools.count():
                 self.client.set_epoch(epoch)
                 for _ in self.client:
                     self.batches += 1
@@ -182,6 +183,7 @@ def stack(tmp_path: Path) -> Iterator[Prometheus]:
     root = tmp_path / "data"
     # 40 chunks of 20 KB, a cache of ~3: the shuffled working set never fits
     make_positional_store(root / "positions", 200_000, 5_000)
+    make_positional_store(root / "other", 50_000, 5_000)  # a mixture's second source
     with FeederProcess(root, metrics_port=free_port(), cache_bytes="64K") as feeder:
         feeder_metrics = int(feeder.flags["metrics_port"])
         dead = f"127.0.0.1:{free_port()}"
@@ -189,6 +191,15 @@ def stack(tmp_path: Path) -> Iterator[Prometheus]:
         trainers = [
             Trainer(f"{dead},{feeder.address}", 0, trainer_ports[0]),
             Trainer(feeder.address, 1, trainer_ports[1]),
+            # a mixture, so the tokens-by-source panel has data (its metrics unscraped)
+            Trainer(
+                feeder.address,
+                0,
+                None,
+                dataset=None,
+                world_size=1,
+                mixture={"positions": 0.7, "other": 0.3},
+            ),
         ]
         for t in trainers:
             t.start()

@@ -2,14 +2,17 @@
 
 Every request gets the status its content calls for, with a message; none crashes the
 server, reads outside the data root, or disturbs a canary stream running beside it.
-The expected status is derived independently here, in the order the server checks:
-the dataset name, then the sampling parameters (sampling.Plan is the oracle for
-those), then the stream position, then the message size.
+The expected status is derived here in the order the server checks: the request's
+values (SamplingSpec), the dataset name (a mixture's: each source's), what depends on
+the data (sampling.Plan / MixturePlan are the oracles), then the stream position, then
+the message size. A third of the requests are mixtures (sources and a schedule,
+well-formed or not).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FeederError, InvalidArgument
+from tokenfeed.core.request import SamplingSpec
+from tokenfeed.core.sampling import MixturePlan
 from tokenfeed.core.store import write_store
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
@@ -81,9 +86,63 @@ def fuzz_feeder(fuzz_root: Path):
         yield f
 
 
+def _bad_name(name: str) -> bool:
+    parts = name.split("/")
+    return (
+        not name
+        or len(name) > 1024
+        or name.startswith("/")
+        or "\\" in name
+        or any(ord(c) < 32 or ord(c) == 127 for c in name)
+        or any(x in ("", ".", "..") for x in parts)
+    )
+
+
+SIZES = {"positions": TOTAL, "nested/small": 300}
+BLOCKS = {"positions": 1000, "nested/small": 100}
+
+
+def expected_mixture_status(req: pb.StreamBatchesRequest) -> str:
+    """A mixture's status, in the server's order: the request's values (SamplingSpec
+    is the oracle), each source's name, its train windows, the stream position, the
+    message size."""
+    try:
+        spec = SamplingSpec.from_proto(req.params)
+    except FeederError as e:
+        return e.code
+    for name in spec.source_names:
+        if _bad_name(name):
+            return "INVALID_ARGUMENT"
+        if name not in SIZES:
+            return "NOT_FOUND"
+    try:
+        plan = MixturePlan(
+            spec,
+            tuple(SIZES[n] for n in spec.source_names),
+            tuple(BLOCKS[n] for n in spec.source_names),
+        )
+        if not 0 <= req.batches_per_message <= 1024 or req.epoch < 0 or req.step < 0:
+            raise InvalidArgument("position")
+        if req.epoch != 0:
+            raise InvalidArgument("epoch")
+        plan.check(req.rank, req.offset, req.step)
+    except FeederError as e:
+        return e.code
+    per_message = max(1, req.batches_per_message)
+    if per_message * spec.batch_size * (spec.seq_len + spec.max_shift) * 4 > MAX_BATCH_BYTES:
+        return "INVALID_ARGUMENT"
+    return "OK"
+
+
 def expected_status(req: pb.StreamBatchesRequest) -> str:
     """The status code the request calls for (see the module docstring)."""
     p = req.params
+    if len(p.sources) or len(p.schedule):
+        return expected_mixture_status(req)
+    try:  # the server reads the request (SamplingSpec) before it looks the name up
+        SamplingSpec.from_proto(p)
+    except FeederError as e:
+        return e.code
     name = p.dataset
     sizes = {"positions": TOTAL, "nested/small": 300}
     parts = name.split("/")
@@ -143,7 +202,12 @@ def stream_requests(draw) -> pb.StreamBatchesRequest:
         shuffle_blocks=draw(st.one_of(st.integers(0, 4), INT64)),
         world_size=draw(st.one_of(st.integers(0, 4), INT64)),
     )
+    if draw(st.integers(0, 2)) == 0:  # a third are mixtures
+        fields["dataset"] = draw(st.sampled_from(["", "", "", "positions"]))
+        fields["split"] = draw(st.sampled_from(["train", "", "train", "validation"]))
     params = pb.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    if fields["dataset"] in ("", "positions") and fields["split"] in ("train", "", "validation"):
+        draw_mixture(draw, params)
     mode = draw(st.sampled_from(["none", "shift", "auto", "auto_false"]))
     if mode == "shift":
         params.shift = draw(st.one_of(st.integers(-2, 8), INT64))
@@ -157,6 +221,36 @@ def stream_requests(draw) -> pb.StreamBatchesRequest:
         step=draw(st.one_of(st.integers(0, 5), INT64)),
         batches_per_message=draw(st.one_of(st.integers(0, 4), INT64)),
     )
+
+
+SOURCE_NAMES = st.one_of(
+    st.sampled_from(["positions", "nested/small", "positions", "nope", "", "../outside"]),
+    NAMES,
+)
+WEIGHTS = st.one_of(
+    st.sampled_from([0.0, 0.5, 1.0, 0.1, 0.7, 2.0, -1.0, 1 / 3]),
+    st.floats(allow_nan=True),
+)
+
+
+def draw_mixture(draw, params: pb.SamplingParams) -> None:
+    """Sources and a schedule: mostly well-formed, sometimes not (duplicates, a
+    segment missing or adding a source, starts that do not increase, bad weights)."""
+    k = draw(st.integers(0, 4))
+    names = [draw(SOURCE_NAMES) for _ in range(k)]
+    for name in names:
+        params.sources.add(name=name, weight=draw(WEIGHTS))
+    tok = 0
+    for _ in range(draw(st.integers(0, 3))):
+        near = st.integers(max(tok - 5, -(2**63)), min(tok + 10_000, 2**63 - 1))
+        tok = draw(st.one_of(near, INT64))
+        seg = params.schedule.add(from_tokens=tok)
+        shuffled = draw(st.permutations(names)) if names else []
+        kept = shuffled if draw(st.integers(0, 4)) else shuffled[1:]
+        for name in kept:
+            seg.weights.add(name=name, weight=draw(WEIGHTS))
+        if not draw(st.integers(0, 6)):
+            seg.weights.add(name=draw(SOURCE_NAMES), weight=1.0)
 
 
 class Canary:
@@ -234,7 +328,7 @@ def test_thousands_of_random_requests_get_the_right_status(fuzz_feeder) -> None:
         stub = feeder_pb2_grpc.FeederStub(ch)
 
         @settings(
-            max_examples=2500,
+            max_examples=int(os.environ.get("TOKENFEED_FUZZ_EXAMPLES", "10000")),
             deadline=None,
             derandomize=True,
             suppress_health_check=list(HealthCheck),
@@ -246,7 +340,7 @@ def test_thousands_of_random_requests_get_the_right_status(fuzz_feeder) -> None:
 
         fuzz()
     canary.stop()
-    assert counter["n"] >= 2000
+    assert counter["n"] >= int(os.environ.get("TOKENFEED_FUZZ_EXAMPLES", "10000"))
     assert canary.errors == []
     assert canary.batches > 0
 

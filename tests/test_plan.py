@@ -81,3 +81,14 @@ def test_measured_against_a_running_feeder(feeder, capsys) -> None:
 def test_bad_input_exits_2(capsys) -> None:
     assert main(["plan", *JOB, "--headroom", "0"]) == 2
     assert "--headroom must be positive" in capsys.readouterr().err
+
+
+def test_a_mixture_splits_the_rate_by_source_in_each_segment(tmp_path) -> None:
+    sched = tmp_path / "sched.yaml"
+    sched.write_text("- {from_tokens: 1000000, weights: {web: 0.5, code: 0.5}}\n")
+    doc = plan_json("--mixture", "web=0.7,code=0.3", "--schedule", str(sched))
+    total = doc["tokens_per_s"]
+    (base, late) = doc["segments"]
+    assert base["from_tokens"] == 0 and late["from_tokens"] == 1_000_000
+    assert base["tokens_per_s"] == pytest.approx({"web": 0.7 * total, "code": 0.3 * total})
+    assert late["tokens_per_s"] == pytest.approx({"web": total / 2, "code": total / 2})

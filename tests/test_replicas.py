@@ -48,8 +48,16 @@ def _run_ranks(addresses: list[str], world: int, hook=None) -> list[list[int]]: 
 
     def rank_main(rank: int) -> None:
         try:
+            # no lookahead: the next epoch's stream would add its buffered batches to the
+            # replicas' counts
             with FeederClient(
-                addresses, rank=rank, world_size=world, shuffle=True, backoff=FAST, **SAMPLING
+                addresses,
+                rank=rank,
+                world_size=world,
+                shuffle=True,
+                backoff=FAST,
+                lookahead=False,
+                **SAMPLING,
             ) as c:
                 for batch in c:
                     assert_positional_batch(batch, SAMPLING["seq_len"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import fields
 from fractions import Fraction
 
 import numpy as np
@@ -13,11 +13,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
+from tokenfeed.core.keyed import Permutation as _Permutation
 from tokenfeed.core.request import SamplingSpec, proper_divisors
 from tokenfeed.core.sampling import (
     EpochOrder,
     Plan,
-    _Permutation,
     split_bounds,
     steps_per_epoch,
     window_count,
@@ -166,11 +166,9 @@ def test_elastic_resume_is_exactly_once(plan: Plan, new_world: int, pick: int) -
 
 
 def _with(plan: Plan, **changes) -> Plan:
-    fields = asdict(plan.spec) | {
-        "total_tokens": plan.total_tokens,
-        "block_tokens": plan.block_tokens,
-    }
-    return make_plan(**(fields | changes))
+    spec = {f.name: getattr(plan.spec, f.name) for f in fields(plan.spec) if f.init}
+    sizes = {"total_tokens": plan.total_tokens, "block_tokens": plan.block_tokens}
+    return make_plan(**(spec | sizes | changes))
 
 
 @settings(max_examples=100, deadline=None)

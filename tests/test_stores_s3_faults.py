@@ -73,9 +73,11 @@ def test_retries_run_out_unavailable_for_that_stream_only(
     s3_root: str, proxy: S3FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make_positional_store(f"{s3_root}/small", 2_000, 1_000)  # type: ignore[arg-type]
-    make_positional_store(f"{s3_root}/large", 200_000, 5_000)  # type: ignore[arg-type]
+    # 2 M tokens in 20 chunks of 400 KB, a 1 MiB cache: read-ahead cannot have loaded
+    # the large store's later chunks before object storage stops answering
+    make_positional_store(f"{s3_root}/large", 2_000_000, 100_000)  # type: ignore[arg-type]
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    with running_feeder(s3_root, cache_bytes=8 << 20) as f:  # type: ignore[arg-type]
+    with running_feeder(s3_root, cache_bytes=1 << 20) as f:  # type: ignore[arg-type]
         ch_a, a = _stream(f.address, "small")
         ch_b, b = _stream(f.address, "large")
         first_a, first_b = next(a), next(b)

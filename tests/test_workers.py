@@ -152,7 +152,8 @@ def test_two_workers_listen_on_one_port_and_serve_every_rank_exactly_once(node) 
 
 def test_one_metrics_endpoint_sums_every_worker(node) -> None:  # type: ignore[no-untyped-def]
     before = scrape(node.metrics_port)
-    key = ("tokenfeed_server_tokens_sent_total", (("dataset", FEEDER_DATASET), ("split", "train")))
+    labels = (("dataset", FEEDER_DATASET), ("source", ""), ("split", "train"))
+    key = ("tokenfeed_server_tokens_sent_total", labels)
     pids = worker_pids(node)
     # Open channels until each worker serves at least one (the kernel spreads them).
     channels: list[grpc.Channel] = []

@@ -174,6 +174,27 @@ THROUGHPUT = [
     ),
     (
         timeseries(
+            "Tokens/s by source (mixtures)",
+            [
+                (
+                    f'sum by (source) (rate(tokenfeed_server_tokens_sent_total{{source!=""}}'
+                    f"[{RATE}]))",
+                    "{{source}}",
+                ),
+                (
+                    f'sum by (dataset) (rate(tokenfeed_server_tokens_sent_total{{source=""}}'
+                    f"[{RATE}]))",
+                    "{{dataset}} (alone)",
+                ),
+            ],
+            "short",
+            "A mixture's tokens by source (its weights at work); single-dataset streams "
+            "by dataset.",
+        ),
+        12,
+    ),
+    (
+        timeseries(
             "Bytes/s on the wire",
             [
                 (
@@ -275,6 +296,24 @@ TRAINERS = [
         ),
         12,
     ),
+    (
+        timeseries(
+            "Time to first batch",
+            [
+                (
+                    "max by (rank) (tokenfeed_client_first_batch_seconds_sum "
+                    "/ tokenfeed_client_first_batch_seconds_count)",
+                    "mean rank {{rank}}",
+                ),
+                *quantiles("tokenfeed_client_first_batch_seconds", "rank", "rank {{rank}}")[1:],
+            ],
+            "s",
+            "How long each stream's first next() waited (connect, plan, first chunk): kept "
+            "apart from the steady-state wait and stall above. With lookahead the next "
+            "epoch's stream is open before the epoch ends, so later epochs start at ~0.",
+        ),
+        12,
+    ),
 ]
 
 FEEDER = [
@@ -369,6 +408,25 @@ FEEDER = [
             "short or unreadable chunk) and checksum failures (a corrupt chunk) give clients "
             "DATA_LOSS.",
             drawStyle="bars",
+        ),
+        8,
+    ),
+    (
+        timeseries(
+            "Chunk loads by dataset",
+            [
+                (
+                    f"sum by (dataset) (rate(tokenfeed_cache_dataset_misses_total[{RATE}]))",
+                    "misses {{dataset}}",
+                ),
+                (
+                    f"sum by (dataset) (rate(tokenfeed_cache_dataset_hits_total[{RATE}]))",
+                    "hits {{dataset}}",
+                ),
+            ],
+            "short",
+            "Chunk requests by dataset, all feeders: which store (a mixture's source, a "
+            "store in object storage) the cache loads from.",
         ),
         8,
     ),

@@ -127,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
         epoch = [0]
 
         def batches() -> Iterable[Any]:
-            client.set_epoch(epoch[0])
-            epoch[0] += 1
+            if not client.is_mixture:  # a mixture is one endless stream
+                client.set_epoch(epoch[0])
+                epoch[0] += 1
             return client
 
         result = measure(batches, args.seconds, args.step_time)
@@ -136,8 +137,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        what = (
+            "mixture " + ",".join(spec.source_names)
+            if spec.is_mixture
+            else "dataset " + spec.dataset
+        )
         print(
-            f"feeder {args.address} dataset {args.dataset}: {args.batch_size} x "
+            f"feeder {args.address} {what}: {args.batch_size} x "
             f"{args.seq_len} per batch, step time {args.step_time * 1e3:g} ms"
         )
         print(f"  tokens/s              {result['tokens_per_s'] / 1e6:10.1f} M")

@@ -11,6 +11,15 @@ root is listed first: bad credentials or no such bucket exit 2), a folder of the
 loader's chunk_NNNNNN/ save_to_disk datasets (info then prints the meta.json to put
 beside them, to give the EOS, vocabulary or a narrower dtype), or a Megatron indexed
 dataset (its PREFIX, or the .bin or .idx path).
+
+The plan of a mixture before a run (design.md "Mixtures"):
+
+    tokenfeed info --data-root ROOT --mixture web=0.7,code=0.2,math=0.1 (or FILE)
+                   [--schedule FILE] --tokens 1e12 --seq-len L [--stride S] [--split-rate R]
+
+prints, per source, its train tokens and windows, the windows and tokens a run of
+`--tokens` tokens draws from it, the passes over it (how many times it repeats), and
+its share in each schedule segment. The mixture file is the client's.
 """
 
 from __future__ import annotations
@@ -23,12 +32,13 @@ from typing import Any
 from tokenfeed.core.dtypes import DTYPES
 
 
-def add_path_arguments(parser: argparse.ArgumentParser) -> None:
+def add_path_arguments(parser: argparse.ArgumentParser, optional: bool = False) -> None:
     parser.add_argument(
         "path",
         metavar="PATH",
+        nargs="?" if optional else None,
         help="store: directory, s3://bucket/prefix, seed-layout folder, or Megatron PREFIX "
-        "(or PREFIX.bin / PREFIX.idx)",
+        "(or PREFIX.bin / PREFIX.idx)" + (" (not with --mixture)" if optional else ""),
     )
     parser.add_argument(
         "--dtype",
@@ -41,8 +51,17 @@ def add_path_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tokenfeed.core.request import SamplingSpec
 
-    add_path_arguments(parser)
+    add_path_arguments(parser, optional=True)
     SamplingSpec.add_arguments(parser, dataset=False, seq_len_default=None, batch_size_default=None)
+    parser.add_argument(
+        "--data-root", default=None, help="with --mixture: the folder the source names are in"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=float,
+        default=None,
+        help="with --mixture: the run's token budget (1e12 is fine)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -115,6 +134,12 @@ def _splits(args: argparse.Namespace, total: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mixture or args.schedule:
+        return _mixture(args)
+    if args.path is None:
+        from tokenfeed.core.errors import InvalidArgument
+
+        raise InvalidArgument("give a store PATH, or --mixture with --data-root")
     store = open_store(args)
     meta = store.meta
     doc: dict[str, Any] = {
@@ -171,4 +196,74 @@ def run(args: argparse.Namespace) -> int:
             "vocabulary fits 65,536 ids):"
         )
         print(json.dumps(suggested, indent=2))
+    return 0
+
+
+def _mixture(args: argparse.Namespace) -> int:
+    """The plan of a mixture run: per source, what --tokens tokens draw from it."""
+    from tokenfeed.core.errors import InvalidArgument, NotFound
+    from tokenfeed.core.request import SamplingSpec
+    from tokenfeed.core.sampling import MixturePlan
+    from tokenfeed.server.datasets import Catalog
+
+    if args.path is not None:
+        raise InvalidArgument("--mixture names datasets under --data-root; drop PATH")
+    if args.data_root is None or args.seq_len is None or args.tokens is None:
+        raise InvalidArgument("--mixture needs --data-root, --seq-len and --tokens")
+    tokens = args.tokens
+    if not (tokens >= 0 and tokens == int(tokens)):
+        raise InvalidArgument(f"--tokens must be a whole number of tokens, got {tokens:g}")
+    spec = SamplingSpec.from_args(args, batch_size=args.batch_size or 1)
+    catalog = Catalog(args.data_root)  # every served format, local or s3://
+    stores = []
+    for name in spec.source_names:
+        try:
+            stores.append(catalog.get(name).store)
+        except NotFound as e:
+            raise NotFound(f"sources[{name!r}]: {e.message}") from None
+    plan = MixturePlan(
+        spec,
+        tuple(s.total_tokens for s in stores),
+        tuple(
+            max(1, s.meta.tokens_per_chunk or max(c.tokens for c in s.meta.chunks)) for s in stores
+        ),
+    )
+    budget = plan.budget(int(tokens))
+    segments = [{"from_tokens": lo, "to_tokens": hi} for lo, hi in budget.segments]
+    doc: dict[str, Any] = {
+        "tokens": budget.tokens,
+        "windows": budget.positions,
+        "seq_len": spec.seq_len,
+        "segments": segments,
+        "sources": [
+            {
+                "name": s.name,
+                "train_tokens": t,
+                "windows": s.windows,
+                "windows_drawn": s.windows_drawn,
+                "tokens_drawn": s.tokens_drawn,
+                "passes": float(s.passes),
+                "shares": [float(x) for x in s.shares],
+            }
+            for s, t in zip(budget.sources, plan.train_tokens, strict=True)
+        ],
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(
+        f"mixture of {len(stores)} sources over {budget.tokens:,} tokens = "
+        f"{budget.positions:,} windows of {spec.seq_len} tokens"
+    )
+    heads = [f"share@{lo:.3g}" if hi is None else f"share@{lo:.3g}" for lo, hi in budget.segments]
+    width = max(6, *(len(n) for n in spec.source_names))
+    print(
+        f"{'source':<{width}} {'train tokens':>15} {'tokens drawn':>17} {'passes':>10}"
+        + "".join(f" {h:>12}" for h in heads)
+    )
+    for s in doc["sources"]:
+        print(
+            f"{s['name']:<{width}} {s['train_tokens']:>15,} {s['tokens_drawn']:>17,} "
+            f"{s['passes']:>10.3f}" + "".join(f" {x:>12.2%}" for x in s["shares"])
+        )
     return 0

@@ -4,6 +4,7 @@
     tokenfeed plan ... --per-core-tokens-s 3e8          # a per-core figure you measured
     tokenfeed plan ... --measure feeder:50051 --dataset web   # measure it now
     tokenfeed plan ... --json                           # JSON only, on stdout
+    tokenfeed plan ... --mixture web=0.7,code=0.3 [--schedule FILE]  # per source too
 
 The trainers consume GPUs x tokens-per-GPU-per-second input tokens; the feeder sends
 each row's shift tokens too (seq_len + shift per row), in the store's dtype. The
@@ -60,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="measure the per-core figure against this running feeder",
     )
+    a(
+        "--mixture",
+        default=None,
+        help="a mixture (web=0.7,code=0.3 or the client's YAML/JSON file): also print what "
+        "each source must deliver in each schedule segment",
+    )
+    a("--schedule", default=None, help="a schedule file (with --mixture)")
     a("--dataset", default="demo", help="dataset to stream when measuring")
     a("--seconds", type=float, default=5.0, help="how long to measure")
     a("--json", action="store_true", help="print only JSON on stdout")
@@ -134,6 +142,23 @@ def plan(args: argparse.Namespace, per_core: float, source: str) -> dict[str, An
     }
 
 
+def by_source(args: argparse.Namespace, tokens_per_s: float) -> list[dict[str, Any]]:
+    """Per schedule segment, the tokens/s each source of `--mixture` must deliver."""
+    from tokenfeed.core.mixture import Mixture, load_mixture
+
+    sources, schedule = load_mixture(args.mixture, args.schedule)
+    mix = Mixture(sources, schedule, seq_len=args.seq_len)
+    return [
+        {
+            "from_tokens": start,
+            "tokens_per_s": {
+                n: float(w) * tokens_per_s for n, w in zip(mix.names, w_, strict=True)
+            },
+        }
+        for start, w_ in mix.segments
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.per_core_tokens_s is not None:
         per_core, source = args.per_core_tokens_s, "given"
@@ -142,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         per_core, source = BUILD_PER_CORE_TOKENS_S, "this build's benchmark"
     doc = plan(args, per_core, source)
+    if args.mixture is not None:
+        doc["segments"] = by_source(args, doc["tokens_per_s"])
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -160,4 +187,7 @@ def run(args: argparse.Namespace) -> int:
         f"{doc['workers_per_replica']}`), at {args.headroom:g}x headroom, "
         f"{args.cores_per_node} cores and {args.nic_gbit:g} Gbit/s per node"
     )
+    for seg in doc.get("segments", []):
+        shares = ", ".join(f"{n} {t:,.0f}" for n, t in seg["tokens_per_s"].items())
+        print(f"from token {seg['from_tokens']:,}: tokens/s by source: {shares}")
     return 0

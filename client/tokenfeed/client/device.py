@@ -133,25 +133,55 @@ class TorchStager:
         return wide, event
 
     def stage_views(
-        self, arr: np.ndarray, seq_len: int, shift: int, layout: str
-    ) -> tuple[Any, Any, Any]:
-        """Called in the reader thread: (input_ids, labels, (tensor, event) or None), the
-        two int64 tensors views of one buffer (`buffers.views`).
+        self,
+        arr: np.ndarray,
+        seq_len: int,
+        shift: int,
+        layout: str,
+        docs: dict[str, Any] | None = None,
+    ) -> tuple[Any, Any, dict[str, Any] | None, Any]:
+        """Called in the reader thread: (input_ids, labels, docs, pending), the two
+        int64 tensors views of one buffer (`buffers.views`), the document arrays
+        (`buffers.document_arrays`, built on the host) as tensors on the device, and
+        what the loop waits for before using them ((tensors, event)) or None.
 
         On CPU the views are taken in numpy and wrapped by `torch.from_numpy`: about
         half the CPU of slicing a tensor twice (each torch view is a new TensorImpl,
-        ~5 us here), for the same memory."""
+        ~5 us here), for the same memory; the document arrays are shared the same way."""
+        torch = self.torch
         if self.device.type == "cpu":
             inputs, labels = views(arr.astype(np.int64), seq_len, shift, layout)
-            return self.torch.from_numpy(inputs), self.torch.from_numpy(labels), None
+            if docs is not None:
+                docs = {k: _tensor(torch, v) for k, v in docs.items()}
+            return torch.from_numpy(inputs), torch.from_numpy(labels), docs, None
+        if docs is not None and self.cuda:
+            # Into the side stream before stage() records its event, so the loop's wait
+            # on that event covers them too. Pageable sources: torch copies them before
+            # returning, so the numpy arrays may go.
+            with torch.cuda.stream(self.stream):
+                docs = {k: _tensor(torch, v, self.device) for k, v in docs.items()}
+        elif docs is not None:
+            docs = {k: _tensor(torch, v, self.device) for k, v in docs.items()}
         buf, event = self.stage(arr)
         inputs, labels = views(buf, seq_len, shift, layout)
-        return inputs, labels, (None if event is None else (buf, event))
+        if event is None:
+            return inputs, labels, docs, None
+        tensors = [buf] + [v for v in (docs or {}).values() if not isinstance(v, int)]
+        return inputs, labels, docs, (tensors, event)
 
-    def ready(self, tensor: Any, event: Any) -> None:
-        """Called in the training loop: its stream waits for the copy (on the GPU)."""
+    def ready(self, tensors: list[Any], event: Any) -> None:
+        """Called in the training loop: its stream waits for the copies (on the GPU)."""
         if event is None:
             return
         current = self.torch.cuda.current_stream(self.device)
         current.wait_event(event)
-        tensor.record_stream(current)  # the allocator must not reuse it early
+        for tensor in tensors:
+            tensor.record_stream(current)  # the allocator must not reuse them early
+
+
+def _tensor(torch: Any, value: Any, device: Any = None) -> Any:
+    """A document array as a tensor (shared with numpy on CPU); ints stay ints."""
+    if isinstance(value, int):
+        return value
+    t = torch.from_numpy(value)
+    return t if device is None else t.to(device, non_blocking=True)

@@ -35,6 +35,16 @@ windows and steps of this request.
 Checks. The constructor checks every argument (type and range) and that the
 installed torch can use `device`, and contacts no feeder: the first Info call
 (`len`, `dataset_info`, the first iteration) does.
+
+Mixtures. `mixture=` (a dict, a list of (name, weight) pairs, or the path of a
+YAML/JSON file `{sources: {...}, schedule: [{from_tokens, weights}]}`) and
+`schedule=` blend several datasets' train splits by weight (ARCHITECTURE.md).
+The stream is endless: `batch["epoch"]` is 0, `len()` and `steps_left` raise
+TypeError, `set_epoch(e)` with e > 0 is an error; `batch["sources"]` gives each row's
+index into `loader.sources`, and `batch["starts"]` its offset in that source's store.
+The state dict also holds the mixture, and a checkpoint may be resumed with another
+world size or batch size and with a schedule extended by segments that start at or
+after its position; any other change is refused with an error naming what differs.
 """
 
 from __future__ import annotations
@@ -50,9 +60,17 @@ from functools import partial
 from time import perf_counter
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
-from tokenfeed.client.buffers import LAYOUTS, batch_array, batch_starts, views
+from tokenfeed.client.buffers import (
+    DOCUMENT_OUTPUTS,
+    LAYOUTS,
+    batch_array,
+    batch_starts,
+    document_arrays,
+    views,
+)
 from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.metrics import ClientMetrics
 from tokenfeed.client.stream import (
@@ -65,9 +83,10 @@ from tokenfeed.client.stream import (
 )
 from tokenfeed.client.transport import Channels, Security, Timeouts, split_addresses
 from tokenfeed.core.dtypes import itemsize
-from tokenfeed.core.errors import NotFound
+from tokenfeed.core.errors import InvalidArgument, NotFound
+from tokenfeed.core.mixture import load_mixture
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import steps_per_epoch
+from tokenfeed.core.sampling import MAX_TOKENS, steps_per_epoch
 from tokenfeed.v1 import feeder_pb2
 
 STATE_KEYS = ("epoch", "offset", "step", "fingerprint", "world_size")
@@ -159,7 +178,18 @@ def _check_arguments(args: dict[str, Any]) -> None:
         raise TypeError(
             f"FeederClient registry must be a prometheus_client.CollectorRegistry, got {registry!r}"
         )
-    for name in ("tls", "lookahead"):
+    docs = args["documents"]
+    if not isinstance(docs, bool) and (
+        isinstance(docs, str)
+        or not isinstance(docs, Sequence)
+        or not docs
+        or not all(d in DOCUMENT_OUTPUTS for d in docs)
+    ):
+        raise ValueError(
+            f"FeederClient documents must be True, False or a non-empty list of some of "
+            f"{list(DOCUMENT_OUTPUTS)}, got {docs!r}"
+        )
+    for name in ("tls", "lookahead", "mask_cross_document_labels"):
         _check_type(name, args[name], bool, "True or False")
     for name in ("root_certificates", "certificate_chain", "private_key"):
         value = args[name]
@@ -187,7 +217,8 @@ class FeederClient:
 
     Batches are dicts: `input_ids`, `labels` (numpy views of one buffer when
     `device` is None, else int64 tensors on the device), `shift`, `epoch`, `step`,
-    `offset` and `starts` (int64 numpy array: the store offset of each window).
+    `offset` and `starts` (int64 numpy array: the store offset of each window); a
+    mixture's also `sources` (int64 numpy array: each row's index into `sources`).
 
     Sampling (`dataset` .. `shuffle_blocks`, `world_size`) becomes a SamplingSpec,
     validated here before any feeder is contacted (InvalidArgument, a ValueError,
@@ -216,6 +247,8 @@ class FeederClient:
         address: str | Sequence[str],
         *,
         dataset: str | None = None,
+        mixture: Any = None,
+        schedule: Any = None,
         seq_len: int | None = None,
         batch_size: int | None = None,
         split: str = "train",
@@ -244,17 +277,32 @@ class FeederClient:
         timeouts: Timeouts | None = None,
         lookahead: bool = True,
         connect_timeout: float | None = None,
+        documents: bool | Sequence[str] = False,
+        mask_cross_document_labels: bool = False,
     ) -> None:
         from tokenfeed.client.device import check_device, resolve_device
 
         _check_arguments(locals())
         self.rank = _env_int("RANK", 0) if rank is None else rank
         if spec is None:
-            if dataset is None or seq_len is None or batch_size is None:
-                raise TypeError("FeederClient needs dataset, seq_len and batch_size (or spec=)")
+            if dataset is not None and (mixture is not None or schedule is not None):
+                raise InvalidArgument(
+                    "dataset= and mixture= are mutually exclusive: stream one dataset, or "
+                    "name it among the mixture's sources",
+                    field="mixture",
+                )
+            if (dataset is None and mixture is None) or seq_len is None or batch_size is None:
+                raise TypeError(
+                    "FeederClient needs dataset (or mixture), seq_len and batch_size (or spec=)"
+                )
+            sources: Any = ()
+            if mixture is not None or schedule is not None:
+                sources, schedule = load_mixture(mixture, schedule)
             world = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
             spec = SamplingSpec(
-                dataset=dataset,
+                dataset=dataset or "",
+                sources=sources,
+                schedule=schedule or (),
                 seq_len=seq_len,
                 batch_size=batch_size,
                 split=split,
@@ -275,9 +323,15 @@ class FeederClient:
                 f"need 0 <= rank < world_size, got rank={self.rank}, world_size={self.world_size}"
             )
         self.dataset, self.split = spec.dataset, spec.split
+        self.sources: tuple[str, ...] = spec.source_names  # a mixture's, in request order
         self.seq_len, self.batch_size = spec.seq_len, spec.batch_size
         self.layout, self.prefetch = layout, prefetch
         self.batches_per_message = batches_per_message
+        # Document outputs to build per batch (in the reader thread) and label masking.
+        self.documents: tuple[str, ...] = (
+            DOCUMENT_OUTPUTS if documents is True else tuple(documents or ())
+        )
+        self.mask_cross_document_labels = mask_cross_document_labels
         self.device = resolve_device(device)
         if self.device is not None:
             check_device(self.device)  # imports torch
@@ -338,18 +392,35 @@ class FeederClient:
                 self._on_reconnect,
                 f"rank {self.rank}: Info",
             )
-            self._info = _dataset_info(response, self.dataset, self.split)
+            if self.is_mixture:  # Info checked the sources (NOT_FOUND, FAILED_PRECONDITION)
+                self._info = _mixture_info(response, self.seq_len)
+            else:
+                self._info = _dataset_info(response, self.dataset, self.split)
         return self._info
+
+    @property
+    def is_mixture(self) -> bool:
+        return self.spec.is_mixture
+
+    def _no_epochs(self) -> TypeError:
+        return TypeError(
+            "a mixture stream is endless and has no len() or steps_left; stop at your own "
+            "step or token budget"
+        )
 
     def __len__(self) -> int:
         """Steps of a full epoch for this rank at the current world size (see
         `steps_left` for what remains of the current epoch)."""
+        if self.is_mixture:
+            raise self._no_epochs()
         return self.dataset_info.steps
 
     @property
     def steps_left(self) -> int:
         """Steps this rank will still receive in the current epoch from the current
         position (right after `load_state_dict`, counted at this client's world size)."""
+        if self.is_mixture:
+            raise self._no_epochs()
         info = self.dataset_info
         return steps_per_epoch(
             info.windows, self.batch_size, self.world_size, self.rank, self.split, self._offset
@@ -359,6 +430,11 @@ class FeederClient:
     def set_epoch(self, epoch: int) -> None:
         if epoch < 0:
             raise ValueError(f"epoch must be non-negative, got {epoch}")
+        if epoch > 0 and self.is_mixture:
+            raise ValueError(
+                f"a mixture stream is endless and has no epochs: set_epoch({epoch}) is not "
+                "allowed (set_epoch(0) is)"
+            )
         with self._lock:
             if self._resume and epoch == self._epoch:
                 return  # keep the position load_state_dict gave
@@ -374,19 +450,36 @@ class FeederClient:
                 ahead[0].stop()
 
     def state_dict(self) -> dict[str, Any]:
-        """Position of the first batch the training loop has not received."""
-        return {
+        """Position of the first batch the training loop has not received (and, for a
+        mixture, the mixture itself: a resume checks its sources and schedule)."""
+        state: dict[str, Any] = {
             "epoch": self._epoch,
             "offset": self._offset,
             "step": self._step,
             "fingerprint": self.fingerprint,
             "world_size": self.world_size,
         }
+        if self.is_mixture:
+            state["mixture"] = self.spec.mixture_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = [k for k in STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"not a FeederClient state: missing {missing}")
+        if ("mixture" in state) != self.is_mixture:
+            raise ValueError(
+                "the state was saved by a "
+                + ("mixture" if "mixture" in state else "single-dataset")
+                + " loader and this one streams "
+                + ("a mixture" if self.is_mixture else f"dataset {self.dataset!r}")
+            )
+        if self.is_mixture:
+            problem = self.spec.resume_problem(state["mixture"], int(state["offset"]))
+            if problem:
+                raise ValueError(f"cannot resume this mixture checkpoint: {problem}")
+            if int(state["epoch"]) != 0:
+                raise ValueError(f"a mixture state has epoch 0, got {state['epoch']}")
         if state["fingerprint"] != self.fingerprint:
             raise ValueError(
                 f"the state was saved with different sampling parameters (fingerprint "
@@ -445,7 +538,12 @@ class FeederClient:
             batches_per_message=per_message,
             global_batch=B * W,
             num_windows=size.windows,
-            remaining=partial(steps_per_epoch, size.windows, B, W, self.rank, self.split),
+            remaining=(
+                _endless
+                if self.is_mixture
+                else partial(steps_per_epoch, size.windows, B, W, self.rank, self.split)
+            ),
+            document_ends=bool(self.documents) or self.mask_cross_document_labels,
         )
         # A message's batches are in memory once it arrives: let them all wait in the
         # buffer (<= ~256 KiB), so the reader takes a message at a time, not a batch.
@@ -482,12 +580,19 @@ class FeederClient:
         while len(spent) > 1:  # not the newest: the loop may still hold it (see _next)
             spent.popleft()
         arr = batch_array(msg)
+        docs = (
+            None
+            if not (self.documents or self.mask_cross_document_labels)
+            else document_arrays(
+                msg, arr, self.seq_len, self.documents, self.mask_cross_document_labels
+            )
+        )
         if self._stager is None:
             inputs, labels = views(arr, self.seq_len, msg.shift, self.layout)
             pending = None
         else:
-            inputs, labels, pending = self._stager.stage_views(
-                arr, self.seq_len, msg.shift, self.layout
+            inputs, labels, docs, pending = self._stager.stage_views(
+                arr, self.seq_len, msg.shift, self.layout, docs
             )
         self.metrics.received(msg.rows * self.seq_len, arr.nbytes)
         batch = {
@@ -499,6 +604,12 @@ class FeederClient:
             "offset": msg.offset,
             "starts": batch_starts(msg),
         }
+        if self.sources:
+            batch["sources"] = np.array(msg.sources, dtype=np.int64)
+        if docs is not None:
+            if "labels" in docs and self.layout == "grouped":
+                docs["labels"] = docs["labels"].reshape(labels.shape)
+            batch.update(docs)
         offset = min(msg.offset + self.batch_size * self.world_size, num_windows)
         return batch, offset, msg.step + 1, pending, msg.step == ahead_step
 
@@ -661,6 +772,31 @@ class _Epoch:
 
     def __len__(self) -> int:
         return len(self._client)
+
+
+def _endless(offset: int) -> int:
+    """Steps a mixture stream has left: always some (it is endless)."""
+    return 1
+
+
+def _mixture_info(response: feeder_pb2.InfoResponse, seq_len: int) -> DatasetInfo:
+    """A mixture's DatasetInfo: its sources' shared dtype and vocabulary (the first
+    source's metadata), the train split, and an endless stream (steps 0)."""
+    if not response.datasets:
+        raise NotFound("the feeder reports none of the mixture's sources")
+    ds = response.datasets[0]
+    return DatasetInfo(
+        name=",".join(d.name for d in response.datasets),
+        total_tokens=sum(int(d.total_tokens) for d in response.datasets),
+        vocab_size=int(ds.vocab_size) or None,
+        eos_token_id=None if ds.eos_token_id < 0 else int(ds.eos_token_id),
+        dtype=ds.dtype,
+        tokenizer=ds.tokenizer or None,
+        split="train",
+        split_tokens=sum(int(d.splits[0].tokens) for d in response.datasets if d.splits),
+        windows=MAX_TOKENS // seq_len,
+        steps=0,
+    )
 
 
 def _dataset_info(response: feeder_pb2.InfoResponse, dataset: str, split: str) -> DatasetInfo:

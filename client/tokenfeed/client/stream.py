@@ -196,6 +196,7 @@ class StreamRequest:
     global_batch: int  # batch_size * world_size: how far one step moves the offset
     num_windows: int  # of the epoch order: the offset never passes it
     remaining: Callable[[int], int]  # steps this rank still has from an offset
+    document_ends: bool = False  # ask for each batch's document ends
 
 
 class StreamReader(threading.Thread):
@@ -277,6 +278,7 @@ class StreamReader(threading.Thread):
                         step=self.step,
                         batches_per_message=req.batches_per_message,
                         max_message_bytes=MAX_RECEIVE_BYTES,
+                        document_ends=req.document_ends,
                     ),
                     metadata=self.metadata,
                 )

@@ -22,11 +22,15 @@ from __future__ import annotations
 
 
 class FeederError(Exception):
+    """`message` is what the caller sees; `field`, when set, names the request field at
+    fault (``sources['web']``, ``schedule[1].from_tokens``) and starts the message."""
+
     code = "UNKNOWN"
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.field = field
 
 
 class InvalidArgument(FeederError, ValueError):

@@ -30,7 +30,7 @@ grows with N.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cached_property
@@ -38,107 +38,16 @@ from functools import cached_property
 import numpy as np
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
+from tokenfeed.core.keyed import Permutation, key, keys, permute, round_keys
+from tokenfeed.core.mixture import Budget, Mixture, source_seed
 from tokenfeed.core.request import AUTO, MAX_PARAM, SamplingSpec, proper_divisors
 
 DEFAULT_BLOCK_TOKENS = 1 << 24
 MAX_TOKENS = 1 << 62  # with MAX_PARAM: every product of the math stays inside int64
 
-_MASK64 = (1 << 64) - 1
-_ROUNDS = 6
 _POSITIONS_PER_ROUND = 4096
-# Domain tags for the key derivation: one RNG stream per purpose.
+# Domain tags for the key derivation: one RNG stream per purpose (mixture.py uses 16, 17).
 _BLOCKS, _GROUP, _SHIFT = 1, 2, 3
-
-
-# --------------------------------------------------------------------------- hashing
-
-
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic, no warnings).
-
-    In place, on two temporaries: cheaper than a new array per operation, which
-    matters at the few hundred values a round maps."""
-    y = x >> _S30
-    y ^= x
-    y *= _M1
-    t = y >> _S27
-    y ^= t
-    y *= _M2
-    np.right_shift(y, _S31, out=t)
-    y ^= t
-    return y
-
-
-def _mix_int(x: int) -> int:
-    """splitmix64 finaliser on a Python int (scalars: faster than numpy here)."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _key(*parts: int) -> int:
-    """A 64-bit key from integers (seed, epoch, tag, index...): a counter-based RNG."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = _mix_int(h ^ (p & _MASK64))
-    return h
-
-
-class _Permutation:
-    """A keyed bijection of range(n), evaluated pointwise.
-
-    A Feistel network over the smallest number of bits covering n permutes
-    [0, 2**bits) (the halves differ by at most one bit and swap widths every round;
-    an even number of rounds restores them); cycle walking (re-applying it until the
-    value lands below n) restricts it to [0, n). The domain is under 2n, so a point
-    walks twice on average. O(1) memory, O(len(x)) time.
-    """
-
-    def __init__(self, n: int, key: int) -> None:
-        self.n = n
-        bits = max(1, (n - 1).bit_length())
-        self._widths = (bits - bits // 2, bits // 2)  # (left, right) at the start
-        self._keys = [np.uint64(_key(key, r)) for r in range(_ROUNDS)]
-
-    @staticmethod
-    def _f(x: np.ndarray, k: np.uint64, width: int) -> np.ndarray:
-        return _mix(x ^ k) & np.uint64((1 << width) - 1)
-
-    def _encrypt(self, x: np.ndarray) -> np.ndarray:
-        wl, wr = self._widths
-        left, right = x >> np.uint64(wr), x & np.uint64((1 << wr) - 1)
-        for k in self._keys:
-            left, right = right, left ^ self._f(right, k, wl)
-            wl, wr = wr, wl
-        return (left << np.uint64(wr)) | right
-
-    def _decrypt(self, x: np.ndarray) -> np.ndarray:
-        wl, wr = self._widths  # an even number of rounds: the widths at the end too
-        left, right = x >> np.uint64(wr), x & np.uint64((1 << wr) - 1)
-        for k in reversed(self._keys):
-            left, right = right ^ self._f(left, k, wr), left
-            wl, wr = wr, wl
-        return (left << np.uint64(wr)) | right
-
-    def _walk(self, x: np.ndarray, step) -> np.ndarray:  # type: ignore[no-untyped-def]
-        if self.n <= 1:
-            return np.zeros_like(x, dtype=np.int64)
-        out = step(np.asarray(x, dtype=np.uint64))
-        outside = out >= np.uint64(self.n)
-        while outside.any():
-            out[outside] = step(out[outside])
-            outside = out >= np.uint64(self.n)
-        return out.astype(np.int64)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self._walk(x, self._encrypt)
-
-    def inverse(self, y: np.ndarray) -> np.ndarray:
-        return self._walk(y, self._decrypt)
 
 
 # ------------------------------------------------------------------------ the math
@@ -198,10 +107,10 @@ class EpochOrder:
         self.deficit = nb * wpb - num_windows
         self.blocks_per_group = min(shuffle_blocks, nb)
         self.group_windows = self.blocks_per_group * wpb
-        self._blocks = _Permutation(nb, _key(seed, epoch, _BLOCKS))
+        self._blocks = Permutation(nb, key(seed, epoch, _BLOCKS))
         # Where the short block lands in the permuted block order.
         self._short_at = int(self._blocks.inverse(np.array([nb - 1]))[0])
-        self._groups: dict[int, tuple[_Permutation, np.ndarray]] = {}  # see _group
+        self._groups: dict[int, tuple[Permutation, np.ndarray]] = {}  # see _group
 
     def _group_start(self, g: np.ndarray) -> np.ndarray:
         short_group = self._short_at // self.blocks_per_group
@@ -248,7 +157,7 @@ class EpochOrder:
 
     def _group(
         self, group: int, size: int, first_block: int, n_blocks: int
-    ) -> tuple[_Permutation, np.ndarray]:
+    ) -> tuple[Permutation, np.ndarray]:
         """A group's permutation of its windows and its blocks' places, made once: a
         stream maps many rounds in one group, and permuting its few blocks costs about
         what permuting thousands of positions does (numpy's cost is per call)."""
@@ -257,7 +166,7 @@ class EpochOrder:
             if len(self._groups) >= 8:
                 self._groups.clear()
             made = self._groups[group] = (
-                _Permutation(size, _key(self.seed, self.epoch, _GROUP, group)),
+                Permutation(size, key(self.seed, self.epoch, _GROUP, group)),
                 self._blocks(first_block + np.arange(n_blocks, dtype=np.int64)),
             )
         return made
@@ -272,6 +181,7 @@ class BatchPlan:
     offset: int
     shift: int
     starts: np.ndarray  # int64 absolute token offsets in the store
+    sources: np.ndarray | None = None  # a mixture's: each row's source index
 
 
 @dataclass(frozen=True)
@@ -286,6 +196,9 @@ class Round:
     shifts: list[int]
     rows: list[int]
     starts: np.ndarray  # (batches, batch_size) int64 absolute token offsets
+    # A mixture's rows: each window's source (index in the request's order); `starts`
+    # are then offsets in that source's store. None for a single dataset.
+    sources: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -294,7 +207,14 @@ class Round:
         for i, (offset, shift, rows) in enumerate(
             zip(self.offsets, self.shifts, self.rows, strict=True)
         ):
-            yield BatchPlan(self.epoch, self.step + i, offset, shift, self.starts[i, :rows])
+            yield BatchPlan(
+                self.epoch,
+                self.step + i,
+                offset,
+                shift,
+                self.starts[i, :rows],
+                None if self.sources is None else self.sources[i, :rows],
+            )
 
 
 def split_windows(
@@ -306,8 +226,42 @@ def split_windows(
     return end - begin, window_count(end - begin, spec.seq_len, spec.stride, spec.max_shift)
 
 
+class _SpecView:
+    """The request's fields the math reads most, by name (Plan, MixturePlan)."""
+
+    spec: SamplingSpec
+
+    @property
+    def split(self) -> str:
+        return self.spec.split
+
+    @property
+    def seq_len(self) -> int:
+        return self.spec.seq_len
+
+    @property
+    def stride(self) -> int:
+        return self.spec.stride
+
+    @property
+    def batch_size(self) -> int:
+        return self.spec.batch_size
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def shuffle(self) -> bool:
+        return self.spec.shuffle
+
+    @property
+    def max_shift(self) -> int:
+        return self.spec.max_shift
+
+
 @dataclass(frozen=True)
-class Plan:
+class Plan(_SpecView):
     """A request's epoch orders over one store: `spec` applied to `total_tokens` tokens.
 
     The spec's values are checked by SamplingSpec; the Plan checks what depends on the
@@ -336,35 +290,6 @@ class Plan:
                 f"of batch_size {spec.batch_size} x world_size {spec.world_size} = "
                 f"{spec.global_batch}"
             )
-
-    # The spec's fields the math reads most, by name.
-    @property
-    def split(self) -> str:
-        return self.spec.split
-
-    @property
-    def seq_len(self) -> int:
-        return self.spec.seq_len
-
-    @property
-    def stride(self) -> int:
-        return self.spec.stride
-
-    @property
-    def batch_size(self) -> int:
-        return self.spec.batch_size
-
-    @property
-    def world_size(self) -> int:
-        return self.spec.world_size
-
-    @property
-    def shuffle(self) -> bool:
-        return self.spec.shuffle
-
-    @property
-    def max_shift(self) -> int:
-        return self.spec.max_shift
 
     @cached_property
     def _bounds(self) -> tuple[int, int]:
@@ -407,7 +332,7 @@ class Plan:
         if shift != AUTO:
             return int(shift)
         divisors = self.divisors
-        return divisors[_key(self.spec.seed, epoch, _SHIFT, offset) % len(divisors)]
+        return divisors[key(self.spec.seed, epoch, _SHIFT, offset) % len(divisors)]
 
     def _check(self, epoch: int, rank: int, offset: int, step: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -476,3 +401,295 @@ class Plan:
             step += k
             o += k * global_batch
             k *= 2
+
+
+# ---------------------------------------------------------------------- mixtures
+
+
+def _dense_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values ascending, each element's index among them) of non-negative
+    int64 values; a table lookup when they span little (the usual case), else a sort."""
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo <= 8 * len(values) + 1024:
+        present = np.zeros(hi - lo + 1, dtype=bool)
+        present[values - lo] = True
+        uniq = np.flatnonzero(present)
+        index = np.cumsum(present) - 1
+        return uniq + lo, index[values - lo]
+    uniq, inverse = np.unique(values, return_inverse=True)
+    return uniq, inverse.reshape(-1)
+
+
+class PassOrders:
+    """Many epoch orders at once: (source, pass, position) -> window index.
+
+    Element m is position `pos[m]` of pass `epoch[m]` of source `src[m]`, whose order is
+    ``EpochOrder(windows[i], windows_per_block[i], shuffle_blocks, seeds[i], epoch,
+    shuffle)`` (the same function: tested equal), evaluated for every element in a few
+    numpy calls with per-element keys and sizes instead of one EpochOrder per source
+    and pass. What is per pass (where its short block lands) and per shuffle group
+    (its key, its blocks' places) is computed for the groups a call touches and kept
+    for the next calls, like EpochOrder's group cache.
+    """
+
+    _CACHE = 4096  # groups (and passes) remembered
+
+    def __init__(
+        self,
+        windows: Sequence[int],
+        windows_per_block: Sequence[int],
+        shuffle_blocks: int,
+        seeds: Sequence[int],
+        shuffle: bool,
+    ) -> None:
+        self.k = len(windows)
+        self.shuffle = shuffle
+        n = np.array(windows, dtype=np.int64)
+        if (n < 1).any():
+            raise InvalidArgument("every source needs at least one window")
+        wpb = np.minimum(np.array(windows_per_block, dtype=np.int64), n)
+        self.n, self.wpb = n, wpb
+        self.nb = -(-n // wpb)
+        self.deficit = self.nb * wpb - n
+        self.bpg = np.minimum(shuffle_blocks, self.nb)
+        self.gw = self.bpg * wpb
+        self.seeds = [int(x) for x in seeds]
+        self._max_bpg = int(self.bpg.max())
+        self._passes: dict[tuple[int, ...], int] = {}  # (source, pass) -> short block at
+        # (source, pass, group) -> row of the group tables below
+        self._groups: dict[tuple[int, ...], int] = {}
+        self._g_rk = np.zeros((0, 6), dtype=np.uint64)
+        self._g_blocks = np.zeros((0, self._max_bpg), dtype=np.int64)
+
+    def windows(self, src: np.ndarray, epoch: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Window indices (int64) of the elements (int64 arrays of one shape)."""
+        pos = np.asarray(pos, dtype=np.int64)
+        if not self.shuffle:
+            return pos.copy()
+        shape = pos.shape
+        src, epoch, pos = src.ravel(), np.asarray(epoch, dtype=np.int64).ravel(), pos.ravel()
+        wpb, deficit, bpg, gw = self.wpb[src], self.deficit[src], self.bpg[src], self.gw[src]
+        nb = self.nb[src]
+        short_at, pid = self._short_at(src, epoch)
+        short_group = short_at // bpg
+        g = pos // gw
+        g += pos >= (g + 1) * gw - deficit * (g + 1 > short_group)
+        within = pos - (g * gw - deficit * (g > short_group))
+        first_block = g * bpg
+        n_blocks = np.minimum(bpg, nb - first_block)
+        short = short_at - first_block
+        has_short = (short >= 0) & (short < n_blocks)
+        size = n_blocks * wpb - deficit * has_short
+        row = self._group_rows(src, epoch, g, pid)
+        u = permute(within, size, self._g_rk[row])
+        # u indexes the concatenation of the group's blocks, in permuted order
+        j = u // wpb
+        j += has_short & (u >= (j + 1) * wpb - deficit * (j + 1 > short))
+        block_start = j * wpb - deficit * ((j > short) & has_short)
+        out = self._g_blocks[row, j] * wpb + (u - block_start)
+        return out.reshape(shape)
+
+    def _short_at(self, src: np.ndarray, epoch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each element's pass puts its source's short (last) block, and each
+        element's pass as an index into the passes of this call."""
+        k = self.k
+        if int(epoch.max()) < (1 << 62) // k:
+            uniq, pid = _dense_ids(epoch * k + src)
+            pairs = list(zip((uniq % k).tolist(), (uniq // k).tolist(), strict=True))
+        else:  # astronomically many passes (a one-window source): no packing
+            stacked, pid = np.unique(np.stack([src, epoch], axis=1), axis=0, return_inverse=True)
+            pairs = [(int(a), int(b)) for a, b in stacked.tolist()]
+            pid = pid.reshape(-1)
+        missing = [p for p in pairs if p not in self._passes]
+        if missing:
+            if len(self._passes) > self._CACHE:
+                self._passes.clear()
+            i = np.array([p[0] for p in missing], dtype=np.int64)
+            e = np.array([p[1] for p in missing], dtype=np.int64)
+            nb = self.nb[i]
+            rk = round_keys(keys(self._seed_array(i), e, _BLOCKS))
+            at = permute(nb - 1, nb, rk, inverse=True)
+            self._passes.update(zip(missing, at.tolist(), strict=True))
+        table = np.array([self._passes[p] for p in pairs], dtype=np.int64)
+        return table[pid], pid
+
+    def _seed_array(self, i: np.ndarray) -> np.ndarray:
+        return np.array([self.seeds[x] for x in i.tolist()], dtype=np.uint64)
+
+    def _group_rows(
+        self, src: np.ndarray, epoch: np.ndarray, g: np.ndarray, pid: np.ndarray
+    ) -> np.ndarray:
+        """Each element's row in the group tables (round keys, blocks' places), adding
+        the groups not seen yet. `pid` numbers the elements' passes."""
+        n_pass = int(pid.max()) + 1
+        g_min = np.full(n_pass, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(g_min, pid, g)
+        uniq, inverse = _dense_ids((g - g_min[pid]) * n_pass + pid)
+        first = np.zeros(len(uniq), dtype=np.int64)
+        first[inverse] = np.arange(len(g))  # an element of each group
+        groups = list(
+            zip(src[first].tolist(), epoch[first].tolist(), g[first].tolist(), strict=True)
+        )
+        missing = [x for x in groups if x not in self._groups]
+        if missing:
+            if len(self._groups) + len(missing) > self._CACHE:
+                self._groups.clear()
+                self._g_rk = self._g_rk[:0]
+                self._g_blocks = self._g_blocks[:0]
+                missing = groups
+            i = np.array([x[0] for x in missing], dtype=np.int64)
+            e = np.array([x[1] for x in missing], dtype=np.int64)
+            grp = np.array([x[2] for x in missing], dtype=np.int64)
+            seeds = self._seed_array(i)
+            rk = round_keys(keys(seeds, e, _GROUP, grp))
+            # the blocks of each group, padded to the widest group (pads map block 0)
+            nb, bpg = self.nb[i], self.bpg[i]
+            blocks = grp[:, None] * bpg[:, None] + np.arange(self._max_bpg)
+            real = blocks < np.minimum((grp + 1) * bpg, nb)[:, None]
+            blocks = np.where(real, blocks, 0)
+            brk = round_keys(keys(seeds, e, _BLOCKS))
+            flat = permute(
+                blocks.ravel(),
+                np.repeat(nb, self._max_bpg),
+                np.repeat(brk, self._max_bpg, axis=0),
+            ).reshape(blocks.shape)
+            base = len(self._g_rk)
+            self._groups.update((x, base + n) for n, x in enumerate(missing))
+            self._g_rk = np.concatenate([self._g_rk, rk])
+            self._g_blocks = np.concatenate([self._g_blocks, np.where(real, flat, 0)])
+        table = np.array([self._groups[x] for x in groups], dtype=np.int64)
+        return table[inverse]
+
+
+@dataclass(frozen=True)
+class MixturePlan(_SpecView):
+    """A mixture request over its sources' stores: `spec` (a mixture) applied to each
+    source's `totals[i]` tokens, `block_tokens[i]` (about one chunk) sizing its blocks.
+
+    Each source's train split is its own endless sequence of passes: pass e is the
+    single-dataset epoch order of that split with seed ``source_seed(seed, name)`` and
+    epoch e (so a source's order does not depend on the other sources or their order).
+    The mixture math (mixture.py) says which item of which source each row is; this
+    maps items to window starts, for many sources in one go (PassOrders). A source
+    without a train window is FailedPrecondition naming it; one with fewer windows
+    than a global batch is fine (it repeats).
+    """
+
+    spec: SamplingSpec
+    totals: tuple[int, ...]
+    block_tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        names = spec.source_names
+        if not names:
+            raise InvalidArgument("a MixturePlan needs a mixture (sources)", field="sources")
+        if len(self.totals) != len(names) or len(self.block_tokens) != len(names):
+            raise InvalidArgument("one total and one block size per source", field="sources")
+        for name, total in zip(names, self.totals, strict=True):
+            if not 0 <= total <= MAX_TOKENS:
+                raise InvalidArgument(f"total_tokens out of range: {total}")
+            _, windows = split_windows(spec, total, "train")
+            if windows == 0:
+                raise FailedPrecondition(
+                    f"sources[{name!r}]: source {name!r} has no train window: its train "
+                    f"split ({split_bounds(total, 'train', spec.split_fraction)[1]} tokens at "
+                    f"split_rate {spec.split_rate}) is too short for seq_len {spec.seq_len} + "
+                    f"shift {spec.max_shift}",
+                    field=f"sources[{name!r}]",
+                )
+
+    @property
+    def mixture(self) -> Mixture:
+        return self.spec.mixture
+
+    @cached_property
+    def windows(self) -> tuple[int, ...]:
+        """Each source's train windows (one pass)."""
+        return tuple(split_windows(self.spec, t, "train")[1] for t in self.totals)
+
+    @cached_property
+    def train_tokens(self) -> tuple[int, ...]:
+        return tuple(split_windows(self.spec, t, "train")[0] for t in self.totals)
+
+    @cached_property
+    def orders(self) -> PassOrders:
+        spec = self.spec
+        return PassOrders(
+            self.windows,
+            [max(1, b // spec.stride) for b in self.block_tokens],
+            spec.shuffle_blocks,
+            [source_seed(spec.seed, name) for name in spec.source_names],
+            spec.shuffle,
+        )
+
+    @cached_property
+    def _windows_np(self) -> np.ndarray:
+        return np.array(self.windows, dtype=np.int64)
+
+    def shift_at(self, offset: int) -> int:
+        """The shift of the global step at `offset` (as a dataset's, with epoch 0)."""
+        shift = self.spec.shift
+        if shift != AUTO:
+            return int(shift)
+        divisors = self.spec.divisors
+        return divisors[key(self.spec.seed, 0, _SHIFT, offset) % len(divisors)]
+
+    def starts(self, sources: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Item `items[m]` of source `sources[m]` -> its window's start in that source's
+        store (pass items // windows, position items % windows of that pass)."""
+        w = self._windows_np[sources]
+        window = self.orders.windows(sources, items // w, items % w)
+        return window * self.spec.stride  # the train split begins at token 0
+
+    def check(self, rank: int, offset: int, step: int) -> None:
+        """InvalidArgument (naming the field) unless `rank` can stream from (offset, step)."""
+        spec = self.spec
+        if not 0 <= rank < spec.world_size:
+            raise InvalidArgument(
+                f"rank must be in [0, world_size={spec.world_size}), got {rank}", field="rank"
+            )
+        if not 0 <= step <= MAX_TOKENS:
+            raise InvalidArgument(f"step must be non-negative, got {step}", field="step")
+        last = self.mixture.max_position - spec.global_batch
+        if not 0 <= offset <= last:
+            raise InvalidArgument(
+                f"offset {offset} is outside the mixture stream's positions [0, {last}] "
+                f"(2**62 tokens / seq_len, less one global batch)",
+                field="offset",
+            )
+
+    def rounds(self, rank: int, offset: int = 0, step: int = 0) -> Iterator[Round]:
+        """`rank`'s batches from position `offset` on, endless, in Rounds (epoch 0).
+        `starts` are offsets in each row's source store, `sources` the indices."""
+        spec = self.spec
+        self.check(rank, offset, step)
+        fixed = 0 if spec.shift == AUTO else int(spec.shift)
+        B = spec.batch_size
+        for r in self.mixture.rounds(
+            rank,
+            offset,
+            step,
+            batch_size=B,
+            world_size=spec.world_size,
+            seed=spec.seed,
+            shuffle=spec.shuffle,
+        ):
+            n = len(r)
+            yield Round(
+                0,
+                r.step,
+                r.offsets,
+                [fixed] * n if fixed else [self.shift_at(x) for x in r.offsets],
+                [B] * n,
+                self.starts(r.sources, r.items),
+                r.sources,
+            )
+
+    def batches(self, rank: int, offset: int = 0, step: int = 0) -> Iterator[BatchPlan]:
+        for r in self.rounds(rank, offset, step):
+            yield from r.batches()
+
+    def budget(self, tokens: int) -> Budget:
+        """What a run of `tokens` tokens draws from each source (tokenfeed info, Info)."""
+        return self.mixture.budget(tokens, list(self.windows))

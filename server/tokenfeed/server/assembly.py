@@ -31,6 +31,7 @@ from tokenfeed.core import sampling
 from tokenfeed.server import wire
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Dataset
+from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
 
 # A group is built in one go: one pin of its chunks, one thread-pool round trip. 8 was
@@ -66,11 +67,15 @@ class LocatedRound:
         self.row_bytes = [c * store.dtype.itemsize for c in self.cols]
         self.row_lo = [0, *np.cumsum(rnd.rows).tolist()]
         # Only a round's last batch can be short, so its rows are a prefix of the flat array.
-        starts = rnd.starts.ravel()[: self.row_lo[-1]]
+        n = self.row_lo[-1]
+        own = rnd.starts.ravel()[:n]  # in each row's store (a mixture's: its source's)
+        sources = None if rnd.sources is None else rnd.sources.ravel()[:n]
+        starts = ds.virtual(own, sources)  # where assembly finds the rows
         cols = np.repeat(self.cols, rnd.rows) if len(set(self.cols)) > 1 else self.cols[0]
         bounds = store.chunk_starts
         first = np.searchsorted(bounds, starts, side="right") - 1
         self.starts = starts
+        self.sources = sources  # a mixture's: each row's source index
         self.chunk = first  # chunk holding each row's first token
         self.begin = (starts - bounds[first]) * store.dtype.itemsize  # its byte offset there
         # Windows cross chunks freely; such rows are rare and take the slow path.
@@ -90,7 +95,8 @@ class LocatedRound:
             self.cols,
             store.meta.dtype,
             store.dtype.itemsize,
-            starts,
+            own,
+            sources,
         )
 
     def __len__(self) -> int:
@@ -216,16 +222,18 @@ class MessageBuilder:
     def __init__(
         self,
         ds: Dataset,
-        plan: sampling.Plan,
+        plan: sampling.Plan | sampling.MixturePlan,
         rounds: Iterator[sampling.Round],
         per_message: int,
         cache: ChunkCache,
         metrics: ServerMetrics,
+        documents: BatchEnds | None = None,
         then: Iterator[sampling.Round] | None = None,
     ) -> None:
         """`then`: the rounds of this rank's next epoch from its start (lazy: only a
         remote store's deep read-ahead looks at its first batches, as this one ends)."""
         self.ds, self.plan, self.cache, self.metrics = ds, plan, cache, metrics
+        self.documents = documents  # each batch's document ends, when the request asks
         self.per_message = per_message
         self.message_bytes = (
             per_message
@@ -235,9 +243,14 @@ class MessageBuilder:
         )
         self.group_messages = max(1, min(GROUP_MESSAGES, GROUP_BYTES // self.message_bytes))
         self.lookahead = max(LOOKAHEAD_BATCHES, self.group_messages * per_message)
-        # this rank's batches per shuffle group (a step takes batch_size x world_size windows)
-        group_windows = plan.windows_per_block * (plan.spec.shuffle_blocks if plan.shuffle else 1)
-        per_group = -(-group_windows // (plan.batch_size * plan.world_size))
+        # this rank's batches per shuffle group (a step takes batch_size x world_size windows;
+        # a mixture's sources have groups of their own: DEEP_BATCHES)
+        per_group = 0
+        if isinstance(plan, sampling.Plan):
+            group_windows = plan.windows_per_block * (
+                plan.spec.shuffle_blocks if plan.shuffle else 1
+            )
+            per_group = -(-group_windows // (plan.batch_size * plan.world_size))
         self.deep = min(MAX_DEEP_BATCHES, max(DEEP_BATCHES, per_group + self.lookahead))
         self._source = rounds
         self._then = then
@@ -247,6 +260,12 @@ class MessageBuilder:
         self._pos = 0  # next batch of the first round
         self._groups = 0  # groups built so far
         self._asked: dict[int, int] = {}  # chunk -> group when last read ahead
+        # A mixture's messages' tokens per source, one array per message built, in order
+        # (the servicer counts them by source as it writes the messages).
+        self.by_source: deque[np.ndarray] | None = None
+        if isinstance(plan, sampling.MixturePlan):
+            self.by_source = deque()
+            self._k = len(plan.spec.sources)
         self._read_ahead((0, 0))
 
     @property
@@ -362,15 +381,30 @@ class MessageBuilder:
     def _message(self, spans: list[Span], views: dict[int, memoryview] | None) -> Message:
         parts: list[Any] = []
         batches = tokens = 0
+        by_source = None if self.by_source is None else np.zeros(self._k, dtype=np.int64)
         for lr, i, j in spans:
             for b in range(i, j):
                 lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
-                parts.append(lr.heads[b])
+                pieces: list[Any]
                 if views is not None:  # slices of the pinned chunks, copied once by the join
-                    parts += row_parts(self.ds, views, lr, b)
+                    pieces = row_parts(self.ds, views, lr, b)
                 else:
-                    parts.append(gather(self.ds, self.cache, lr.starts[lo:hi].tolist(), lr.cols[b]))
-                parts.append(lr.tails[b])
+                    pieces = [gather(self.ds, self.cache, lr.starts[lo:hi].tolist(), lr.cols[b])]
+                if self.documents is None:
+                    parts.append(lr.heads[b])
+                    parts += pieces
+                    parts.append(lr.tails[b])
+                else:
+                    starts = lr.starts[lo:hi]
+                    parts += self.documents.parts(
+                        lr.heads[b], pieces, lr.tails[b], starts, lr.cols[b]
+                    )
                 tokens += (hi - lo) * lr.cols[b]
             batches += j - i
+            if by_source is not None:  # this span's tokens by source
+                rows = cast(np.ndarray, lr.sources)[lr.row_lo[i] : lr.row_lo[j]]
+                cols = np.repeat(lr.cols[i:j], np.diff(lr.row_lo[i : j + 1]))
+                by_source += np.bincount(rows, cols, minlength=self._k).astype(np.int64)
+        if self.by_source is not None:
+            self.by_source.append(by_source)  # type: ignore[arg-type]
         return b"".join(parts), batches, tokens, tokens * self.ds.store.dtype.itemsize

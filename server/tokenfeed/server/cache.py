@@ -39,7 +39,7 @@ from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -168,6 +168,7 @@ class ChunkCache:
             self.stats.hits += len(entries)
         if self.metrics is not None:
             self.metrics.cache_hits.inc(len(entries))
+            self._by_dataset(self.metrics.cache_dataset_hits, keys)
         return entries
 
     def release_all(self, entries: list[_Entry]) -> None:
@@ -262,6 +263,7 @@ class ChunkCache:
                     self.stats.hits += 1
                     if self.metrics is not None:
                         self.metrics.cache_hits.inc()
+                        self._by_dataset(self.metrics.cache_dataset_hits, [key])
                     return entry
             else:
                 self._make_room(nbytes, wait=True)
@@ -277,6 +279,7 @@ class ChunkCache:
             self.stats.misses += 1
             if self.metrics is not None:
                 self.metrics.cache_misses.inc()
+                self._by_dataset(self.metrics.cache_dataset_misses, [key])
         if leader:
             self._load(key, entry, load)
         entry.done.wait()
@@ -292,6 +295,10 @@ class ChunkCache:
                 self._cond.notify_all()
 
     def _insert(self, key: Hashable, nbytes: int, ahead: bool = False) -> _Entry:
+        if self.metrics is not None and isinstance(key, tuple) and isinstance(key[0], str):
+            # a dataset's hit and miss series exist (at 0) from its first chunk load on
+            self.metrics.cache_dataset_hits.labels(dataset=key[0])
+            self.metrics.cache_dataset_misses.labels(dataset=key[0])
         entry = _Entry(nbytes, ahead=ahead, since=self._clock() if ahead else 0.0)
         self._entries[key] = entry
         if ahead:
@@ -404,6 +411,21 @@ class ChunkCache:
             self._ahead -= entry.nbytes
         else:
             self._used -= entry.nbytes
+
+    @staticmethod
+    def _by_dataset(counter: Any, keys: list[Hashable]) -> None:
+        """Count keys by dataset (a key's first part when it is a (name, ...) tuple)."""
+        if len(keys) == 1:
+            name = keys[0][0] if isinstance(keys[0], tuple) else None
+            if isinstance(name, str):
+                counter.labels(dataset=name).inc()
+            return
+        names: dict[str, int] = {}
+        for k in keys:
+            if isinstance(k, tuple) and isinstance(k[0], str):
+                names[k[0]] = names.get(k[0], 0) + 1
+        for name, n in names.items():
+            counter.labels(dataset=name).inc(n)
 
     def _gauge(self) -> None:
         if self.metrics is not None:

@@ -33,6 +33,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
 from tokenfeed.core.store import (
     META_NAME,
@@ -70,6 +72,11 @@ class Dataset:
 
     def chunk_key(self, index: int) -> tuple[str, int, int]:
         return self.chunk_keys[index]
+
+    def virtual(self, starts: np.ndarray, sources: np.ndarray | None) -> np.ndarray:
+        """Where rows starting at `starts` lie in this dataset's token space: as they
+        are; a mixture (mixtures.MixtureSpace) maps each source's starts into its own."""
+        return starts
 
 
 class Catalog:

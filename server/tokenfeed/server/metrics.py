@@ -3,7 +3,8 @@
 Dashboards and alert rules (deploy/) are built on these names, so they change only
 together with those. A registry is passed in (never the process-global one, which
 tests would fight over). Labels carry dataset names (paths relative to the data
-root) and split names only: no filesystem paths, no tokens, no client addresses.
+root), split names and a mixture's source names (dataset names too) only: no
+filesystem paths, no tokens, no client addresses.
 
 prometheus_client appends `_total` to counter names itself, so the counters below are
 declared without it and exported as `tokenfeed_server_batches_sent_total` and so on.
@@ -43,10 +44,13 @@ class ServerMetrics:
         self.batches_sent = Counter(
             "tokenfeed_server_batches_sent", "Batches sent", ds, registry=registry
         )
+        # `source` is "" for a single dataset's stream (PromQL treats it as absent, so
+        # queries by dataset and split read as before); a mixture's rows count under
+        # their source's dataset with source = that source.
         self.tokens_sent = Counter(
             "tokenfeed_server_tokens_sent",
-            "Tokens sent (rows x (seq_len + shift))",
-            ds,
+            "Tokens sent (rows x (seq_len + shift)); a mixture's by source",
+            ("dataset", "split", "source"),
             registry=registry,
         )
         self.bytes_sent = Counter(
@@ -64,6 +68,18 @@ class ServerMetrics:
         self.cache_misses = Counter(
             "tokenfeed_cache_misses",
             "Chunk requests that had to load (or wait for) a chunk",
+            registry=registry,
+        )
+        self.cache_dataset_hits = Counter(
+            "tokenfeed_cache_dataset_hits",
+            "Chunk requests served from the cache, by dataset (a mixture's: by source)",
+            ("dataset",),
+            registry=registry,
+        )
+        self.cache_dataset_misses = Counter(
+            "tokenfeed_cache_dataset_misses",
+            "Chunk requests that had to load (or wait for) a chunk, by dataset",
+            ("dataset",),
             registry=registry,
         )
         self.cache_evictions = Counter(

@@ -29,12 +29,14 @@ from typing import Any
 import grpc
 
 from tokenfeed.core import sampling
-from tokenfeed.core.errors import FeederError, InvalidArgument
+from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
 from tokenfeed.core.request import MAX_PARAM, SPLITS, SamplingSpec
+from tokenfeed.server import documents
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
+from tokenfeed.server.mixtures import MixtureSpace
 from tokenfeed.v1 import feeder_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -55,31 +57,49 @@ DEFAULT_CLIENT_MESSAGE_BYTES = 4 << 20
 # ----------------------------------------------------------------- requests -> plans
 
 
-def plan_for(spec: SamplingSpec, ds: Dataset) -> sampling.Plan:
-    """The spec's Plan over a dataset (FailedPrecondition if its split is too short);
-    shuffle blocks are about one chunk of tokens."""
+def block_tokens(ds: Dataset) -> int:
+    """Shuffle blocks are about one chunk of tokens."""
     meta = ds.store.meta
-    block_tokens = meta.tokens_per_chunk or max((c.tokens for c in meta.chunks), default=0)
-    return sampling.Plan(
+    tokens = meta.tokens_per_chunk or max((c.tokens for c in meta.chunks), default=0)
+    return max(1, min(tokens or sampling.DEFAULT_BLOCK_TOKENS, MAX_PARAM))
+
+
+def plan_for(spec: SamplingSpec, ds: Dataset) -> sampling.Plan:
+    """The spec's Plan over a dataset (FailedPrecondition if its split is too short)."""
+    return sampling.Plan(spec, ds.store.total_tokens, block_tokens=block_tokens(ds))
+
+
+def mixture_plan_for(spec: SamplingSpec, sources: list[Dataset]) -> sampling.MixturePlan:
+    """A mixture spec's plan over its sources' stores (FailedPrecondition naming a
+    source without a train window)."""
+    return sampling.MixturePlan(
         spec,
-        ds.store.total_tokens,
-        block_tokens=max(1, min(block_tokens or sampling.DEFAULT_BLOCK_TOKENS, MAX_PARAM)),
+        tuple(ds.store.total_tokens for ds in sources),
+        tuple(block_tokens(ds) for ds in sources),
     )
 
 
 def _fit_client_limit(
-    per_message: int, max_message_bytes: int, rows: int, cols: int, itemsize: int
+    per_message: int,
+    max_message_bytes: int,
+    rows: int,
+    cols: int,
+    itemsize: int,
+    document_ends: bool = False,
 ) -> int:
     """Batches per message so that no message exceeds the client's receive limit
     (StreamBatchesRequest.max_message_bytes; unset = gRPC's default 4 MiB). A batch
-    takes its tokens plus at most 10 bytes per window start and 128 of fields."""
+    takes its tokens plus at most 10 bytes per window start and 128 of fields, and with
+    `document_ends` up to 4 bytes more per token (every token ending a document)."""
     limit = max_message_bytes or DEFAULT_CLIENT_MESSAGE_BYTES
     if limit < 0:
         raise InvalidArgument(f"max_message_bytes must be non-negative, got {limit}")
-    batch_bytes = rows * cols * itemsize + 10 * rows + 128
+    batch_bytes = rows * cols * (itemsize + 4 * document_ends) + 10 * rows + 128
     if batch_bytes > limit:
         raise InvalidArgument(
-            f"one batch ({rows} rows x {cols} tokens x {itemsize} bytes) takes up to "
+            f"one batch ({rows} rows x {cols} tokens x {itemsize} bytes"
+            + (", and up to 4 bytes of document ends per token" if document_ends else "")
+            + f") takes up to "
             f"{batch_bytes} bytes on the wire, more than the client accepts: "
             f"max_message_bytes={limit}"
             + (" (unset: gRPC's default 4 MiB receive limit)" if not max_message_bytes else "")
@@ -87,6 +107,21 @@ def _fit_client_limit(
             "length and send it as max_message_bytes"
         )
     return min(per_message, limit // batch_bytes)
+
+
+def _describe(resp: pb.InfoResponse, ds: Dataset) -> pb.DatasetInfo:
+    """Add `ds`'s DatasetInfo (metadata, no splits yet) to `resp`."""
+    meta = ds.store.meta
+    return resp.datasets.add(
+        name=ds.name,
+        total_tokens=ds.store.total_tokens,
+        num_chunks=ds.store.num_chunks,
+        dtype=meta.dtype,
+        vocab_size=meta.vocab_size or 0,
+        eos_token_id=-1 if meta.eos_token_id is None else meta.eos_token_id,
+        tokenizer=meta.tokenizer or "",
+        tokens_per_chunk=meta.tokens_per_chunk or 0,
+    )
 
 
 # --------------------------------------------------------------------------- service
@@ -191,29 +226,69 @@ class FeederService:
             context, loop.run_in_executor(self.executor, self._info, request)
         )
 
+    def _sources(self, spec: SamplingSpec) -> list[Dataset]:
+        """A mixture's source datasets, in order (NotFound naming the unknown one)."""
+        found = []
+        for name in spec.source_names:
+            try:
+                found.append(self.datasets.get(name))
+            except NotFound as e:
+                field = f"sources[{name!r}]"
+                raise NotFound(f"{field}: {e.message}", field=field) from None
+            except InvalidArgument as e:
+                field = f"sources[{name!r}]"
+                raise InvalidArgument(f"{field}: {e.message}", field=field) from None
+        return found
+
     def _info(self, request: Any) -> pb.InfoResponse:
         request = self._decoded(request)
+        if request.HasField("params") and len(request.params.sources):
+            return self._mixture_info(request)
         if request.dataset:
             found = [self.datasets.get(request.dataset)]
         else:
             found = self.datasets.all()
         resp = pb.InfoResponse()
         for ds in found:
-            meta = ds.store.meta
-            info = resp.datasets.add(
-                name=ds.name,
-                total_tokens=ds.store.total_tokens,
-                num_chunks=ds.store.num_chunks,
-                dtype=meta.dtype,
-                vocab_size=meta.vocab_size or 0,
-                eos_token_id=-1 if meta.eos_token_id is None else meta.eos_token_id,
-                tokenizer=meta.tokenizer or "",
-                tokens_per_chunk=meta.tokens_per_chunk or 0,
-            )
+            info = _describe(resp, ds)
             if request.HasField("params"):
                 spec = SamplingSpec.from_proto(request.params, dataset=ds.name)
                 for split in SPLITS:
                     info.splits.append(self._split_info(spec.with_(split=split), ds, request.rank))
+        return resp
+
+    def _mixture_info(self, request: Any) -> pb.InfoResponse:
+        """Info of a mixture: each source's DatasetInfo (its splits for the params) and
+        SourceInfo (train tokens and windows, and what `budget_tokens` draws)."""
+        spec = SamplingSpec.from_proto(request.params)
+        if request.dataset and request.dataset not in spec.source_names:
+            raise InvalidArgument(
+                f"dataset: {request.dataset!r} is not a source of the mixture in params",
+                field="dataset",
+            )
+        if request.budget_tokens < 0:
+            raise InvalidArgument(
+                f"budget_tokens must be >= 0, got {request.budget_tokens}", field="budget_tokens"
+            )
+        sources = self._sources(spec)
+        MixtureSpace.of(sources)  # the dtype check
+        plan = mixture_plan_for(spec, sources)
+        budget = plan.budget(request.budget_tokens)
+        resp = pb.InfoResponse()
+        for ds, b, tokens in zip(sources, budget.sources, plan.train_tokens, strict=True):
+            info = _describe(resp, ds)
+            one = spec.with_(sources=(), schedule=(), dataset=ds.name)
+            for split in SPLITS:
+                info.splits.append(self._split_info(one.with_(split=split), ds, request.rank))
+            resp.sources.add(
+                name=ds.name,
+                tokens=tokens,
+                windows=b.windows,
+                windows_drawn=b.windows_drawn,
+                tokens_drawn=b.tokens_drawn,
+                passes=float(b.passes),
+                shares=[float(x) for x in b.shares],
+            )
         return resp
 
     @staticmethod
@@ -233,8 +308,14 @@ class FeederService:
     def _prepare_stream(self, request: Any) -> MessageBuilder:
         request = self._decoded(request)
         spec = SamplingSpec.from_proto(request.params)
-        ds = self.datasets.get(spec.dataset)
-        plan = plan_for(spec, ds)
+        plan: sampling.Plan | sampling.MixturePlan
+        if spec.is_mixture:
+            sources = self._sources(spec)
+            ds: Dataset = MixtureSpace.of(sources)
+            plan = mixture_plan_for(spec, sources)
+        else:
+            ds = self.datasets.get(spec.dataset)
+            plan = plan_for(spec, ds)
         if not 0 <= request.batches_per_message <= MAX_BATCHES_PER_MESSAGE:
             raise InvalidArgument(
                 f"batches_per_message must be in [0, {MAX_BATCHES_PER_MESSAGE}] (0 or 1 = one "
@@ -245,7 +326,16 @@ class FeederService:
                 f"epoch and step must be non-negative, got epoch={request.epoch} "
                 f"step={request.step}"
             )
-        plan.steps(request.rank, request.offset)  # validates rank and offset
+        if isinstance(plan, sampling.MixturePlan):
+            if request.epoch != 0:
+                raise InvalidArgument(
+                    f"epoch: a mixture stream is endless and has no epochs; epoch must be 0, "
+                    f"got {request.epoch}",
+                    field="epoch",
+                )
+            plan.check(request.rank, request.offset, request.step)
+        else:
+            plan.steps(request.rank, request.offset)  # validates rank and offset
         cols = plan.seq_len + plan.max_shift
         per_message = _fit_client_limit(
             max(1, request.batches_per_message),
@@ -253,6 +343,7 @@ class FeederService:
             plan.batch_size,
             cols,
             ds.store.dtype.itemsize,
+            request.document_ends,
         )
         message_bytes = per_message * plan.batch_size * cols * ds.store.dtype.itemsize
         if message_bytes > self.max_batch_bytes:  # the same as MessageBuilder.message_bytes
@@ -262,9 +353,16 @@ class FeederService:
                 f"--max-batch-bytes {self.max_batch_bytes}; lower batch_size or "
                 "batches_per_message (or raise --max-batch-bytes)"
             )
-        rounds = plan.rounds(request.epoch, request.rank, request.offset, request.step)
-        then = plan.rounds(request.epoch + 1, request.rank)  # a generator: nothing runs yet
-        return MessageBuilder(ds, plan, rounds, per_message, self.cache, self.metrics, then)
+        then = None  # a mixture has no epochs: its passes run on within one order
+        if isinstance(plan, sampling.MixturePlan):
+            rounds = plan.rounds(request.rank, request.offset, request.step)
+        else:
+            rounds = plan.rounds(request.epoch, request.rank, request.offset, request.step)
+            then = plan.rounds(request.epoch + 1, request.rank)  # a generator: nothing runs yet
+        ends = documents.for_dataset(ds) if request.document_ends else None
+        return MessageBuilder(
+            ds, plan, rounds, per_message, self.cache, self.metrics, ends, then=then
+        )
 
     async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         if self.draining:
@@ -291,8 +389,9 @@ class FeederService:
         pipe = await loop.run_in_executor(self.executor, self._prepare_stream, request)
         labels = {"dataset": pipe.ds.name, "split": pipe.plan.split}
         batches_sent = self.metrics.batches_sent.labels(**labels)
-        tokens_sent = self.metrics.tokens_sent.labels(**labels)
+        tokens_sent = self.metrics.tokens_sent.labels(**labels, source="")
         bytes_sent = self.metrics.bytes_sent.labels(**labels)
+        by_source = SourceCounters.of(self.metrics, pipe)
         small = pipe.message_bytes <= INLINE_MAX_BYTES
         building: asyncio.Future[Any] | None = None
         try:
@@ -311,8 +410,42 @@ class FeederService:
                     await context.write(data)  # waits for HTTP/2 flow control
                 # counted once per group, after it is written: fewer metric updates per message
                 batches_sent.inc(sum(g[1] for g in group))
-                tokens_sent.inc(sum(g[2] for g in group))
-                bytes_sent.inc(sum(g[3] for g in group))
+                if by_source is None:
+                    tokens_sent.inc(sum(g[2] for g in group))
+                    bytes_sent.inc(sum(g[3] for g in group))
+                else:
+                    by_source.count(len(group))
         finally:
             if building is not None:
                 building.cancel()  # a running build finishes its group; the result is dropped
+
+
+class SourceCounters:
+    """A mixture stream's tokens_sent / bytes_sent, by source: the builder records each
+    message's tokens per source as it builds it (MessageBuilder.by_source), and the
+    stream counts a message's share once it is written."""
+
+    def __init__(self, metrics: ServerMetrics, pipe: MessageBuilder) -> None:
+        assert isinstance(pipe.ds, MixtureSpace) and pipe.by_source is not None
+        self.pipe = pipe
+        self.itemsize = pipe.ds.store.dtype.itemsize
+        names = [d.name for d in pipe.ds.sources]
+        self.tokens = [
+            metrics.tokens_sent.labels(dataset=n, split="train", source=n) for n in names
+        ]
+        self.bytes = [metrics.bytes_sent.labels(dataset=n, split="train") for n in names]
+
+    @classmethod
+    def of(cls, metrics: ServerMetrics, pipe: MessageBuilder) -> SourceCounters | None:
+        return cls(metrics, pipe) if pipe.by_source is not None else None
+
+    def count(self, messages: int) -> None:
+        queue = self.pipe.by_source
+        assert queue is not None
+        total = queue.popleft()
+        for _ in range(messages - 1):
+            total = total + queue.popleft()
+        for i, n in enumerate(total.tolist()):
+            if n:
+                self.tokens[i].inc(n)
+                self.bytes[i].inc(n * self.itemsize)

@@ -52,8 +52,9 @@ _STEP = _tag(pb.Batch, "step", _VARINT)
 _OFFSET = _tag(pb.Batch, "offset", _VARINT)
 _TOKENS = _tag(pb.Batch, "tokens", _LEN)
 _STARTS = _tag(pb.Batch, "starts", _LEN)
+_SOURCES = _tag(pb.Batch, "sources", _LEN)
 _BATCH = _tag(pb.StreamBatchesResponse, "batches", _LEN)
-assert [f.name for f in sorted(pb.Batch.DESCRIPTOR.fields, key=lambda f: f.number)] == [
+assert [f.name for f in sorted(pb.Batch.DESCRIPTOR.fields, key=lambda f: f.number)][:10] == [
     "epoch",
     "step",
     "offset",
@@ -63,7 +64,8 @@ assert [f.name for f in sorted(pb.Batch.DESCRIPTOR.fields, key=lambda f: f.numbe
     "dtype",
     "tokens",
     "starts",
-], "frames() writes Batch's fields in this order"
+    "sources",
+], "frames() writes Batch's fields in this order (documents.py appends document_ends)"
 
 
 def _int_field(tag: bytes, n: int) -> bytes:
@@ -89,6 +91,7 @@ def frames(
     dtype: str,
     itemsize: int,
     starts: np.ndarray,
+    sources: np.ndarray | None = None,
 ) -> tuple[list[bytes], list[bytes]]:
     """(heads, tails) of consecutive batches (steps step, step + 1, ...): batch i of a
     response is `heads[i]`, then its rows x cols tokens of `itemsize` bytes, then
@@ -97,13 +100,15 @@ def frames(
     Fields are written in number order, as SerializeToString does: epoch, step and
     offset by hand (they change every batch), fields 4-7 by protobuf (cached), the
     tokens' tag and length, then `starts`, which protobuf packs for all batches in
-    one call and each batch's tail takes its slice of.
+    one call and each batch's tail takes its slice of, then (a mixture's) `sources`,
+    each row's source index, packed the same way.
     """
     packed = pb.Batch(starts=starts.tolist()).SerializeToString() if len(starts) else b""
     sizes = np.searchsorted(_VARINT_LIMITS, starts.astype(np.uint64), side="right") + 1
     values = memoryview(packed)[len(packed) - int(sizes.sum()) :]  # after tag and length
     cut = np.concatenate(([0], np.cumsum(rows))).tolist()  # batch i: starts[cut[i]:cut[i+1]]
     at = np.concatenate(([0], np.cumsum(sizes)))[cut].tolist()  # and its bytes in `values`
+    source_tails = _packed_slices(_SOURCES, sources, cut) if sources is not None else None
     heads, tails = [], []
     epoch_field = _int_field(_EPOCH, epoch)
     for i, (offset, shift, n_rows, n_cols) in enumerate(
@@ -111,6 +116,8 @@ def frames(
     ):
         a, b = at[i], at[i + 1]
         tail = _STARTS + varint(b - a) + values[a:b] if b > a else b""
+        if source_tails is not None:
+            tail += source_tails[i]
         payload = n_rows * n_cols * itemsize
         fields = b"".join(
             (
@@ -123,3 +130,19 @@ def frames(
         heads.append(_BATCH + varint(len(fields) + payload + len(tail)) + fields)
         tails.append(tail)
     return heads, tails
+
+
+def _packed_slices(tag: bytes, values: np.ndarray, cut: list[int]) -> list[bytes]:
+    """A packed repeated int field per batch: batch i holds values[cut[i]:cut[i+1]]
+    (small non-negative ints: source indices), as protobuf encodes it."""
+    if len(values) and int(values.max()) < 0x80:  # one byte per value: the usual case
+        raw = values.astype(np.uint8).tobytes()
+        return [
+            tag + varint(b - a) + raw[a:b] if b > a else b""
+            for a, b in zip(cut[:-1], cut[1:], strict=True)
+        ]
+    out = []
+    for a, b in zip(cut[:-1], cut[1:], strict=True):
+        body = b"".join(varint(int(v)) for v in values[a:b].tolist())
+        out.append(tag + varint(len(body)) + body if body else b"")
+    return out

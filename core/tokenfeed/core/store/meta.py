@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from tokenfeed.core.dtypes import numpy_dtype
-from tokenfeed.core.errors import DataLoss, InvalidArgument
+from tokenfeed.core.errors import ChecksumMismatch, DataLoss, InvalidArgument
 
 FORMAT_VERSION = 1
 META_NAME = "meta.json"
@@ -42,6 +42,16 @@ def checksum(data: bytes | memoryview | np.ndarray) -> str:
     if isinstance(data, np.ndarray):
         data = np.ascontiguousarray(data).data.cast("B")
     return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def check_checksum(data: np.ndarray, chunk: Chunk, where: str) -> None:
+    """ChecksumMismatch naming the chunk when `data` is not what meta.json recorded
+    (a chunk without a recorded checksum passes)."""
+    if chunk.checksum and (got := checksum(data)) != chunk.checksum:
+        raise ChecksumMismatch(
+            f"{where}: chunk {chunk.file} is corrupt (checksum {got}, meta.json says "
+            f"{chunk.checksum}); run `tokenfeed verify {where}`"
+        )
 
 
 def chunk_name(index: int) -> str:

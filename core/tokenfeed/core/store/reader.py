@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from tokenfeed.core.dtypes import numpy_dtype
-from tokenfeed.core.errors import ChecksumMismatch, DataLoss, FeederError, InvalidArgument, NotFound
+from tokenfeed.core.errors import DataLoss, FeederError, InvalidArgument, NotFound
 from tokenfeed.core.store.files import LocalFiles, StoreFiles, open_files
-from tokenfeed.core.store.meta import META_NAME, Chunk, StoreMeta, checksum
+from tokenfeed.core.store.meta import META_NAME, Chunk, StoreMeta, check_checksum
 
 
 class StoreReader(ABC):
@@ -193,11 +193,8 @@ class TokenStore(StoreReader):
                 f"meta.json says {c.tokens}"
             ) from None
         data = np.frombuffer(buf, dtype=self.dtype, count=c.tokens)
-        if verify and c.checksum and checksum(data) != c.checksum:
-            raise ChecksumMismatch(
-                f"{self.location}: chunk {c.file} is corrupt (checksum {checksum(data)}, "
-                f"meta.json says {c.checksum}); run `tokenfeed verify {self.location}`"
-            )
+        if verify:
+            check_checksum(data, c, self.location)
         return data
 
     def verify(self) -> list[str]:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from tokenfeed.core.errors import DataLoss, FeederError, NotFound
-from tokenfeed.core.store.meta import META_NAME, Chunk, StoreMeta, checksum
+from tokenfeed.core.store.meta import META_NAME, Chunk, StoreMeta, check_checksum
 from tokenfeed.core.store.reader import StoreReader
 
 CHUNK_DIR = re.compile(r"^chunk_(\d+)$")
@@ -200,11 +200,8 @@ class SeedStore(StoreReader):
                 )
             np.copyto(out[at : at + p.size], p, casting="unsafe")
             at += p.size
-        if verify and c.checksum and checksum(out) != c.checksum:
-            raise DataLoss(
-                f"{folder}: chunk is corrupt (checksum {checksum(out)}, meta.json says "
-                f"{c.checksum})"
-            )
+        if verify:
+            check_checksum(out, c, str(folder))
         return out
 
     def verify(self) -> list[str]:

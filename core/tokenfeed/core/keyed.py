@@ -1,0 +1,202 @@
+"""Counter-based keys and keyed bijections: where every sample order gets its randomness.
+
+One definition for every order the feeder computes (a dataset's block shuffle, a
+mixture's step order, a source's passes), written so other languages can reproduce it:
+
+* `mix(x)` is the splitmix64 finaliser on 64-bit words;
+* `key(p_0, p_1, ...)` is the key chain h = mix(h ^ p) from h = 0x9E3779B97F4A7C15 over
+  the parts (each taken modulo 2**64): a counter-based RNG, one stream per purpose;
+* the keyed bijection of [0, n) with key K is a Feistel network over the smallest
+  number of bits b covering n (left half ceil(b/2) bits, right half floor(b/2); the
+  widths swap every round; 6 rounds restore them), round r keyed by key(K, r), whose
+  round function is mix(half ^ round key) masked to the other half's width; cycle
+  walking (applying it again until the value lands below n) restricts it to [0, n).
+  The domain is under 2n, so a point walks twice on average.
+
+Everything here is vectorized over per-element keys, widths and sizes, so one call
+evaluates many different bijections at once (a mixture maps items of many sources'
+passes in one go); numpy's cost is per call, not per element, at these sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+MASK64 = (1 << 64) - 1
+ROUNDS = 6
+_H0 = 0x9E3779B97F4A7C15
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
+_ROUND_IDS = np.arange(ROUNDS, dtype=np.uint64)
+_ONE = np.uint64(1)
+
+
+def mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on a uint64 array (wrapping arithmetic); a new array.
+
+    In place on two temporaries: cheaper than a new array per operation, which matters
+    at the few hundred values a round maps."""
+    y = x >> _S30
+    y ^= x
+    y *= _M1
+    t = y >> _S27
+    y ^= t
+    y *= _M2
+    np.right_shift(y, _S31, out=t)
+    y ^= t
+    return y
+
+
+def mix_int(x: int) -> int:
+    """splitmix64 finaliser on a Python int (scalars: faster than numpy here)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def key(*parts: int) -> int:
+    """A 64-bit key from integers (seed, epoch, tag, index...): the key chain."""
+    h = _H0
+    for p in parts:
+        h = mix_int(h ^ (p & MASK64))
+    return h
+
+
+def keys(*parts: int | np.ndarray) -> np.ndarray:
+    """`key` over arrays (broadcast): uint64 keys, one per element. The leading scalar
+    parts are chained in Python, the rest on arrays."""
+    first = next((i for i, p in enumerate(parts) if isinstance(p, np.ndarray)), len(parts))
+    h0 = key(*(int(p) for p in parts[:first]))
+    if first == len(parts):
+        return np.array(h0, dtype=np.uint64)
+    h: np.ndarray = np.uint64(h0) ^ np.asarray(parts[first]).astype(np.uint64)
+    h = mix(h)
+    for p in parts[first + 1 :]:
+        if isinstance(p, np.ndarray):
+            h = mix(h ^ p.astype(np.uint64))
+        else:
+            h = mix(h ^ np.uint64(int(p) & MASK64))
+    return h
+
+
+def round_keys(k: int | np.ndarray) -> np.ndarray:
+    """The round keys key(K, r), r = 0..5, of the bijections keyed by `k`:
+    shape k.shape + (6,) (an int key gives shape (6,))."""
+    if not isinstance(k, np.ndarray):
+        return np.array([key(int(k), r) for r in range(ROUNDS)], dtype=np.uint64)
+    base = mix(np.uint64(_H0) ^ k.astype(np.uint64))
+    return mix(base[..., None] ^ _ROUND_IDS)
+
+
+def domain_bits(n: int | np.ndarray) -> Any:
+    """The bits b of a bijection of [0, n): the smallest b with 2**b >= n, at least 1."""
+    if isinstance(n, np.ndarray):
+        m = np.maximum(n.astype(np.int64) - 1, 1)
+        # bit_length via float log2 is exact for the sizes here (n <= 2**62): 2**k - 1
+        # and 2**k are never confused because we take frexp of an integer-valued float.
+        _, e = np.frexp(m.astype(np.float64))
+        # frexp rounds m to a double; correct the rare case where that rounding crossed
+        # a power of two (m >= 2**53)
+        e = e.astype(np.int64)
+        big = m >= (1 << 53)
+        if big.any():
+            e[big] = [int(x).bit_length() for x in m[big].tolist()]
+        return e
+    return max(1, (int(n) - 1).bit_length())
+
+
+def _mask(width: Any) -> Any:
+    if isinstance(width, np.ndarray):
+        return np.left_shift(_ONE, width) - _ONE
+    return np.uint64((1 << int(width)) - 1)
+
+
+def _widths(bits: Any) -> tuple[Any, Any]:
+    if isinstance(bits, np.ndarray):
+        b = bits.astype(np.uint64)
+        wr = b >> _ONE
+        return b - wr, wr
+    n = int(bits)
+    return np.uint64(n - n // 2), np.uint64(n // 2)
+
+
+def encrypt(x: np.ndarray, rk: np.ndarray, bits: Any) -> np.ndarray:
+    """One pass of the Feistel network over [0, 2**bits) (no walking).
+
+    x: uint64 [m]; rk: round keys [6] (one bijection) or [m, 6] (one per element);
+    bits: an int or an int array [m]."""
+    wl, wr = _widths(bits)
+    ml, mr = _mask(wl), _mask(wr)
+    left, right = x >> wr, x & mr
+    for r in range(ROUNDS):
+        f = mix(right ^ rk[..., r])
+        f &= ml
+        f ^= left
+        left, right = right, f
+        wl, wr, ml, mr = wr, wl, mr, ml
+    return (left << wr) | right
+
+
+def decrypt(x: np.ndarray, rk: np.ndarray, bits: Any) -> np.ndarray:
+    """The inverse of `encrypt` (same arguments)."""
+    wl, wr = _widths(bits)  # an even number of rounds: the widths at the end too
+    ml, mr = _mask(wl), _mask(wr)
+    left, right = x >> wr, x & mr
+    for r in reversed(range(ROUNDS)):
+        f = mix(left ^ rk[..., r])
+        f &= mr
+        f ^= right
+        left, right = f, left
+        wl, wr, ml, mr = wr, wl, mr, ml
+    return (left << wr) | right
+
+
+def permute(
+    x: np.ndarray, n: Any, rk: np.ndarray, bits: Any = None, inverse: bool = False
+) -> np.ndarray:
+    """The keyed bijections of [0, n) at x (cycle walking): int64 [m].
+
+    x: int array [m], each below its n; n: an int or an int array [m]; rk: round keys
+    [6] or [m, 6]; bits: domain_bits(n) if not given. Elements whose n is 1 map to 0.
+    """
+    if bits is None:
+        bits = domain_bits(n)
+    step = decrypt if inverse else encrypt
+    out = step(np.asarray(x).astype(np.uint64), rk, bits)
+    n_u = np.asarray(n).astype(np.uint64)
+    outside = out >= n_u
+    if not outside.any():
+        return out.astype(np.int64)
+    per_rk, per_n, per_bits = rk.ndim > 1, n_u.ndim > 0, isinstance(bits, np.ndarray)
+    idx = np.flatnonzero(outside)
+    while len(idx):
+        sub = step(
+            out[idx],
+            rk[idx] if per_rk else rk,
+            bits[idx] if per_bits else bits,
+        )
+        out[idx] = sub
+        keep = sub >= (n_u[idx] if per_n else n_u)
+        idx = idx[keep]
+    return out.astype(np.int64)
+
+
+class Permutation:
+    """The keyed bijection of range(n) with key `key`, evaluated pointwise."""
+
+    def __init__(self, n: int, key_: int) -> None:
+        self.n = n
+        self._bits = domain_bits(n)
+        self._rk = round_keys(key_)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.n <= 1:
+            return np.zeros(np.shape(x), dtype=np.int64)
+        return permute(x, self.n, self._rk, self._bits)
+
+    def inverse(self, y: np.ndarray) -> np.ndarray:
+        if self.n <= 1:
+            return np.zeros(np.shape(y), dtype=np.int64)
+        return permute(y, self.n, self._rk, self._bits, inverse=True)
