@@ -1,27 +1,40 @@
 """Where a store lives and which format it is in, side by side in one run (ratios).
 
-    python benchmarks/store_sources.py [--tokens 48M] [--chunk-tokens 8M] [--seconds 8]
+    python benchmarks/store_sources.py [--tokens 48M] [--chunk-tokens 2M] [--seconds 10]
+        [--repeats 3] [--rows local,s3,seed,megatron] [--latency 0.020]
 
-One random uint16 token array, stored five ways, each served by its own
+One random uint16 token array, stored several ways, each served by its own
 `tokenfeed serve` process and drained by one FeederClient (shuffled, 16 x 1024):
 
-* native, local disk (the baseline);
-* native, in S3 (SeaweedFS on 127.0.0.1) behind a proxy that adds 20 ms to every
-  request (tests/s3faultproxy.py in a process of its own; it copies every byte through
-  Python, which costs CPU on this 2-core machine: a real far-away S3 would not);
-* the seed layout (chunk_NNNNNN/ save_to_disk folders, int32 Arrow, served as uint32
-  unless a meta.json says uint16: measured with the meta.json `info` suggests, edited
-  to uint16), local;
-* a Megatron PREFIX.bin/.idx (uint16), local.
+* `local`: native, local disk (the baseline of every ratio);
+* `s3`: native, in S3 (SeaweedFS on 127.0.0.1) behind benchmarks/latency_proxy.py,
+  which holds every request `--latency` seconds (20 ms) and moves the bytes with
+  os.splice, so the proxy itself costs next to no CPU (see its docstring for why not
+  netem, and what it does not model);
+* `s3direct`: the same S3 store without the proxy (what S3 costs on this machine apart
+  from latency: SeaweedFS and the feeder share its cores);
+* `seed`: the seed layout (chunk_NNNNNN/ save_to_disk folders, int32 Arrow, with the
+  meta.json `tokenfeed info` suggests edited to uint16), local;
+* `megatron`: a Megatron PREFIX.bin/.idx (uint16), local.
 
-The cache (--cache-bytes) holds about half of the store, so every epoch reads chunks
-again: steady state is chunk loading plus serving, not a warm cache. Reported per
-row: steady-state tokens/s (after the first 2 s), the ratio to the local native store,
-time to the first batch from a cold server (process start excluded: from the first
-request), and the server's peak RSS against --cache-bytes.
+The rows run one after another within a repeat, in an order rotated every repeat, so
+a neighbour's load on this shared machine spreads over all of them; each ratio is
+taken within its repeat (row / `local` of the same repeat) and reported as the median
+and range over the repeats.
 
-Goals (issue 14): S3 >= 0.9x local, first batch from cold S3 < 2 s, memory within
---cache-bytes plus the read-ahead budget; seed and Megatron >= 0.9x native.
+The cache (--cache-bytes) holds about 3/4 of the store, so every epoch reads chunks
+again: steady state is chunk loading plus serving, not a warm cache. Every row gets the
+same --cache-bytes and --readahead-bytes (10 chunks: a shuffle group of 8 plus room).
+One FeederClient drains epoch after epoch, as a training loop does (its lookahead opens
+the next epoch's stream as one ends); the store is small, so an epoch lasts well under
+a second and epoch starts weigh far more than in training. Per row:
+steady-state tokens/s (after the first 2 s), the ratio to `local`, the time to the
+first batch from a cold server (process start excluded: from the first request), and
+memory: how far the server's resident set grew from idle (serving, before the first
+request) to its peak, against --cache-bytes plus the read-ahead budget.
+
+Goals (issue 14): s3 >= 0.9x local, first batch from cold S3 < 2 s, memory within
+--cache-bytes plus the read-ahead budget; seed and megatron >= 0.9x local.
 """
 
 from __future__ import annotations
@@ -29,10 +42,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,8 +56,17 @@ import numpy as np
 from tokenfeed.cli.process import serve_argv, stop, wait_for_port
 from tokenfeed.server.config import parse_size
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / "tests"
 SEQ_LEN, BATCH = 1024, 16
+ROWS = ("local", "s3", "s3direct", "seed", "megatron")
+LABELS = {
+    "local": "native, local disk",
+    "s3": "native, S3 +{ms} ms/request",
+    "s3direct": "native, S3 (no proxy)",
+    "seed": "seed layout, local",
+    "megatron": "Megatron .bin/.idx, local",
+}
 
 
 def write_all(root: Path, tokens: np.ndarray, chunk_tokens: int) -> None:
@@ -76,15 +100,8 @@ def write_all(root: Path, tokens: np.ndarray, chunk_tokens: int) -> None:
 
 
 def start_proxy(s3_port: int, latency: float) -> tuple[subprocess.Popen[str], str]:
-    code = (
-        "import sys, time; sys.path.insert(0, sys.argv[1]);"
-        "from s3faultproxy import S3FaultProxy;"
-        "p = S3FaultProxy(('127.0.0.1', int(sys.argv[2]))).start();"
-        "p.configure(latency=float(sys.argv[3])); print(p.endpoint, flush=True);"
-        "time.sleep(1e9)"
-    )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(TESTS), str(s3_port), str(latency)],
+        [sys.executable, str(HERE / "latency_proxy.py"), str(s3_port), "--latency", str(latency)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -92,36 +109,111 @@ def start_proxy(s3_port: int, latency: float) -> tuple[subprocess.Popen[str], st
     return proc, proc.stdout.readline().strip()
 
 
-def peak_rss(pid: int) -> int:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The feeder's /metrics: the cache's counters (misses: a stream waited for a chunk)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if not sample.labels or sample.name.endswith(("_sum", "_count")):
+                out[sample.name] = sample.value
+    return out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def status(pid: int) -> dict[str, int]:
+    """/proc/PID/status sizes in bytes (VmRSS, VmHWM, RssAnon, RssFile, ...)."""
+    out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        key, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class Sampler(threading.Thread):
+    """Peak RssAnon (malloc heaps: the chunks themselves live in shared anonymous maps,
+    RssShmem) and peak RSS, sampled every 20 ms."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak_anon, self.peak_rss = pid, 0, 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            try:
+                s = status(self.pid)
+            except OSError:
+                return
+            self.peak_anon = max(self.peak_anon, s.get("RssAnon", 0))
+            self.peak_rss = max(self.peak_rss, s.get("VmRSS", 0))
 
 
 def measure(
-    root: str, dataset: str, cache: int, seconds: float, tmp: Path, env: dict[str, str]
+    root: str,
+    dataset: str,
+    seconds: float,
+    tmp: Path,
+    env: dict[str, str],
+    flags: dict[str, object],
+    others: list[int],
 ) -> dict[str, float]:
+    """One row: the feeder's tokens/s, first batch, memory growth, and CPU seconds per
+    second of the steady state of the feeder, this process (the client) and `others`
+    (the S3 server and the proxy)."""
     from tokenfeed.client import FeederClient
 
     port_file = tmp / f"port-{time.monotonic_ns()}"
+    watchdog: threading.Timer | None = None
     log = open(tmp / "serve.log", "ab")  # noqa: SIM115 - closed below
+    metrics_port = free_port()
     proc = subprocess.Popen(
-        serve_argv(root, port_file, cache_bytes=cache, log_level="WARNING"),  # type: ignore[arg-type]
+        serve_argv(root, port_file, log_level="WARNING", metrics_port=metrics_port, **flags),  # type: ignore[arg-type]
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
     )
     try:
         port = wait_for_port(proc, port_file, 120)
+        # a feeder that stops serving must fail the row, not hang the run (the client
+        # reconnects on its own): stopped after twice the row's time plus a minute
+        watchdog = threading.Timer(2 * seconds + 60, proc.kill)
+        watchdog.daemon = True
+        watchdog.start()
+        time.sleep(0.5)  # settle: imports done, threads started
+        idle = status(proc.pid)
+        sampler = Sampler(proc.pid)
+        sampler.start()
         kw = dict(dataset=dataset, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True, seed=1)
         t0 = time.perf_counter()
+        cpu0: list[float] = []
+        m0: dict[str, float] = {}
         first = None
         tokens = 0
         marks: list[tuple[float, int]] = []
         epoch = 0
-        while True:
-            with FeederClient(f"127.0.0.1:{port}", rank=0, world_size=1, **kw) as c:
+        # one client for every epoch, as a training loop: set_epoch(epoch + 1) adopts the
+        # stream the client opened ahead as the epoch ended (its `lookahead`)
+        with FeederClient(f"127.0.0.1:{port}", rank=0, world_size=1, **kw) as c:
+            while time.perf_counter() - t0 <= seconds:
                 c.set_epoch(epoch)
                 for b in c:
                     now = time.perf_counter()
@@ -129,37 +221,83 @@ def measure(
                         first = now - t0
                     tokens += b["input_ids"].size
                     marks.append((now, tokens))
+                    if not cpu0 and now - t0 >= 2.0:
+                        cpu0 = [cpu_seconds(p) for p in (proc.pid, os.getpid(), *others)]
+                        m0 = scrape(metrics_port)
                     if now - t0 > seconds:
                         break
-            if time.perf_counter() - t0 > seconds:
-                break
-            epoch += 1
+                epoch += 1
+        cpu1 = [cpu_seconds(p) for p in (proc.pid, os.getpid(), *others)]
+        m1 = scrape(metrics_port)
+        sampler.done.set()
+        sampler.join()
+        peak = status(proc.pid)
         warm = next((m for m in marks if m[0] - t0 >= 2.0), marks[0])
         end = marks[-1]
-        if end[0] <= warm[0]:
+        if end[0] <= warm[0] or not cpu0:
             raise RuntimeError(f"{root}/{dataset}: {len(marks)} batches, first {first}")
-        rate = (end[1] - warm[1]) / (end[0] - warm[0])
-        return {"tokens_per_s": rate, "first_batch_s": first or 0.0, "rss": peak_rss(proc.pid)}
+        span = end[0] - warm[0]
+        cpu = [(b - a) / span for a, b in zip(cpu0, cpu1, strict=True)]
+
+        def rate(name: str) -> float:
+            return (m1.get(name, 0.0) - m0.get(name, 0.0)) / span
+
+        loads = rate("tokenfeed_chunk_load_seconds_count")
+        return {
+            "loads": loads,
+            "waits": rate("tokenfeed_cache_misses_total"),
+            "load_ms": 1e3 * rate("tokenfeed_chunk_load_seconds_sum") / loads if loads else 0.0,
+            "feeder_cpu": cpu[0],
+            "client_cpu": cpu[1],
+            "other_cpu": sum(cpu[2:]),
+            "tokens_per_s": (end[1] - warm[1]) / (end[0] - warm[0]),
+            "first_batch_s": first or 0.0,
+            "grew": max(peak["VmHWM"], sampler.peak_rss) - idle["VmRSS"],
+            "heap_grew": sampler.peak_anon - idle.get("RssAnon", 0),
+            "epochs": epoch + 1,
+        }
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         stop(proc, 15)
         log.close()
+
+
+def spread(values: list[float], fmt: str) -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return format(med, fmt)
+    return f"{format(med, fmt)} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="48M")
-    ap.add_argument("--chunk-tokens", default="8M")
-    ap.add_argument("--cache-bytes", default=None, help="default: half the store")
-    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--chunk-tokens", default="2M")
+    ap.add_argument("--cache-bytes", default=None, help="default: 3/4 of the store")
+    ap.add_argument(
+        "--readahead-bytes",
+        default=None,
+        help="every row's --readahead-bytes (default: 10 chunks, shuffle_blocks + 2)",
+    )
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--latency", type=float, default=0.020)
+    ap.add_argument("--rows", default="local,s3,seed,megatron", help=",".join(ROWS))
     args = ap.parse_args()
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if "local" not in rows or any(r not in ROWS for r in rows):
+        ap.error(f"--rows: a list of {', '.join(ROWS)} that includes local")
     n, per = parse_size(args.tokens), parse_size(args.chunk_tokens)
-    cache = parse_size(args.cache_bytes) if args.cache_bytes else n  # n uint16 = half
+    cache = parse_size(args.cache_bytes) if args.cache_bytes else n * 3 // 2  # n uint16 = 2n
+    ahead = parse_size(args.readahead_bytes) if args.readahead_bytes else 10 * 2 * per
+    flags: dict[str, object] = {"cache_bytes": cache, "readahead_bytes": ahead}
     sys.path.insert(0, str(TESTS))
     from seaweed import SeaweedS3
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 50_000, n, dtype=np.uint16)
+    results: dict[str, list[dict[str, float]]] = {r: [] for r in rows}
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as tmpdir:
         tmp = Path(tmpdir)
         root = tmp / "root"
@@ -175,34 +313,69 @@ def main() -> int:
             url = f"s3://{s3.bucket}/bench"
             write_store(f"{url}/native", tokens, dtype="uint16", tokens_per_chunk=per)
             print(f"uploaded to {url}/native in {time.perf_counter() - t0:.1f} s")
-            assert s3.ports is not None
+            assert s3.ports is not None and s3.proc is not None
             proxy, endpoint = start_proxy(s3.ports.s3, args.latency)
+            where = {
+                "local": (str(root), "native", env),
+                "s3": (url, "native", env | {"AWS_ENDPOINT_URL": endpoint}),
+                "s3direct": (url, "native", env),
+                "seed": (str(root), "seed", env),
+                "megatron": (str(root), "megatron", env),
+            }
             try:
-                rows = {
-                    "native, local disk": (str(root), "native", env),
-                    f"native, S3 +{args.latency * 1000:.0f} ms/request": (
-                        url,
-                        "native",
-                        env | {"AWS_ENDPOINT_URL": endpoint},
-                    ),
-                    "seed layout, local": (str(root), "seed", env),
-                    "Megatron .bin/.idx, local": (str(root), "megatron", env),
-                }
-                results = {
-                    name: measure(r, ds, cache, args.seconds, tmp, e)
-                    for name, (r, ds, e) in rows.items()
-                }
+                for rep in range(args.repeats):
+                    order = rows[rep % len(rows) :] + rows[: rep % len(rows)]
+                    for row in order:
+                        r, ds, e = where[row]
+                        others = [s3.proc.pid, proxy.pid] if row.startswith("s3") else []
+                        results[row].append(measure(r, ds, args.seconds, tmp, e, flags, others))
+                        got = results[row][-1]
+                        print(
+                            f"  repeat {rep + 1} {row:<9} {got['tokens_per_s'] / 1e6:6.1f} M tok/s"
+                            f"  first {got['first_batch_s']:.2f} s"
+                            f"  grew {got['grew'] / 2**20:.0f} MiB  CPU feeder "
+                            f"{got['feeder_cpu']:.2f} client {got['client_cpu']:.2f} "
+                            f"S3+proxy {got['other_cpu']:.2f}  loads/s {got['loads']:.1f} "
+                            f"({got['load_ms']:.0f} ms) waits/s {got['waits']:.1f}",
+                            flush=True,
+                        )
             finally:
                 proxy.kill()
                 proxy.wait()
-    base = results["native, local disk"]["tokens_per_s"]
-    size = f"cache {cache / 2**20:.0f} MiB, store {2 * n / 2**20:.0f} MiB"
-    print(f"\n{size}, {args.seconds:g} s per row")
-    print(f"{'store':<28} {'tokens/s':>12} {'ratio':>6} {'first batch':>12} {'peak RSS':>10}")
-    for name, r in results.items():
+    print(
+        f"\nstore {2 * n / 2**20:.0f} MiB in chunks of {2 * per / 2**20:.0f} MiB, cache "
+        f"{cache / 2**20:.0f} MiB + read-ahead {ahead / 2**20:.0f} MiB = memory bound "
+        f"{(cache + ahead) / 2**20:.0f} MiB; {args.seconds:g} s per row, {args.repeats} "
+        "repeats interleaved: median (range)"
+    )
+    print(
+        f"{'store':<28} {'M tokens/s':>18} {'ratio':>17} {'first batch s':>17} "
+        f"{'RSS grew MiB':>15} {'heap grew MiB':>15}"
+    )
+    base = results["local"]
+    for row in rows:
+        rs = results[row]
+        label = LABELS[row].format(ms=round(args.latency * 1000))
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base, strict=True)]
         print(
-            f"{name:<28} {r['tokens_per_s']:>12,.0f} {r['tokens_per_s'] / base:>6.2f} "
-            f"{r['first_batch_s']:>10.2f} s {r['rss'] / 2**20:>7.0f} MiB"
+            f"{label:<28} {spread([r['tokens_per_s'] / 1e6 for r in rs], '.1f'):>18} "
+            f"{spread(ratios, '.2f'):>17} {spread([r['first_batch_s'] for r in rs], '.2f'):>17} "
+            f"{spread([r['grew'] / 2**20 for r in rs], '.0f'):>15} "
+            f"{spread([r['heap_grew'] / 2**20 for r in rs], '.0f'):>15}"
+        )
+    print(
+        "\nsteady state (medians): CPU cores busy (feeder, client, S3 server + proxy); chunk"
+        " loads/s and ms per load; waits/s (a stream asked for a chunk not loaded yet)"
+    )
+    for row in rows:
+        rs = results[row]
+        label = LABELS[row].format(ms=round(args.latency * 1000))
+        print(
+            f"{label:<28} "
+            + "  ".join(
+                f"{statistics.median(r[k] for r in rs):5.2f}"
+                for k in ("feeder_cpu", "client_cpu", "other_cpu", "loads", "load_ms", "waits")
+            )
         )
     return 0
 

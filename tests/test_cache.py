@@ -173,18 +173,146 @@ def test_read_ahead_does_not_push_out_chunks_in_use() -> None:
     cache.close()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_byte_bound_holds_under_a_random_workload(seed: int) -> None:
+def loaded(cache: ChunkCache, key: object) -> None:
+    deadline = time.monotonic() + 30
+    while key not in cache and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert key in cache
+
+
+def test_read_ahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
+    """With a budget, read-ahead chunks wait outside the cache until first used: they
+    push out neither the chunks in use nor each other; a first use moves one into the
+    cache, which then evicts its least recent chunk."""
+    metrics = ServerMetrics(CollectorRegistry())
+    cache = ChunkCache(300, metrics, readahead_bytes=200)
+    for k in (1, 2, 3):
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    assert cache.prefetch(4, 100, lambda: chunk(4, 100))
+    assert cache.prefetch(5, 100, lambda: chunk(5, 100))
+    assert not cache.prefetch(6, 100, lambda: chunk(6, 100))  # the budget is full: skipped
+    loaded(cache, 4)
+    loaded(cache, 5)
+    assert all(k in cache for k in (1, 2, 3, 4, 5)) and 6 not in cache
+    assert cache.resident_bytes == 300 and cache.readahead_bytes == 200
+    reg = metrics.registry
+    assert reg.get_sample_value("tokenfeed_readahead_bytes") == 200
+    assert reg.get_sample_value("tokenfeed_readahead_capacity_bytes") == 200
+    with cache.pinned(4, 100, lambda: chunk(99, 100)) as data:  # first use: 1 goes
+        assert int(data[0]) == 4
+    assert 1 not in cache and all(k in cache for k in (2, 3, 4, 5))
+    assert cache.resident_bytes == 300 and cache.readahead_bytes == 100
+    assert cache.prefetch(6, 100, lambda: chunk(6, 100))  # room again
+    loaded(cache, 6)
+    entries = cache.pin_resident([5, 6])  # the all-resident fast path moves them too
+    assert entries is not None
+    cache.release_all(entries)
+    assert cache.readahead_bytes == 0 and cache.resident_bytes == 300
+    assert 2 not in cache and 3 not in cache
+    assert cache.stats.ahead_used == 3 and cache.stats.loads == 6
+    cache.close()
+
+
+def test_read_ahead_waits_for_pins_nowhere_and_stays_within_both_bounds() -> None:
+    """A read-ahead chunk first used while every cached chunk is pinned joins the cache
+    anyway (nothing waits); the cache is over its bound by what left the read-ahead
+    room, and back within it at the next load."""
+    cache = ChunkCache(200, readahead_bytes=100)
+    assert cache.prefetch("r", 100, lambda: chunk(7, 100))
+    loaded(cache, "r")
+    with (
+        cache.pinned("a", 100, lambda: chunk(1, 100)),
+        cache.pinned("b", 100, lambda: chunk(2, 100)),
+    ):
+        with cache.pinned("r", 100, lambda: chunk(99, 100)) as data:
+            assert int(data[0]) == 7
+            assert cache.resident_bytes == 300 and cache.readahead_bytes == 0
+    with cache.pinned("c", 100, lambda: chunk(3, 100)):
+        assert cache.resident_bytes == 200
+    cache.close()
+
+
+def test_pin_resident_moves_a_read_ahead_without_evicting_what_it_pins() -> None:
+    cache = ChunkCache(200, readahead_bytes=100)
+    for k in ("a", "b"):
+        with cache.pinned(k, 100, lambda: chunk(1, 100)):
+            pass
+    assert cache.prefetch("r", 100, lambda: chunk(7, 100))
+    loaded(cache, "r")
+    entries = cache.pin_resident(["r", "a"])  # "a" is the least recent, but pinned here
+    assert entries is not None and [int(e.data[0]) for e in entries] == [7, 1]
+    cache.release_all(entries)
+    assert "a" in cache and "r" in cache and "b" not in cache
+    cache.close()
+
+
+def test_cooled_chunks_go_first_and_warm_up_again_when_used() -> None:
+    cache = ChunkCache(300)
+    for k in (1, 2, 3):
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    cache.cool([3, 2, "absent"])  # a stream is past 2 and 3: they go before 1
+    with cache.pinned(2, 100, lambda: chunk(2, 100)):  # ...but 2 is used again: warm
+        pass
+    with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 3, the coldest
+        pass
+    assert 3 not in cache and all(k in cache for k in (1, 2, 4))
+    cache.close()
+
+
+def test_read_ahead_of_a_cached_chunk_warms_it() -> None:
+    """A stream about to need a cached chunk asks for it ahead: it moves to the warm
+    end, so the room the next load needs is taken from chunks not needed soon."""
+    cache = ChunkCache(300)
+    for k in (1, 2, 3):
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    assert not cache.prefetch(1, 100, lambda: chunk(1, 100))  # cached: no load, warmed
+    with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 2, not 1
+        pass
+    assert 2 not in cache and all(k in cache for k in (1, 3, 4))
+    assert cache.stats.loads == 4
+    cache.close()
+
+
+def test_read_ahead_nobody_used_gives_its_room_up_once_stale() -> None:
+    now = [0.0]
+    cache = ChunkCache(1000, readahead_bytes=100, stale_seconds=60, clock=lambda: now[0])
+    assert cache.prefetch("old", 100, lambda: chunk(1, 100))
+    loaded(cache, "old")
+    now[0] = 59.0
+    assert not cache.prefetch("new", 100, lambda: chunk(2, 100))  # not stale yet: skipped
+    now[0] = 60.0
+    assert cache.prefetch("new", 100, lambda: chunk(2, 100))  # "old" dropped unused
+    loaded(cache, "new")
+    assert "old" not in cache and cache.stats.ahead_dropped == 1
+    assert cache.readahead_bytes == 100 and cache.resident_bytes == 0
+    assert not cache.prefetch("huge", 101, lambda: chunk(3, 101))  # never fits the budget
+    cache.close()
+
+
+@pytest.mark.parametrize(("seed", "ahead"), [(0, 0), (1, 0), (2, 0), (0, 3_000), (1, 3_000)])
+def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int) -> None:
+    """The cache stays within its bound; with a read-ahead budget, read-aheads stay
+    within theirs and both together within the sum (a first use may move a chunk from
+    one to the other while everything else is pinned)."""
     capacity = 5_000
-    cache = ChunkCache(capacity)
+    cache = ChunkCache(capacity, readahead_bytes=ahead)
     sizes = {k: random.Random(k).randint(1, 2_000) for k in range(40)}
     violations: list[int] = []
     wrong: list[int] = []
 
+    def over() -> int | None:
+        with cache._cond:  # both at one instant (the lock is re-entrant)
+            used, pending = cache.resident_bytes, cache.readahead_bytes
+        if ahead == 0:
+            return used if used > capacity or pending else None
+        return used + pending if pending > ahead or used + pending > capacity + ahead else None
+
     def load(k: int) -> np.ndarray:
-        used = cache.resident_bytes
-        if used > capacity:
-            violations.append(used)
+        if (bad := over()) is not None:
+            violations.append(bad)
         return chunk(k, sizes[k])
 
     def worker(i: int) -> None:
@@ -197,8 +325,8 @@ def test_byte_bound_holds_under_a_random_workload(seed: int) -> None:
             with cache.pinned(k, sizes[k], lambda k=k: load(k)) as data:
                 if data.nbytes != sizes[k] or int(data[0]) != k % 251:
                     wrong.append(k)
-            if cache.resident_bytes > capacity:
-                violations.append(cache.resident_bytes)
+            if (bad := over()) is not None:
+                violations.append(bad)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
     for t in threads:

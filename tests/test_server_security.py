@@ -94,6 +94,9 @@ def test_config_validation_and_loud_warning(feeder_root: Path, tmp_path: Path, p
     cfg = ServerConfig.from_sources({"port": 7000}, env)
     assert (cfg.cache_bytes, cfg.port, cfg.host) == (512 << 20, 7000, "127.0.0.1")
     assert cfg.insecure_warning() is None
+    assert cfg.readahead_budget == 0  # automatic, local root: read-ahead shares the cache
+    ahead = ServerConfig.from_sources({"readahead_bytes": "64M"}, env)
+    assert ahead.readahead_budget == 64 << 20
     exposed = ServerConfig.from_sources({"host": "0.0.0.0"}, env)
     assert "neither TLS nor an auth token" in exposed.insecure_warning()
     tls = ServerConfig.from_sources(
@@ -110,6 +113,7 @@ def test_config_validation_and_loud_warning(feeder_root: Path, tmp_path: Path, p
         ({"tls_client_ca": pki["ca_path"]}, env, "--tls-client-ca needs"),
         ({"auth_token_file": tmp_path / "none"}, env, "no such file"),
         ({"grace_seconds": -1}, env, "--grace-seconds"),
+        ({"readahead_bytes": "-2"}, env, "--readahead-bytes must be in"),
     ]
     for flags, environ, message in bad:
         with pytest.raises(InvalidArgument, match=message):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from conftest import make_positional_store, running_feeder
 from prepare_support import make_documents, write_jsonl
+from support import wait_until
 
 from tokenfeed.cli import main
 from tokenfeed.core.errors import DataLoss, NotFound, PermissionDenied
@@ -132,6 +133,23 @@ DOCS = make_documents(150, seed=3)
 
 class Interrupted(KeyboardInterrupt):
     pass
+
+
+def test_read_ahead_on_s3_reaches_into_the_next_epoch(s3_root: str) -> None:
+    """As a stream over object storage ends, the next epoch's first chunks are read
+    ahead (a trainer's next stream would otherwise wait for their GETs)."""
+    make_positional_store(f"{s3_root}/epochs", 40_000, 1_000)  # type: ignore[arg-type]
+    # 40 chunks of 4 KB; the cache holds 6 of them, the read-ahead budget 12
+    with running_feeder(s3_root, cache_bytes=24_000, readahead_bytes=48_000) as f:  # type: ignore[arg-type]
+        p = params("epochs", shuffle=True, shuffle_blocks=2, seed=3, split_rate=1.0)
+        check_positional(stream(f.address, p), s3_root, p)
+        ds = f.server.datasets.get("epochs")
+        spec = SamplingSpec.from_proto(p)
+        first = next(plan_for(spec, ds).batches(1, 0)).starts.tolist()
+        wanted = {ds.store.chunk_of(s) for s in first}
+        cache = f.server.cache
+        wait_until(lambda: all(ds.chunk_key(c) in cache for c in wanted), 30, "read-ahead")
+        assert cache.stats.prefetches > 0
 
 
 def _source(stop_after: int | None = None) -> IterableSource:

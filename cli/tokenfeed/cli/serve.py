@@ -31,6 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="chunk cache bound for the whole node, e.g. 2G (default 2 GiB; with --workers "
         "N each worker maps at most 1/N of it) [TOKENFEED_CACHE_BYTES]",
     )
+    a(
+        "--readahead-bytes",
+        help="room for chunks read ahead and not used yet, outside --cache-bytes, e.g. "
+        "256M: the feeder's memory bound is the sum of both. Object storage needs about "
+        "(shuffle_blocks + 1) chunks to hide its first-byte latency (default: a quarter "
+        "of --cache-bytes for s3://, 0 for a local root, where read-ahead shares the "
+        "cache) [TOKENFEED_READAHEAD_BYTES]",
+    )
     a("--max-streams", type=int, help="concurrent streams (default 256) [TOKENFEED_MAX_STREAMS]")
     a(
         "--max-batch-bytes",

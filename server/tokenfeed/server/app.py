@@ -37,7 +37,7 @@ from tokenfeed.v1 import feeder_pb2
 log = logging.getLogger("tokenfeed.server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
-READAHEAD_THREADS_REMOTE = 4
+READAHEAD_THREADS_REMOTE = 8
 _REQUEST_LIMIT = 1 << 20  # requests are small; responses are bounded by --max-batch-bytes
 
 
@@ -110,11 +110,13 @@ class FeederServer:
         self.metrics = ServerMetrics(self.registry)
         # First: an s3:// root is listed here, so bad credentials fail before anything starts.
         self.datasets = Catalog(config.data_root, open_store)
-        # Object storage answers in tens of ms per request: more chunk loads in flight.
+        # Object storage answers in tens of ms per request: more chunk loads in flight (8:
+        # a shuffle group's chunks at once; the threads mostly wait, GIL released).
         self.cache = ChunkCache(
             config.cache_bytes,
             self.metrics,
             readahead_threads=READAHEAD_THREADS_REMOTE if self.datasets.remote else 2,
+            readahead_bytes=config.readahead_budget,
         )
         self.executor = ThreadPoolExecutor(
             config.num_assembly_threads, thread_name_prefix="tokenfeed-batch"
@@ -244,12 +246,13 @@ async def serve(
     server = server if server is not None else create_server(config)
     await server.start()
     log.info(
-        "tokenfeed feeder serving %s on %s (tls=%s, auth=%s, cache %d bytes)%s",
+        "tokenfeed feeder serving %s on %s (tls=%s, auth=%s, cache %d bytes, read-ahead %d)%s",
         config.data_root,
         server.address,
         config.tls,
         config.auth_token_file is not None,
         config.cache_bytes,
+        config.readahead_budget,
         f", metrics on :{server.metrics_port}" if server.metrics_port else "",
     )
     stop = asyncio.Event()

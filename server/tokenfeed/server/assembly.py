@@ -41,11 +41,14 @@ GROUP_BYTES = 1 << 20  # ...unless they reach this size first
 LOOKAHEAD_BATCHES = 8  # batches past the last group built whose chunks are read ahead (min)
 ASK_AGAIN_GROUPS = 8  # a chunk read ahead is not asked for again for this many groups
 # Stores whose chunks come over the network (s3://): every DEEP_EVERY groups, also read
-# ahead the chunks of the next DEEP_BATCHES batches, so a shuffle group's chunks are
-# loading well before the stream reaches them (a GET costs tens of ms before its first
-# byte, a 32 MiB chunk a few hundred). Done every few groups, its cost stays small.
+# ahead the chunks of the next shuffle group's worth of batches (at least DEEP_BATCHES,
+# at most MAX_DEEP_BATCHES), nearest first, so the next shuffle group's chunks are
+# loading about a group before the stream reaches them (a GET costs tens of ms before
+# its first byte, a 32 MiB chunk a few hundred). They wait in the cache's read-ahead
+# budget (cache.py). Done every few groups, its cost stays small.
 DEEP_EVERY = 16
 DEEP_BATCHES = 1024
+MAX_DEEP_BATCHES = 16384
 
 Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, payload bytes)
 Span = tuple["LocatedRound", int, int]  # batches [i, j) of a round
@@ -136,6 +139,25 @@ def spans_chunks(ds: Dataset, spans: list[Span]) -> set[int]:
     return chunks
 
 
+def chunks_by_first_use(ds: Dataset, spans: list[Span]) -> list[int]:
+    """The chunks spans touch, in the order their rows first need them (a row crossing
+    into the next chunks needs those at its own place in the order too)."""
+    seen: dict[int, None] = {}
+    for lr, i, j in spans:
+        lo, hi = lr.row_lo[i], lr.row_lo[j]
+        rows, chunks = [np.arange(lo, hi)], [lr.chunk[lo:hi]]
+        crossing = lr.crossing
+        for r in crossing[bisect_left(crossing, lo) : bisect_left(crossing, hi)]:
+            s, cols = int(lr.starts[r]), lr.cols[bisect_right(lr.row_lo, r) - 1]
+            more = [c for c, _, _ in _pieces(ds.chunk_bounds, int(lr.chunk[r]), s, s + cols)]
+            rows.append(np.full(len(more), r))
+            chunks.append(np.array(more, dtype=lr.chunk.dtype))
+        flat = np.concatenate(chunks)[np.argsort(np.concatenate(rows), kind="stable")]
+        ids, first = np.unique(flat, return_index=True)
+        seen.update(dict.fromkeys(ids[np.argsort(first)].tolist()))
+    return list(seen)
+
+
 def _pieces(bounds: list[int], c: int, start: int, end: int) -> Iterator[tuple[int, int, int]]:
     """Where tokens [start, end) lie, from chunk c on: (chunk, a, b) for each non-empty
     chunk they touch, [a, b) being the part of them in that chunk."""
@@ -217,7 +239,10 @@ class MessageBuilder:
         cache: ChunkCache,
         metrics: ServerMetrics,
         documents: BatchEnds | None = None,
+        then: Iterator[sampling.Round] | None = None,
     ) -> None:
+        """`then`: the rounds of this rank's next epoch from its start (lazy: only a
+        remote store's deep read-ahead looks at its first batches, as this one ends)."""
         self.ds, self.plan, self.cache, self.metrics = ds, plan, cache, metrics
         self.documents = documents  # each batch's document ends, when the request asks
         self.per_message = per_message
@@ -229,7 +254,18 @@ class MessageBuilder:
         )
         self.group_messages = max(1, min(GROUP_MESSAGES, GROUP_BYTES // self.message_bytes))
         self.lookahead = max(LOOKAHEAD_BATCHES, self.group_messages * per_message)
+        # this rank's batches per shuffle group (a step takes batch_size x world_size windows;
+        # a mixture's sources have groups of their own: DEEP_BATCHES)
+        per_group = 0
+        if isinstance(plan, sampling.Plan):
+            group_windows = plan.windows_per_block * (
+                plan.spec.shuffle_blocks if plan.shuffle else 1
+            )
+            per_group = -(-group_windows // (plan.batch_size * plan.world_size))
+        self.deep = min(MAX_DEEP_BATCHES, max(DEEP_BATCHES, per_group + self.lookahead))
         self._source = rounds
+        self._then = then
+        self._then_rounds: list[LocatedRound] = []  # the next epoch's first rounds, located
         self._exhausted = False
         self._rounds: deque[LocatedRound] = deque()  # located, not yet (all) sent
         self._pos = 0  # next batch of the first round
@@ -267,16 +303,25 @@ class MessageBuilder:
             k, pos = (k + 1, 0) if j == len(lr) else (k, j)
         return spans, (k, pos)
 
-    def _read_ahead(self, cursor: tuple[int, int]) -> None:
+    def _read_ahead(self, cursor: tuple[int, int], used: set[int] | None = None) -> None:
         """Prefetch the chunks of the `lookahead` batches from `cursor` (in an unshuffled
-        order, the chunk after them too); chunks asked for in the last few groups are
-        not asked again."""
+        order, the chunk after them too; remote stores: every few groups, a shuffle
+        group's worth, nearest first); chunks asked for in the last few groups are not
+        asked again. Chunks of `used` (the group just built) those batches do not need
+        go to the cold end of the cache's order: the stream is past them (cache.cool)."""
         store = self.ds.store
-        deep = store.remote and self._groups % DEEP_EVERY == 0
-        depth = max(self.lookahead, DEEP_BATCHES) if deep else self.lookahead
-        chunks = spans_chunks(self.ds, self._spans(depth, cursor)[0])
+        near = spans_chunks(self.ds, self._spans(self.lookahead, cursor)[0])
+        if used:
+            self.cache.cool([self.ds.chunk_key(c) for c in used - near])
+        if store.remote and self._groups % DEEP_EVERY == 0:
+            spans = self._spans(self.deep, cursor)[0]
+            if self._exhausted:  # the epoch ends within reach: the next one's start too
+                spans += self._then_spans(self.deep - sum(j - i for _, i, j in spans))
+            chunks = chunks_by_first_use(self.ds, spans)
+        else:
+            chunks = sorted(near)
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
-            chunks.add(max(chunks) + 1)
+            chunks.append(max(chunks) + 1)
         self._groups += 1
         if len(self._asked) > 4096:
             self._asked.clear()
@@ -286,6 +331,22 @@ class MessageBuilder:
             self._asked[c] = self._groups
             if nbytes := store.chunk_nbytes(c):
                 self.cache.prefetch(self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))
+
+    def _then_spans(self, n: int) -> list[Span]:
+        """The next epoch's first n batches (as far as it has them), located once."""
+        spans: list[Span] = []
+        k = 0
+        while n > 0:
+            if k == len(self._then_rounds):
+                rnd = None if self._then is None else next(self._then, None)
+                if rnd is None:
+                    break
+                self._then_rounds.append(LocatedRound(self.ds, rnd, self.plan.seq_len))
+            lr = self._then_rounds[k]
+            spans.append((lr, 0, min(n, len(lr))))
+            n -= len(lr)
+            k += 1
+        return spans
 
     def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int]]:
         """The next n messages as spans of rounds, and the cursor after them."""
@@ -323,7 +384,7 @@ class MessageBuilder:
         finally:
             if views is not None:
                 self.cache.release_all(views[0])
-        self._read_ahead(cursor)  # before the cursor moves: it counts from the first round
+        self._read_ahead(cursor, chunks)  # before the cursor moves: it counts from the first round
         self._advance(cursor)
         batches = sum(g[1] for g in group)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)

@@ -15,6 +15,17 @@ Rules that keep it deadlock-free and within its bound:
   not cached; it is raised to every caller waiting for that load, logged and counted
   (checksum mismatches apart too), and the next request tries again.
 
+Read-ahead budget (`readahead_bytes`, the feeder's --readahead-bytes; 0 = none): a
+chunk read ahead waits in room of its own, outside the LRU, until a stream first uses
+it; only then does it join the cache, which evicts its least recent chunks to make room.
+So read-ahead can start loading the next shuffle group's chunks long before they are
+needed (object storage answers tens of ms late) without pushing out the chunks streams
+are reading now, and without read-aheads pushing out each other. Memory stays within
+capacity + readahead_bytes. A read-ahead that finds its room full is skipped (asked
+again later), unless the oldest chunk waiting there has been waiting `stale_seconds`
+unused: a guess that did not come true (its stream went away) gives its room up.
+Without a budget, a read-ahead chunk takes cache room, at the cold end of the LRU order.
+
 Pure threading and numpy: no gRPC, no store format (callers pass a `load` function).
 """
 
@@ -48,6 +59,8 @@ class _Entry:
     pins: int = 0
     data: np.ndarray | None = None
     view: memoryview | None = None  # `data` as bytes, made once: slicing it is cheap
+    ahead: bool = False  # read ahead, not used yet: counted in the read-ahead room
+    since: float = 0.0  # when it was read ahead (time.monotonic)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -60,6 +73,8 @@ class CacheStats:
     evictions: int = 0
     failures: int = 0
     prefetches: int = 0  # loads started by read-ahead
+    ahead_used: int = 0  # chunks read ahead into the budget that a stream then used
+    ahead_dropped: int = 0  # ... that were dropped unused (stale_seconds)
 
 
 class ChunkCache:
@@ -70,27 +85,45 @@ class ChunkCache:
         capacity_bytes: int,
         metrics: ServerMetrics | None = None,
         readahead_threads: int = 2,
+        readahead_bytes: int = 0,
+        stale_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity_bytes <= 0:
             raise FailedPrecondition(f"cache capacity must be positive, got {capacity_bytes}")
+        if readahead_bytes < 0:
+            raise FailedPrecondition(f"read-ahead budget must be >= 0, got {readahead_bytes}")
         self.capacity = capacity_bytes
+        self.readahead_capacity = readahead_bytes
+        self.stale_seconds = stale_seconds
+        self._clock = clock
         self.metrics = metrics
         self.stats = CacheStats()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU first
-        self._used = 0  # bytes of all entries, ready or loading
+        self._used = 0  # bytes of the cache's entries (not read-ahead ones), ready or loading
+        self._ahead = 0  # bytes of entries waiting in the read-ahead room, ready or loading
         self._cond = threading.Condition()
         self._pool = ThreadPoolExecutor(readahead_threads, thread_name_prefix="tokenfeed-readahead")
         self._closed = False
         if metrics is not None:
             metrics.cache_capacity_bytes.set(capacity_bytes)
             metrics.cache_resident_bytes.set(0)
+            metrics.readahead_capacity_bytes.set(readahead_bytes)
+            metrics.readahead_bytes.set(0)
 
     # ------------------------------------------------------------------ public
 
     @property
     def resident_bytes(self) -> int:
+        """Bytes held by the cache proper (chunks in use or used), loading ones included."""
         with self._cond:
             return self._used
+
+    @property
+    def readahead_bytes(self) -> int:
+        """Bytes of chunks read ahead and not used yet (in the read-ahead budget)."""
+        with self._cond:
+            return self._ahead
 
     def __contains__(self, key: Hashable) -> bool:
         with self._cond:
@@ -129,6 +162,9 @@ class ChunkCache:
             for key, e in zip(keys, entries, strict=True):
                 e.pins += 1
                 self._entries.move_to_end(key)
+            for e in entries:  # after pinning all: a promotion evicts only unpinned chunks
+                if e.ahead:
+                    self._promote(e)
             self.stats.hits += len(entries)
         if self.metrics is not None:
             self.metrics.cache_hits.inc(len(entries))
@@ -145,24 +181,50 @@ class ChunkCache:
         """Start loading `key` in the background unless present, in flight or no room.
 
         Never blocks and never evicts a pinned chunk; returns whether a load started.
-        The chunk joins at the cold end of the LRU order and moves up when first used:
-        a read-ahead guess (a slow stream's far future, say) must not push out what
-        streams are using now.
+        A chunk already cached moves to the warm end of the LRU order: a stream will
+        need it soon, so room is made from chunks it will not.
+        With a read-ahead budget the chunk waits in it until first used (see the module
+        docstring); without one it joins at the cold end of the LRU order and moves up
+        when first used: a read-ahead guess (a slow stream's far future, say) must not
+        push out what streams are using now.
         """
         self._check_fits(key, nbytes)
         with self._cond:
-            if self._closed or key in self._entries:
+            if self._closed:
                 return False
-            if not self._make_room(nbytes, wait=False):
+            if (present := self._entries.get(key)) is not None:
+                if not present.ahead:  # needed soon: warm, so room is made elsewhere first
+                    self._entries.move_to_end(key)
                 return False
-            entry = self._insert(key, nbytes)
-            self._entries.move_to_end(key, last=False)
+            if self.readahead_capacity:
+                if not self._make_ahead_room(nbytes):
+                    return False
+                entry = self._insert(key, nbytes, ahead=True)
+            else:
+                if not self._make_room(nbytes, wait=False):
+                    return False
+                entry = self._insert(key, nbytes)
+                self._entries.move_to_end(key, last=False)
             self.stats.prefetches += 1
         try:
             self._pool.submit(self._load, key, entry, load)
         except RuntimeError:  # pool shut down concurrently
             self._fail(key, entry, DataLoss("cache closed"), log_it=False)
         return True
+
+    def cool(self, keys: list[Hashable]) -> None:
+        """Move `keys` (those cached) to the cold end of the LRU order: a stream is done
+        with them for a while (its shuffle group moved on), so they go first when room
+        is needed, before chunks it has not reached yet. Any later use warms them again.
+
+        Plain LRU keeps exactly the wrong chunks when the cache holds less than an
+        epoch: the ones the epoch has already used, evicting the ones still to come.
+        """
+        with self._cond:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is not None and not e.ahead:
+                    self._entries.move_to_end(key, last=False)
 
     def clear(self) -> None:
         """Drop every unpinned chunk (used chunks go when released)."""
@@ -194,6 +256,8 @@ class ChunkCache:
             if entry is not None:
                 entry.pins += 1
                 self._entries.move_to_end(key)
+                if entry.ahead:
+                    self._promote(entry)
                 leader = False
                 if entry.data is not None:
                     self.stats.hits += 1
@@ -210,6 +274,8 @@ class ChunkCache:
                     entry = self._insert(key, nbytes)
                 assert entry is not None
                 entry.pins += 1
+                if entry.ahead:  # read ahead by another thread while we waited for room
+                    self._promote(entry)
             self.stats.misses += 1
             if self.metrics is not None:
                 self.metrics.cache_misses.inc()
@@ -228,23 +294,63 @@ class ChunkCache:
             if entry.pins == 0:
                 self._cond.notify_all()
 
-    def _insert(self, key: Hashable, nbytes: int) -> _Entry:
+    def _insert(self, key: Hashable, nbytes: int, ahead: bool = False) -> _Entry:
         if self.metrics is not None and isinstance(key, tuple) and isinstance(key[0], str):
             # a dataset's hit and miss series exist (at 0) from its first chunk load on
             self.metrics.cache_dataset_hits.labels(dataset=key[0])
             self.metrics.cache_dataset_misses.labels(dataset=key[0])
-        entry = _Entry(nbytes)
+        entry = _Entry(nbytes, ahead=ahead, since=self._clock() if ahead else 0.0)
         self._entries[key] = entry
-        self._used += nbytes
+        if ahead:
+            self._ahead += nbytes
+        else:
+            self._used += nbytes
         self.stats.loads += 1
         self._gauge()
         return entry
+
+    def _promote(self, entry: _Entry) -> None:
+        """A read-ahead chunk's first use (lock held, `entry` pinned): it moves from the
+        read-ahead room into the cache, which evicts least recent chunks to make room
+        without waiting; if everything else is pinned it stays over its bound until the
+        next load makes room (the bytes only moved: the sum of both bounds holds)."""
+        entry.ahead = False
+        self._ahead -= entry.nbytes
+        self._used += entry.nbytes
+        self.stats.ahead_used += 1
+        self._make_room(0, wait=False)
+        self._gauge()
+
+    def _make_ahead_room(self, nbytes: int) -> bool:
+        """Whether `nbytes` fit in the read-ahead room (lock held), after dropping chunks
+        that have waited there unused for stale_seconds, oldest first."""
+        if nbytes > self.readahead_capacity:
+            return False
+        if self._ahead + nbytes <= self.readahead_capacity:
+            return True
+        now = self._clock()
+        stale = [
+            (k, e)
+            for k, e in self._entries.items()
+            if e.ahead and e.pins == 0 and e.data is not None
+            if now - e.since >= self.stale_seconds
+        ]
+        for k, e in sorted(stale, key=lambda ke: ke[1].since):
+            self._evict(k, e)
+            self.stats.ahead_dropped += 1
+            if self._ahead + nbytes <= self.readahead_capacity:
+                return True
+        return False
 
     def _make_room(self, nbytes: int, wait: bool) -> bool:
         """Evict LRU unpinned chunks until `nbytes` fit (lock held); wait for pins if asked."""
         while self._used + nbytes > self.capacity:
             victim = next(
-                ((k, e) for k, e in self._entries.items() if e.pins == 0 and e.data is not None),
+                (
+                    (k, e)
+                    for k, e in self._entries.items()
+                    if e.pins == 0 and e.data is not None and not e.ahead
+                ),
                 None,
             )
             if victim is not None:
@@ -257,7 +363,7 @@ class ChunkCache:
 
     def _evict(self, key: Hashable, entry: _Entry) -> None:
         del self._entries[key]
-        self._used -= entry.nbytes
+        self._uncount(entry)
         entry.data = entry.view = None
         self.stats.evictions += 1
         if self.metrics is not None:
@@ -286,7 +392,7 @@ class ChunkCache:
         with self._cond:
             if self._entries.get(key) is entry:
                 del self._entries[key]
-                self._used -= entry.nbytes
+                self._uncount(entry)
                 self._gauge()
             entry.error = error
             entry.done.set()
@@ -299,6 +405,12 @@ class ChunkCache:
                     self.metrics.cache_checksum_failures.inc()
             msg = getattr(error, "message", None) or repr(error)
             log.error("chunk load failed for %r: %s", key, msg)
+
+    def _uncount(self, entry: _Entry) -> None:
+        if entry.ahead:
+            self._ahead -= entry.nbytes
+        else:
+            self._used -= entry.nbytes
 
     @staticmethod
     def _by_dataset(counter: Any, keys: list[Hashable]) -> None:
@@ -318,3 +430,4 @@ class ChunkCache:
     def _gauge(self) -> None:
         if self.metrics is not None:
             self.metrics.cache_resident_bytes.set(self._used)
+            self.metrics.readahead_bytes.set(self._ahead)

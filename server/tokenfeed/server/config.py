@@ -29,6 +29,9 @@ class ServerConfig:
     port: int = 50051
     metrics_port: int = 0  # 0 = no metrics endpoint
     cache_bytes: int = 2 * GiB
+    # chunks read ahead and not used yet wait outside the cache, in this many bytes
+    # (cache.py); -1 = automatic: none for a local root, cache_bytes / 4 for s3://
+    readahead_bytes: int = -1
     max_streams: int = 256
     max_batch_bytes: int = 64 * MiB  # bytes of one response message (all its batches)
     assembly_threads: int = 0  # batch-assembly threads per process; 0 = automatic
@@ -54,6 +57,7 @@ class ServerConfig:
             ("port", 0, 65535),
             ("metrics_port", 0, 65535),
             ("cache_bytes", 1, 1 << 50),
+            ("readahead_bytes", -1, 1 << 50),
             ("max_streams", 1, 1 << 20),
             ("max_batch_bytes", 1, 2 * GiB - 1),  # gRPC messages are limited to 2 GiB
             ("assembly_threads", 0, 1024),
@@ -84,6 +88,17 @@ class ServerConfig:
             return self.assembly_threads
         cores = max(1, (os.cpu_count() or 1) // self.workers)
         return min(8, cores if self.workers == 1 else max(2, cores))
+
+    @property
+    def readahead_budget(self) -> int:
+        """Bytes of the read-ahead budget: the flag, or automatic (-1): 0 for a local data
+        root (chunks load in milliseconds: read-ahead shares the cache's room), a quarter
+        of --cache-bytes for object storage (first bytes come tens of ms late: the next
+        shuffle group's chunks load early, into room of their own)."""
+        if self.readahead_bytes >= 0:
+            return self.readahead_bytes
+        remote = isinstance(self.data_root, str) and self.data_root.startswith("s3://")
+        return self.cache_bytes // 4 if remote else 0
 
     @property
     def tls(self) -> bool:

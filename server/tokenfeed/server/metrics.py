@@ -107,6 +107,18 @@ class ServerMetrics:
             registry=registry,
             multiprocess_mode="livesum",
         )
+        self.readahead_bytes = Gauge(
+            "tokenfeed_readahead_bytes",
+            "Bytes of chunks read ahead and not used yet (outside the cache's bound)",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.readahead_capacity_bytes = Gauge(
+            "tokenfeed_readahead_capacity_bytes",
+            "Byte bound of chunks read ahead and not used yet (--readahead-bytes)",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
         self.chunk_load_seconds = Histogram(
             "tokenfeed_chunk_load_seconds",
             "Time to read and verify one chunk",

@@ -353,12 +353,16 @@ class FeederService:
                 f"--max-batch-bytes {self.max_batch_bytes}; lower batch_size or "
                 "batches_per_message (or raise --max-batch-bytes)"
             )
+        then = None  # a mixture has no epochs: its passes run on within one order
         if isinstance(plan, sampling.MixturePlan):
             rounds = plan.rounds(request.rank, request.offset, request.step)
         else:
             rounds = plan.rounds(request.epoch, request.rank, request.offset, request.step)
+            then = plan.rounds(request.epoch + 1, request.rank)  # a generator: nothing runs yet
         ends = documents.for_dataset(ds) if request.document_ends else None
-        return MessageBuilder(ds, plan, rounds, per_message, self.cache, self.metrics, ends)
+        return MessageBuilder(
+            ds, plan, rounds, per_message, self.cache, self.metrics, ends, then=then
+        )
 
     async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         if self.draining:

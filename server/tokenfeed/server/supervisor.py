@@ -172,6 +172,7 @@ class Supervisor:
                     metrics_port=0,
                     port_file=None,
                     cache_bytes=max(1, self.config.cache_bytes // self.n),
+                    readahead_bytes=self.config.readahead_budget // self.n,
                     assembly_threads=self.config.num_assembly_threads,
                 )
                 for i in range(self.n):

@@ -192,7 +192,8 @@ class SeedStore(StoreReader):
         limit = int(np.iinfo(self.dtype).max)
         at = 0
         for p in parts:
-            if p.size and (int(p.min()) < 0 or int(p.max()) > limit):
+            # One pass checks both ends: as unsigned, a negative id is above any limit.
+            if p.size and int(p.view(f"u{p.dtype.itemsize}").max()) > limit:
                 raise DataLoss(
                     f"{folder}: token ids {int(p.min())}..{int(p.max())} do not fit "
                     f"{self.meta.dtype}"
