@@ -132,7 +132,7 @@ def test_pinned_chunk_is_not_evicted_a_loader_waits_for_it() -> None:
         t.start()
         assert not got_b.wait(0.2)  # no room while "a" is pinned
         assert "a" in cache and int(a[0]) == 1
-        assert not cache.prefetch("c", 100, lambda: chunk(3, 100))  # read-ahead never waits
+        assert not cache.read_ahead("c", 100, lambda: chunk(3, 100))  # read-ahead never waits
     t.join(30)
     assert got_b.is_set() and "a" not in cache and "b" in cache
     cache.close()
@@ -140,8 +140,8 @@ def test_pinned_chunk_is_not_evicted_a_loader_waits_for_it() -> None:
 
 def test_prefetch_loads_in_background_and_counts_as_a_hit_later() -> None:
     cache = ChunkCache(1000)
-    assert cache.prefetch("x", 10, lambda: chunk(5, 10))
-    assert not cache.prefetch("x", 10, lambda: chunk(5, 10))  # already there / in flight
+    assert cache.read_ahead("x", 10, lambda: chunk(5, 10))
+    assert not cache.read_ahead("x", 10, lambda: chunk(5, 10))  # already there / in flight
     with cache.pinned("x", 10, lambda: chunk(99, 10)) as data:  # waits for the read-ahead
         assert int(data[0]) == 5
     assert cache.stats.loads == 1
@@ -155,18 +155,18 @@ def test_read_ahead_does_not_push_out_chunks_in_use() -> None:
     for k in (1, 2):
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
-    assert cache.prefetch(3, 100, lambda: chunk(3, 100))
+    assert cache.read_ahead(3, 100, lambda: chunk(3, 100))
     with cache.pinned(3, 100, lambda: chunk(3, 100)):  # waits for the load to finish
         pass
-    assert cache.prefetch(4, 100, lambda: chunk(4, 100))  # full: evicts 1, the coldest used
+    assert cache.read_ahead(4, 100, lambda: chunk(4, 100))  # full: evicts 1, the coldest used
     with cache.pinned(4, 100, lambda: chunk(4, 100)):
         pass
     assert 1 not in cache and 2 in cache and 3 in cache and 4 in cache
-    assert cache.prefetch(5, 100, lambda: chunk(5, 100))  # evicts 2
+    assert cache.read_ahead(5, 100, lambda: chunk(5, 100))  # evicts 2
     deadline = time.monotonic() + 30
     while 5 not in cache and time.monotonic() < deadline:  # loaded (a load in flight stays)
         time.sleep(0.01)
-    assert cache.prefetch(6, 100, lambda: chunk(6, 100))  # evicts 5, never used, not 3 or 4
+    assert cache.read_ahead(6, 100, lambda: chunk(6, 100))  # evicts 5, never used, not 3 or 4
     with cache.pinned(6, 100, lambda: chunk(6, 100)):
         pass
     assert 3 in cache and 4 in cache and 6 in cache and 5 not in cache
@@ -189,9 +189,9 @@ def test_read_ahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
     for k in (1, 2, 3):
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
-    assert cache.prefetch(4, 100, lambda: chunk(4, 100))
-    assert cache.prefetch(5, 100, lambda: chunk(5, 100))
-    assert not cache.prefetch(6, 100, lambda: chunk(6, 100))  # the budget is full: skipped
+    assert cache.read_ahead(4, 100, lambda: chunk(4, 100))
+    assert cache.read_ahead(5, 100, lambda: chunk(5, 100))
+    assert not cache.read_ahead(6, 100, lambda: chunk(6, 100))  # the budget is full: skipped
     loaded(cache, 4)
     loaded(cache, 5)
     assert all(k in cache for k in (1, 2, 3, 4, 5)) and 6 not in cache
@@ -203,7 +203,7 @@ def test_read_ahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
         assert int(data[0]) == 4
     assert 1 not in cache and all(k in cache for k in (2, 3, 4, 5))
     assert cache.resident_bytes == 300 and cache.readahead_bytes == 100
-    assert cache.prefetch(6, 100, lambda: chunk(6, 100))  # room again
+    assert cache.read_ahead(6, 100, lambda: chunk(6, 100))  # room again
     loaded(cache, 6)
     entries = cache.pin_resident([5, 6])  # the all-resident fast path moves them too
     assert entries is not None
@@ -219,7 +219,7 @@ def test_read_ahead_waits_for_pins_nowhere_and_stays_within_both_bounds() -> Non
     anyway (nothing waits); the cache is over its bound by what left the read-ahead
     room, and back within it at the next load."""
     cache = ChunkCache(200, readahead_bytes=100)
-    assert cache.prefetch("r", 100, lambda: chunk(7, 100))
+    assert cache.read_ahead("r", 100, lambda: chunk(7, 100))
     loaded(cache, "r")
     with (
         cache.pinned("a", 100, lambda: chunk(1, 100)),
@@ -238,7 +238,7 @@ def test_pin_resident_moves_a_read_ahead_without_evicting_what_it_pins() -> None
     for k in ("a", "b"):
         with cache.pinned(k, 100, lambda: chunk(1, 100)):
             pass
-    assert cache.prefetch("r", 100, lambda: chunk(7, 100))
+    assert cache.read_ahead("r", 100, lambda: chunk(7, 100))
     loaded(cache, "r")
     entries = cache.pin_resident(["r", "a"])  # "a" is the least recent, but pinned here
     assert entries is not None and [int(e.data[0]) for e in entries] == [7, 1]
@@ -268,7 +268,7 @@ def test_read_ahead_of_a_cached_chunk_warms_it() -> None:
     for k in (1, 2, 3):
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
-    assert not cache.prefetch(1, 100, lambda: chunk(1, 100))  # cached: no load, warmed
+    assert not cache.read_ahead(1, 100, lambda: chunk(1, 100))  # cached: no load, warmed
     with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 2, not 1
         pass
     assert 2 not in cache and all(k in cache for k in (1, 3, 4))
@@ -279,16 +279,16 @@ def test_read_ahead_of_a_cached_chunk_warms_it() -> None:
 def test_read_ahead_nobody_used_gives_its_room_up_once_stale() -> None:
     now = [0.0]
     cache = ChunkCache(1000, readahead_bytes=100, stale_seconds=60, clock=lambda: now[0])
-    assert cache.prefetch("old", 100, lambda: chunk(1, 100))
+    assert cache.read_ahead("old", 100, lambda: chunk(1, 100))
     loaded(cache, "old")
     now[0] = 59.0
-    assert not cache.prefetch("new", 100, lambda: chunk(2, 100))  # not stale yet: skipped
+    assert not cache.read_ahead("new", 100, lambda: chunk(2, 100))  # not stale yet: skipped
     now[0] = 60.0
-    assert cache.prefetch("new", 100, lambda: chunk(2, 100))  # "old" dropped unused
+    assert cache.read_ahead("new", 100, lambda: chunk(2, 100))  # "old" dropped unused
     loaded(cache, "new")
     assert "old" not in cache and cache.stats.ahead_dropped == 1
     assert cache.readahead_bytes == 100 and cache.resident_bytes == 0
-    assert not cache.prefetch("huge", 101, lambda: chunk(3, 101))  # never fits the budget
+    assert not cache.read_ahead("huge", 101, lambda: chunk(3, 101))  # never fits the budget
     cache.close()
 
 
@@ -320,7 +320,7 @@ def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int) -> None
         for _ in range(300):
             k = rng.randrange(40)
             if rng.random() < 0.2:
-                cache.prefetch(k, sizes[k], lambda k=k: load(k))
+                cache.read_ahead(k, sizes[k], lambda k=k: load(k))
                 continue
             with cache.pinned(k, sizes[k], lambda k=k: load(k)) as data:
                 if data.nbytes != sizes[k] or int(data[0]) != k % 251:

@@ -146,8 +146,8 @@ class TorchStager:
         what the loop waits for before using them ((tensors, event)) or None.
 
         On CPU the views are taken in numpy and wrapped by `torch.from_numpy`: about
-        half the CPU of slicing a tensor twice (each torch view is a new TensorImpl,
-        ~5 us here), for the same memory; the document arrays are shared the same way."""
+        half the CPU of slicing a tensor twice (each torch view is a new TensorImpl),
+        for the same memory; the document arrays are shared the same way."""
         torch = self.torch
         if self.device.type == "cpu":
             inputs, labels = views(arr.astype(np.int64), seq_len, shift, layout)

@@ -1,9 +1,9 @@
 """The bounded FIFO between the reader thread and the training loop, cheap for the loop.
 
 `queue.Queue.get()` wakes the producer blocked on a full queue every time: a futex
-wake measured at 17 us (after a 1 ms step) to 58 us (after a 5 ms step) p50 on this
-project's VM, against ~2 us for everything else in `next()`. That wake is most of
-the data-stall fraction at short steps, although the ring is full.
+wake that costs several times everything else in `next()` right after a training
+step's sleep (benchmarks/trainer_loop.py). That wake was most of the data-stall
+fraction at short steps, although the ring was full.
 
 So here the loop never wakes the reader on its fast path. A reader that finds the
 ring full waits for room on an Event with a timeout that starts at 0.2 ms and doubles

@@ -28,8 +28,8 @@ Cheap for the training loop. The loop's `next()` touches no Prometheus object an
 lock: it appends its wait to a deque. The reader thread, once per batch, folds those
 waits into plain-Python histogram counts and stall bins and counts what it received,
 under a lock of its own; a collector (one per registry) folds too and turns the
-counts into the series at scrape time. (On this project's VM two uncontended locks
-cost 20-60 us right after a training step's sleep, against ~2 us warm.)
+counts into the series at scrape time. (Uncontended locks cost ten times their warm
+price right after a training step's sleep: benchmarks/trainer_loop.py shows it.)
 
 The registry is passed in (or a fresh `CollectorRegistry` is made), never the global
 one, so tests and several clients in one process do not fight over it. Clients that

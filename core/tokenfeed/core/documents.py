@@ -29,7 +29,8 @@ Definitions, for row r and input position j (0 <= j < seq_len):
 - labels[r, j] = -100 exactly when an end lies among W[r, j .. j + shift - 1].
 
 Per-call overhead, not arithmetic, dominates a batch's sparse work (a numpy call on a
-few hundred elements costs ~1.5 us on a busy 2-core VM), so the sparse part keeps the
+few hundred elements costs about as much as the arithmetic of the whole batch), so the
+sparse part keeps the
 number of calls small and the dense outputs are a few np.repeat passes over
 rows * seq_len elements whatever the number of documents; no Python loop runs over
 rows or tokens.
@@ -167,8 +168,8 @@ class Segments(NamedTuple):
 
 
 # Up to this many ends a batch's segments are found by a Python loop over the ends and
-# rows, above it by numpy: a numpy call costs ~1.5 us on small arrays (more on a busy
-# machine), and the numpy path takes about fifteen, so a loop over the few dozen ends
+# rows, above it by numpy: the numpy path takes about fifteen calls, each with a fixed
+# cost on small arrays, so a loop over the few dozen ends
 # of a batch of ordinary documents is several times cheaper (see
 # benchmarks/trainer_loop.py and notes). Both give identical results (tested).
 LOOP_MAX_ENDS = 256

@@ -8,11 +8,11 @@ and every batch's encoding around its tokens (wire.frames). What is left per mes
 is only what must be: one slice of a cached chunk per row, and one join that copies
 the tokens once into the message.
 
-Cache rules (cache.py): a group of messages pins all its chunks at once, and only
+Cache rules (cache.py): a burst of messages pins all its chunks at once, and only
 when every one is resident (it never waits holding pins); otherwise it copies chunk
 by chunk, one pin at a time, loading or waiting for each (`gather`).
 
-Where a group is built is the servicer's choice (service.py): on the event loop
+Where a burst is built is the servicer's choice (service.py): on the event loop
 (`inline`: from resident chunks only, never waiting) or on a worker thread.
 """
 
@@ -34,18 +34,18 @@ from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
 
-# A group is built in one go: one pin of its chunks, one thread-pool round trip. 8 was
+# A burst is built in one go: one pin of its chunks, one thread-pool round trip. 8 was
 # no faster end to end than 4 (serve_throughput) and gave streams coarser turns.
-GROUP_MESSAGES = 4  # messages per group...
-GROUP_BYTES = 1 << 20  # ...unless they reach this size first
-LOOKAHEAD_BATCHES = 8  # batches past the last group built whose chunks are read ahead (min)
-ASK_AGAIN_GROUPS = 8  # a chunk read ahead is not asked for again for this many groups
-# Stores whose chunks come over the network (s3://): every DEEP_EVERY groups, also read
+BURST_MESSAGES = 4  # messages per burst...
+BURST_BYTES = 1 << 20  # ...unless they reach this size first
+READ_AHEAD_BATCHES = 8  # batches past the last burst built whose chunks are read ahead (min)
+ASK_AGAIN_BURSTS = 8  # a chunk read ahead is not asked for again for this many bursts
+# Stores whose chunks come over the network (s3://): every DEEP_EVERY bursts, also read
 # ahead the chunks of the next shuffle group's worth of batches (at least DEEP_BATCHES,
 # at most MAX_DEEP_BATCHES), nearest first, so the next shuffle group's chunks are
 # loading about a group before the stream reaches them (a GET costs tens of ms before
 # its first byte, a 32 MiB chunk a few hundred). They wait in the cache's read-ahead
-# budget (cache.py). Done every few groups, its cost stays small.
+# budget (cache.py). Done every few bursts, its cost stays small.
 DEEP_EVERY = 16
 DEEP_BATCHES = 1024
 MAX_DEEP_BATCHES = 16384
@@ -221,10 +221,10 @@ def gather(ds: Dataset, cache: ChunkCache, starts: list[int], cols: int) -> byte
 
 
 class MessageBuilder:
-    """One stream's rounds of batch plans -> serialized messages, a group at a time.
+    """One stream's rounds of batch plans -> serialized messages, a burst at a time.
 
     Called from one thread at a time. Rounds are located as they are reached, and
-    after each group the chunks of the next group's batches are read ahead,
+    after each burst the chunks of the next burst's batches are read ahead,
     so a stream usually finds its chunks resident and builds on the event loop. Read
     ahead is by batches, not rounds: a rank's round spans batch_size x world_size
     windows per step, most of an epoch for a large job, far more than the cache.
@@ -252,8 +252,8 @@ class MessageBuilder:
             * (plan.seq_len + plan.max_shift)
             * ds.store.dtype.itemsize
         )
-        self.group_messages = max(1, min(GROUP_MESSAGES, GROUP_BYTES // self.message_bytes))
-        self.lookahead = max(LOOKAHEAD_BATCHES, self.group_messages * per_message)
+        self.burst_messages = max(1, min(BURST_MESSAGES, BURST_BYTES // self.message_bytes))
+        self.read_ahead_batches = max(READ_AHEAD_BATCHES, self.burst_messages * per_message)
         # this rank's batches per shuffle group (a step takes batch_size x world_size windows;
         # a mixture's sources have groups of their own: DEEP_BATCHES)
         per_group = 0
@@ -262,15 +262,15 @@ class MessageBuilder:
                 plan.spec.shuffle_blocks if plan.shuffle else 1
             )
             per_group = -(-group_windows // (plan.batch_size * plan.world_size))
-        self.deep = min(MAX_DEEP_BATCHES, max(DEEP_BATCHES, per_group + self.lookahead))
+        self.deep = min(MAX_DEEP_BATCHES, max(DEEP_BATCHES, per_group + self.read_ahead_batches))
         self._source = rounds
         self._then = then
         self._then_rounds: list[LocatedRound] = []  # the next epoch's first rounds, located
         self._exhausted = False
         self._rounds: deque[LocatedRound] = deque()  # located, not yet (all) sent
         self._pos = 0  # next batch of the first round
-        self._groups = 0  # groups built so far
-        self._asked: dict[int, int] = {}  # chunk -> group when last read ahead
+        self._bursts = 0  # bursts built so far
+        self._asked: dict[int, int] = {}  # chunk -> burst when last read ahead
         # A mixture's messages' tokens per source, one array per message built, in order
         # (the servicer counts them by source as it writes the messages).
         self.by_source: deque[np.ndarray] | None = None
@@ -304,16 +304,16 @@ class MessageBuilder:
         return spans, (k, pos)
 
     def _read_ahead(self, cursor: tuple[int, int], used: set[int] | None = None) -> None:
-        """Prefetch the chunks of the `lookahead` batches from `cursor` (in an unshuffled
-        order, the chunk after them too; remote stores: every few groups, a shuffle
-        group's worth, nearest first); chunks asked for in the last few groups are not
-        asked again. Chunks of `used` (the group just built) those batches do not need
+        """Read ahead the chunks of the `read_ahead_batches` batches from `cursor` (in an
+        unshuffled order, the chunk after them too; remote stores: every few bursts, a
+        shuffle group's worth, nearest first); chunks asked for in the last few bursts are
+        not asked again. Chunks of `used` (the burst just built) those batches do not need
         go to the cold end of the cache's order: the stream is past them (cache.cool)."""
         store = self.ds.store
-        near = spans_chunks(self.ds, self._spans(self.lookahead, cursor)[0])
+        near = spans_chunks(self.ds, self._spans(self.read_ahead_batches, cursor)[0])
         if used:
             self.cache.cool([self.ds.chunk_key(c) for c in used - near])
-        if store.remote and self._groups % DEEP_EVERY == 0:
+        if store.remote and self._bursts % DEEP_EVERY == 0:
             spans = self._spans(self.deep, cursor)[0]
             if self._exhausted:  # the epoch ends within reach: the next one's start too
                 spans += self._then_spans(self.deep - sum(j - i for _, i, j in spans))
@@ -322,15 +322,15 @@ class MessageBuilder:
             chunks = sorted(near)
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
             chunks.append(max(chunks) + 1)
-        self._groups += 1
+        self._bursts += 1
         if len(self._asked) > 4096:
             self._asked.clear()
         for c in chunks:
-            if self._groups - self._asked.get(c, -ASK_AGAIN_GROUPS) < ASK_AGAIN_GROUPS:
+            if self._bursts - self._asked.get(c, -ASK_AGAIN_BURSTS) < ASK_AGAIN_BURSTS:
                 continue
-            self._asked[c] = self._groups
+            self._asked[c] = self._bursts
             if nbytes := store.chunk_nbytes(c):
-                self.cache.prefetch(self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))
+                self.cache.read_ahead(self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))
 
     def _then_spans(self, n: int) -> list[Span]:
         """The next epoch's first n batches (as far as it has them), located once."""
@@ -364,31 +364,31 @@ class MessageBuilder:
         for _ in range(k):
             self._rounds.popleft()
 
-    def next_group(self, inline: bool = False) -> list[Message]:
-        """Up to GROUP_MESSAGES messages (GROUP_BYTES in all); empty at the end or,
+    def next_burst(self, inline: bool = False) -> list[Message]:
+        """Up to BURST_MESSAGES messages (BURST_BYTES in all); empty at the end or,
         `inline`, when a chunk would have to be loaded (nothing is consumed then).
 
-        A group is the unit of pinning and of a thread-pool round trip: the hop to a
+        A burst is the unit of pinning and of a thread-pool round trip: the hop to a
         worker and back costs more than building one small message.
         """
         t0 = time.perf_counter()
-        messages, cursor = self._peek(self.group_messages)
+        messages, cursor = self._peek(self.burst_messages)
         if not messages:
             return []
         chunks = spans_chunks(self.ds, [span for spans in messages for span in spans])
         views = pin_views(self.ds, self.cache, sorted(chunks))
-        if views is None and inline:  # leave the group to a worker thread
+        if views is None and inline:  # leave the burst to a worker thread
             return []
         try:
-            group = [self._message(spans, views[1] if views else None) for spans in messages]
+            burst = [self._message(spans, views[1] if views else None) for spans in messages]
         finally:
             if views is not None:
                 self.cache.release_all(views[0])
         self._read_ahead(cursor, chunks)  # before the cursor moves: it counts from the first round
         self._advance(cursor)
-        batches = sum(g[1] for g in group)
+        batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
-        return group
+        return burst
 
     def _message(self, spans: list[Span], views: dict[int, memoryview] | None) -> Message:
         parts: list[Any] = []

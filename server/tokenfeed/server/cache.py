@@ -72,7 +72,7 @@ class CacheStats:
     loads: int = 0  # chunk loads started (read-ahead included)
     evictions: int = 0
     failures: int = 0
-    prefetches: int = 0  # loads started by read-ahead
+    read_aheads: int = 0  # loads started by read-ahead
     ahead_used: int = 0  # chunks read ahead into the budget that a stream then used
     ahead_dropped: int = 0  # ... that were dropped unused (stale_seconds)
 
@@ -177,7 +177,7 @@ class ChunkCache:
                 e.pins -= 1
             self._cond.notify_all()
 
-    def prefetch(self, key: Hashable, nbytes: int, load: Loader) -> bool:
+    def read_ahead(self, key: Hashable, nbytes: int, load: Loader) -> bool:
         """Start loading `key` in the background unless present, in flight or no room.
 
         Never blocks and never evicts a pinned chunk; returns whether a load started.
@@ -205,7 +205,7 @@ class ChunkCache:
                     return False
                 entry = self._insert(key, nbytes)
                 self._entries.move_to_end(key, last=False)
-            self.stats.prefetches += 1
+            self.stats.read_aheads += 1
         try:
             self._pool.submit(self._load, key, entry, load)
         except RuntimeError:  # pool shut down concurrently

@@ -8,13 +8,13 @@ store format, the caching and the message assembly live elsewhere.
 Where messages are built is a measured trade-off. Anything that may block or take
 long runs in the thread pool: opening a store, loading (or waiting for) a chunk, and
 messages over `INLINE_MAX_BYTES`, which are double-buffered (a worker builds the next
-group of messages while the handler writes this one). A message of at most 1 MiB
-whose chunks are all cached is built on the event loop itself (assembly.py: about
-35 us of Python per 16 x 1025 batch, a group of up to 4 messages at a time), less
-than the thread hop plus the GIL hand-over it would otherwise cost (see
-benchmarks/serve_throughput.py). `await context.write` waits for HTTP/2 flow
-control, so a stalled trainer holds at most two groups of messages (a few MiB) of
-server memory, and cancelling the call drops them.
+burst of messages while the handler writes this one). A message of at most 1 MiB
+whose chunks are all cached is built on the event loop itself (assembly.py: a burst
+of up to 4 messages at a time), which costs less than the thread hop plus the GIL
+hand-over it would otherwise take (benchmarks/serve_throughput.py measures both).
+`await context.write` waits for HTTP/2 flow control, so a stalled trainer holds at
+most two bursts of messages (a few MiB) of server memory, and cancelling the call
+drops them.
 """
 
 from __future__ import annotations
@@ -397,27 +397,27 @@ class FeederService:
         try:
             while True:
                 if building is not None:
-                    group, building = await building, None
+                    burst, building = await building, None
                 else:
-                    group = pipe.next_group(inline=True) if small else []
-                    if not group and not pipe.finished:
-                        group = await loop.run_in_executor(self.executor, pipe.next_group)
-                if not group:
+                    burst = pipe.next_burst(inline=True) if small else []
+                    if not burst and not pipe.finished:
+                        burst = await loop.run_in_executor(self.executor, pipe.next_burst)
+                if not burst:
                     return
-                if not small:  # double buffering: build the next group while writing
-                    building = loop.run_in_executor(self.executor, pipe.next_group)
-                for data, _, _, _ in group:
+                if not small:  # double buffering: build the next burst while writing
+                    building = loop.run_in_executor(self.executor, pipe.next_burst)
+                for data, _, _, _ in burst:
                     await context.write(data)  # waits for HTTP/2 flow control
-                # counted once per group, after it is written: fewer metric updates per message
-                batches_sent.inc(sum(g[1] for g in group))
+                # counted once per burst, after it is written: fewer metric updates per message
+                batches_sent.inc(sum(g[1] for g in burst))
                 if by_source is None:
-                    tokens_sent.inc(sum(g[2] for g in group))
-                    bytes_sent.inc(sum(g[3] for g in group))
+                    tokens_sent.inc(sum(g[2] for g in burst))
+                    bytes_sent.inc(sum(g[3] for g in burst))
                 else:
-                    by_source.count(len(group))
+                    by_source.count(len(burst))
         finally:
             if building is not None:
-                building.cancel()  # a running build finishes its group; the result is dropped
+                building.cancel()  # a running build finishes its burst; the result is dropped
 
 
 class SourceCounters:
