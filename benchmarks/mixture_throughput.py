@@ -33,7 +33,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from tokenfeed.cli.process import wait_for_port
@@ -41,7 +40,6 @@ from tokenfeed.cli.process import wait_for_port
 SEQ_LEN, BATCH, STRIDE = 1024, 16, 256
 DEFAULT_PER_MESSAGE = max(1, (256 << 10) // (BATCH * (SEQ_LEN + 1) * 2))  # the client's
 SOURCES = (("mix-a", 0.5, 8), ("mix-b", 0.3, 5), ("mix-c", 0.2, 3))  # name, weight, 16ths
-METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
 
 
 def spec(mixture: bool):  # -> SamplingSpec
@@ -63,52 +61,18 @@ def spec(mixture: bool):  # -> SamplingSpec
 
 
 def run_client(address: str, mixture: bool, streams: int, seconds: float, per_message: int):
-    """Drain `streams` streams for `seconds`; prints {"tokens", "messages", "seconds"}."""
-    import asyncio
+    """Drain `streams` streams for `seconds` (serve_throughput's load generator); prints
+    {"tokens", "messages", "seconds", "cpu"}."""
+    from serve_throughput import stream_load
 
-    import grpc
-
-    from tokenfeed.server.app import new_event_loop
     from tokenfeed.v1 import feeder_pb2 as pb
 
     params = spec(mixture).to_proto()
 
-    async def drain(channel: grpc.aio.Channel, end: float) -> tuple[int, int]:
-        call = channel.unary_stream(
-            METHOD,
-            request_serializer=pb.StreamBatchesRequest.SerializeToString,
-            response_deserializer=pb.StreamBatchesResponse.FromString,
-        )
-        tokens = messages = epoch = 0
-        while time.perf_counter() < end:  # a mixture is endless: one stream, epoch 0
-            req = pb.StreamBatchesRequest(
-                params=params, epoch=epoch, batches_per_message=per_message
-            )
-            stream = call(req, wait_for_ready=True)
-            async for msg in stream:
-                for b in msg.batches:
-                    tokens += b.rows * b.cols
-                messages += 1
-                if time.perf_counter() >= end:
-                    stream.cancel()
-                    break
-            epoch += 1
-        return tokens, messages
+    def make_request(epoch: int) -> pb.StreamBatchesRequest:  # a mixture's epoch stays 0
+        return pb.StreamBatchesRequest(params=params, epoch=epoch, batches_per_message=per_message)
 
-    async def main() -> None:
-        opts = [("grpc.max_receive_message_length", -1)]
-        channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(streams)]
-        for ch in channels:
-            await asyncio.wait_for(ch.channel_ready(), 60)
-        t0 = time.perf_counter()
-        done = await asyncio.gather(*(drain(ch, t0 + seconds) for ch in channels))
-        elapsed = time.perf_counter() - t0
-        for ch in channels:
-            await ch.close()
-        tokens, messages = sum(t for t, _ in done), sum(m for _, m in done)
-        print(json.dumps({"tokens": tokens, "messages": messages, "seconds": elapsed}))
-
-    new_event_loop().run_until_complete(main())
+    print(json.dumps(stream_load(address, streams, seconds, make_request)))
 
 
 def cpu_seconds(pid: int) -> float:

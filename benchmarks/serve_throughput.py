@@ -41,7 +41,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from tokenfeed.cli.process import wait_for_port
 from tokenfeed.core.atomic import write_atomic
@@ -74,8 +77,17 @@ def request(per_message: int, epoch: int):
 
 
 def run_client(address: str, streams: int, seconds: float, per_message: int) -> None:
-    """`streams` streams (epoch after epoch) for `seconds` on one event loop; prints
-    {"tokens", "messages", "seconds", "cpu"} (cpu: this process, while streaming)."""
+    """`streams` streams (epoch after epoch) for `seconds`; prints stream_load's figures."""
+    print(json.dumps(stream_load(address, streams, seconds, partial(request, per_message))))
+
+
+def stream_load(
+    address: str, streams: int, seconds: float, make_request: Callable[[int], Any]
+) -> dict[str, float]:
+    """Drain `streams` streams of `make_request(epoch)`, epoch after epoch, for `seconds`
+    on one event loop (one channel per stream, as separate trainers would have):
+    {"tokens", "messages", "seconds", "cpu"} (cpu: this process, while streaming).
+    benchmarks/mixture_throughput.py drives its streams with it too."""
     import asyncio
 
     import grpc
@@ -91,7 +103,7 @@ def run_client(address: str, streams: int, seconds: float, per_message: int) -> 
         )
         tokens = messages = epoch = 0
         while time.perf_counter() < end:
-            stream = call(request(per_message, epoch), wait_for_ready=True)
+            stream = call(make_request(epoch), wait_for_ready=True)
             async for msg in stream:
                 for b in msg.batches:
                     tokens += b.rows * b.cols
@@ -102,7 +114,7 @@ def run_client(address: str, streams: int, seconds: float, per_message: int) -> 
             epoch += 1
         return tokens, messages
 
-    async def main() -> None:
+    async def main() -> dict[str, float]:
         opts = [("grpc.max_receive_message_length", -1)]
         channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(streams)]
         for ch in channels:
@@ -112,19 +124,14 @@ def run_client(address: str, streams: int, seconds: float, per_message: int) -> 
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         for ch in channels:
             await ch.close()
-        print(
-            json.dumps(
-                {
-                    "tokens": sum(t for t, _ in done),
-                    "messages": sum(m for _, m in done),
-                    "seconds": elapsed,
-                    "cpu": cpu,
-                }
-            ),
-            flush=True,
-        )
+        return {
+            "tokens": sum(t for t, _ in done),
+            "messages": sum(m for _, m in done),
+            "seconds": elapsed,
+            "cpu": cpu,
+        }
 
-    new_event_loop().run_until_complete(main())
+    return new_event_loop().run_until_complete(main())
 
 
 def run_bare(port_file: str, per_message: int) -> None:
