@@ -1,6 +1,8 @@
 """Feeder throughput vs the bare gRPC ceiling, side by side in one run on loopback.
 
     python benchmarks/serve_throughput.py [--seconds 3] [--repeat 3] [--tokens 32M]
+    python benchmarks/serve_throughput.py --cpu [--baseline DIR]   # server CPU vs bare
+    python benchmarks/serve_throughput.py --workers-rows           # workers and replicas
 
 Rows of 16 x (1024 + 1) uint16 tokens, shuffled. Each configuration runs a server in
 its own process and one load-generator process that drains 1 or 4 streams for
@@ -9,7 +11,16 @@ its own process and one load-generator process that drains 1 or 4 streams for
 * tokenfeed: `python -m tokenfeed serve` over a random store;
 * bare: a minimal grpc.aio server (uvloop, same method name) that streams one
   pre-built, pre-serialized response of exactly the same size over and over: the
-  ceiling of gRPC itself for that message size on this machine.
+  ceiling of gRPC itself for that message size on this machine;
+* base (with `--baseline DIR`): the tokenfeed server of another checkout's source
+  roots (`git archive <rev> | tar -x -C DIR`), so a change is measured beside what
+  it replaces.
+
+`--cpu` runs the one-stream rows at 1 batch per message and at the client's default
+(7 batches, ~256 KiB) and prints each server's CPU seconds per 10^9 tokens against
+bare grpc.aio's, with the ratio in every repeat (issue 16's goal: at most 2x at the
+default size). CPU per token is the steadier figure here: tokens/s swings with what
+else the two cores run, and both servers share them with the load generator.
 
 The load generator runs every stream on one asyncio event loop (one channel per
 stream, as separate trainers would have) and decodes each response with protobuf to
@@ -25,11 +36,13 @@ tokens/s, messages/s, server and client CPU seconds per 10^9 tokens, and the rat
 the bare ceiling at the same message size (batches per message).
 
 `--workers-rows` runs `tokenfeed serve --workers 1` (one process) beside `--workers 2`
-(a supervisor and two worker processes on one port) at the client's default message
-size (7 batches, ~256 KiB) with 1 and 4 streams, and reports the server's CPU per
-token summed over all its processes and split by worker: per-worker CPU per token
-should stay within 10 % of one process's, so a node's capacity is its cores times
-one core's figure (printed for a 16-core node, one core left to the system).
+(a supervisor and two worker processes on one port) and beside 2 replicas (two
+separate servers; stream i dials replica i mod 2, as rank r starts on endpoint r mod
+n) at the client's default message size (7 batches, ~256 KiB) with 1 and 4 streams,
+and reports the server's CPU per token summed over all its processes and split by
+process: per-worker CPU per token should stay within 10 % of one process's, so a
+node's capacity is its cores times one core's figure (printed for a 16-core node, one
+core left to the system).
 """
 
 from __future__ import annotations
@@ -116,7 +129,11 @@ def stream_load(
 
     async def main() -> dict[str, float]:
         opts = [("grpc.max_receive_message_length", -1)]
-        channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(streams)]
+        addresses = address.split(",")  # replicas: stream i dials i mod n, as ranks do
+        channels = [
+            grpc.aio.insecure_channel(addresses[i % len(addresses)], options=opts)
+            for i in range(streams)
+        ]
         for ch in channels:
             await asyncio.wait_for(ch.channel_ready(), 60)
         cpu0, t0 = time.process_time(), time.perf_counter()
@@ -206,9 +223,18 @@ def workers_of(kind: str) -> int:
     return int(kind.rsplit("-w", 1)[1]) if "-w" in kind else 1
 
 
-def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tuple:
-    port_file = tmp / f"port-{kind}-{per_message}"
+def replicas_of(kind: str) -> int:
+    """tokenfeed-r2 -> 2 separate servers; anything else -> 1."""
+    return int(kind.rsplit("-r", 1)[1]) if "-r" in kind else 1
+
+
+BASELINE: Path | None = None  # --baseline: the checkout whose server the "base" rows run
+
+
+def start_server(kind: str, data_root: Path, per_message: int, tmp: Path, i: int = 0) -> tuple:
+    port_file = tmp / f"port-{kind}-{per_message}-{i}"
     port_file.unlink(missing_ok=True)
+    env = None
     if kind == "bare":
         argv = [
             sys.executable,
@@ -235,32 +261,51 @@ def start_server(kind: str, data_root: Path, per_message: int, tmp: Path) -> tup
         ]
         if workers_of(kind) > 1:
             argv += ["--workers", str(workers_of(kind))]
-    proc = subprocess.Popen(argv)
+    if kind == "base":
+        assert BASELINE is not None, "--baseline DIR is needed for base rows"
+        # its source roots first on the path: the first root holding tokenfeed/server wins
+        roots = [
+            str(BASELINE / r) for r in ("core", "server", "client", "prepare", "protos", "cli")
+        ]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(roots)}
+    proc = subprocess.Popen(argv, env=env)
     return proc, f"127.0.0.1:{wait_for_port(proc, port_file)}"
 
 
 def measure(
     kind: str, streams: int, per_message: int, seconds: float, data_root: Path, tmp: Path
 ) -> dict:
-    proc, address = start_server(kind, data_root, per_message, tmp)
+    servers = [start_server(kind, data_root, per_message, tmp, i) for i in range(replicas_of(kind))]
+    procs = [p for p, _ in servers]
+    address = ",".join(a for _, a in servers)
     client = [sys.executable, __file__, "--client", address, "--per-message", str(per_message)]
+
+    def cpu_now() -> dict[int, float]:
+        return {pid: c for p in procs for pid, c in tree_cpu(p.pid).items()}
+
     try:
         # warm up (cache fill, connection setup) outside the measurement
-        subprocess.run([*client, "--seconds", "0.5"], check=True, capture_output=True)
-        cpu0 = tree_cpu(proc.pid)
+        warm = str(max(streams, len(procs)))
+        subprocess.run(
+            [*client, "--seconds", "0.5", "--streams", warm], check=True, capture_output=True
+        )
+        cpu0 = cpu_now()
         out = subprocess.run(
             [*client, "--seconds", str(seconds), "--streams", str(streams)],
             check=True,
             stdout=subprocess.PIPE,
         ).stdout
-        cpu1 = tree_cpu(proc.pid)
+        cpu1 = cpu_now()
         per_process = {p: cpu1[p] - cpu0.get(p, 0.0) for p in cpu1}
         cpu = sum(per_process.values())
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
     r = json.loads(out)
     per_gtok = 1e9 / r["tokens"] if r["tokens"] else float("nan")
+    first = {p.pid for p in procs}
     return {
         "kind": kind,
         "streams": streams,
@@ -269,8 +314,8 @@ def measure(
         "msgs_s": r["messages"] / r["seconds"],
         "cpu_per_gtok": cpu * per_gtok,
         "client_cpu_per_gtok": r["cpu"] * per_gtok,
-        # CPU seconds of each process while streaming, supervisor first
-        "cpu_split": [per_process[p] for p in sorted(per_process, key=lambda p: p != proc.pid)],
+        # CPU seconds of each process while streaming: a supervisor first, then its workers
+        "cpu_split": [per_process[p] for p in sorted(per_process, key=lambda p: p not in first)],
     }
 
 
@@ -314,13 +359,24 @@ def main() -> None:
     ap.add_argument("--stretch", type=int, default=16, help="batches per message, stretch rows")
     ap.add_argument("--only", help="comma-separated rows to run, e.g. tokenfeed:1:1 (debugging)")
     ap.add_argument(
-        "--workers-rows", action="store_true", help="--workers 1 vs 2 (see the docstring)"
+        "--workers-rows",
+        action="store_true",
+        help="--workers 1 vs 2 vs 2 replicas (see the docstring)",
+    )
+    ap.add_argument(
+        "--cpu", action="store_true", help="server CPU per token vs bare, 1 stream (docstring)"
+    )
+    ap.add_argument(
+        "--baseline", metavar="DIR", type=Path, help="also run DIR's server (rows 'base')"
     )
     args = ap.parse_args()
     if args.client:
         return run_client(args.client, args.streams, args.seconds, args.per_message)
     if args.bare:
         return run_bare(args.bare, args.per_message)
+    global BASELINE
+    BASELINE = args.baseline
+    servers = ["bare", "tokenfeed", *(["base"] if args.baseline else [])]
 
     k = args.stretch
     plan = [
@@ -339,7 +395,12 @@ def main() -> None:
             ("tokenfeed-w2", 1, d),
             ("tokenfeed", 4, d),
             ("tokenfeed-w2", 4, d),
+            ("tokenfeed-r2", 4, d),
         ]
+    if args.cpu:
+        plan = [(kind, 1, m) for m in (1, DEFAULT_PER_MESSAGE) for kind in servers]
+    elif args.baseline:
+        plan += [("base", 1, 1), ("base", 1, k)]
     if args.only:
         plan = [
             (k_, int(s_), int(m_)) for k_, s_, m_ in (x.split(":") for x in args.only.split(","))
@@ -362,6 +423,8 @@ def main() -> None:
         return
     if args.workers_rows:
         return report_workers(rows, args)
+    if args.cpu:
+        return report_cpu(runs, servers[1:])
     bare = {(r["streams"], r["per_message"]): r for r in rows if r["kind"] == "bare"}
     print(
         f"\nserve_throughput: batch {BATCH} x {SEQ_LEN}+1 uint16, shuffled, "
@@ -414,6 +477,34 @@ def main() -> None:
     )
 
 
+def report_cpu(runs: dict[tuple, list[dict]], kinds: list[str]) -> None:
+    """Server CPU s per 1e9 tokens against bare grpc.aio's, one stream: medians over the
+    repeats, and the ratio in each repeat (a repeat's rows run next to each other)."""
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
+    print("\nserver CPU s per 1e9 tokens vs bare grpc.aio, 1 stream (median; ratio per run)")
+    for m in sorted({m for _, _, m in runs}):
+        bare = runs[("bare", 1, m)]
+        note = "  (the client's default)" if m == DEFAULT_PER_MESSAGE else ""
+        print(
+            f"  {m:2d} batches/msg{note}: bare {median([r['cpu_per_gtok'] for r in bare]):.2f} s, "
+            f"{median([r['tokens_s'] for r in bare]) / 1e6:.0f} M tok/s"
+        )
+        for kind in kinds:
+            mine = runs[(kind, 1, m)]
+            ratios = [
+                x["cpu_per_gtok"] / y["cpu_per_gtok"] for x, y in zip(mine, bare, strict=True)
+            ]
+            goal = " (goal <= 2)" if m == DEFAULT_PER_MESSAGE and kind == "tokenfeed" else ""
+            print(
+                f"    {kind:9s} {median([r['cpu_per_gtok'] for r in mine]):.2f} s, "
+                f"{median([r['tokens_s'] for r in mine]) / 1e6:.0f} M tok/s: "
+                f"{median(ratios):.2f}x bare{goal}; per run " + " ".join(f"{x:.2f}" for x in ratios)
+            )
+
+
 def report_workers(rows: list[dict], args: argparse.Namespace) -> None:  # type: ignore[type-arg]
     print(
         f"\nserve_throughput --workers-rows: batch {BATCH} x {SEQ_LEN}+1 uint16, "
@@ -429,13 +520,15 @@ def report_workers(rows: list[dict], args: argparse.Namespace) -> None:  # type:
     for r in rows:
         n = workers_of(r["kind"])
         split = r["cpu_split"]
-        # per worker: the workers' CPU (not the supervisor's) per token they sent
-        work = sum(split[1:]) if n > 1 else split[0]
+        # per worker: the workers' CPU (not the supervisor's) per token they sent; replicas
+        # have no supervisor, and every token is one replica's
+        work = sum(split[1:]) if n > 1 else sum(split)
         per_worker = r["cpu_per_gtok"] * work / max(sum(split), 1e-9)
         base = one.get(r["streams"])
         ratio = per_worker / base["cpu_per_gtok"] if base else float("nan")
+        name = f"{replicas_of(r['kind'])} replicas" if "-r" in r["kind"] else f"--workers {n}"
         print(
-            f"{'--workers ' + str(n):14s} {r['streams']:7d} {r['tokens_s'] / 1e6:8.1f} "
+            f"{name:14s} {r['streams']:7d} {r['tokens_s'] / 1e6:8.1f} "
             f"{r['cpu_per_gtok']:10.2f} {per_worker:10.2f} {ratio:6.2f}  "
             + " / ".join(f"{c:.2f}" for c in split)
         )

@@ -116,6 +116,16 @@ def test_csv_roundtrip(tmp_path_factory: pytest.TempPathFactory, docs: list[str]
     assert list(iter_csv_texts(p, "text", block_size=128)) == docs
 
 
+def test_csv_rows_longer_than_a_block(tmp_path: Path) -> None:
+    """pyarrow needs a row within one block: the reader reads on with larger blocks,
+    after the rows it has already given, none twice (a long first row too)."""
+    docs = ["short", "a\nlong one " * 300, "after", "x" * 5000 + "\n", "end"]
+    for first in (docs, docs[1:]):
+        p = tmp_path / "long.csv"
+        write_csv(p, first)
+        assert list(iter_csv_texts(p, "text", block_size=128)) == first
+
+
 def _peak_arrow_bytes(it) -> int:  # type: ignore[no-untyped-def]
     peak = 0
     for _ in it:

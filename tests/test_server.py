@@ -219,11 +219,18 @@ def test_worker_thread_path_sends_the_same(feeder_root, monkeypatch, per_message
 )
 def test_wire_encoding_matches_protobuf(epoch, step, dtype, batches, data) -> None:
     """The hand-rolled hot path is byte-identical to protobuf's own serialization:
-    consecutive batches of any shape (empty ones too), starts of any size."""
+    consecutive batches of any shape (empty ones too), starts of any size; the C loop
+    and its Python reference alike."""
     itemsize = 2
     offsets, shifts, rows, cols = (list(x) for x in zip(*batches, strict=True))
     starts = [data.draw(st.lists(st.integers(0, 2**63 - 1), min_size=r, max_size=r)) for r in rows]
-    heads, tails = wire.frames(
+    # a mixture's rows carry source indices (one varint byte each below 128)
+    sources = data.draw(
+        st.none() | st.lists(st.integers(0, 200), min_size=sum(rows), max_size=sum(rows))
+    )
+    encode = data.draw(st.sampled_from(ENCODERS))
+    heads, tails = frames_of(
+        encode,
         epoch,
         step,
         offsets,
@@ -233,8 +240,10 @@ def test_wire_encoding_matches_protobuf(epoch, step, dtype, batches, data) -> No
         dtype,
         itemsize,
         np.array([s for ss in starts for s in ss], dtype=np.int64),
+        None if sources is None else np.array(sources, dtype=np.int64),
     )
     msgs, parts = [], []
+    row = 0
     for i, (offset, shift, r, c) in enumerate(batches):
         payload = bytes(range(256)) * (r * c * itemsize // 256) + bytes(r * c * itemsize % 256)
         msgs.append(
@@ -248,8 +257,10 @@ def test_wire_encoding_matches_protobuf(epoch, step, dtype, batches, data) -> No
                 dtype=dtype,
                 tokens=payload,
                 starts=starts[i],
+                sources=[] if sources is None else sources[row : row + r],
             )
         )
+        row += r
         parts += [heads[i], payload, tails[i]]
     assert b"".join(parts) == pb.StreamBatchesResponse(batches=msgs).SerializeToString()
 
@@ -269,8 +280,23 @@ def test_wire_encoding_of_a_large_batch() -> None:
             )
         ]
     ).SerializeToString()
-    heads, tails = wire.frames(0, 3, [0], [0], [5], [35_000], "uint16", 2, starts)
-    assert heads[0] + payload + tails[0] == want
+    for encode in ENCODERS:
+        heads, tails = frames_of(encode, 0, 3, [0], [0], [5], [35_000], "uint16", 2, starts)
+        assert heads[0] + payload + tails[0] == want
+
+
+# wire.frames' per-batch loop: the C one (when built) and its Python reference
+ENCODERS = [wire._frames_py] + ([wire._encode] if wire._encode is not wire._frames_py else [])
+
+
+def frames_of(encode, *args) -> tuple[list[bytes], list[bytes]]:
+    """wire.frames with `encode` as its loop, cut into (heads, tails)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(wire, "_encode", encode)
+        blob, sizes = wire.frames(*args)
+    at = np.concatenate(([0], np.cumsum(sizes))).tolist()
+    pieces = [blob[a:b] for a, b in zip(at[:-1], at[1:], strict=True)]
+    return pieces[0::2], pieces[1::2]
 
 
 def test_resume_at_an_offset_and_every_rank(feeder) -> None:
@@ -528,8 +554,8 @@ def test_metrics_endpoint_exposes_the_documented_series(feeder) -> None:
 
 def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
     """Windows spanning several chunks, one of them empty, with two shifts in one round:
-    the load path (`gather`, chunk by chunk) and the all-cached path (`row_parts` of
-    pinned views) give the same, right tokens."""
+    the load path (`gather`, chunk by chunk) and the all-cached path (the splice
+    program over pinned views) give the same, right tokens."""
     import json
 
     from tokenfeed.core.store import checksum
@@ -553,12 +579,12 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
         want = starts[i, :rows, None] + np.arange(cols)
         loaded = assembly.gather(ds, cache, starts[i, :rows].tolist(), cols)
         chunks = assembly.rows_chunks(ds, lr, lr.row_lo[i], lr.row_lo[i + 1])
-        views = assembly.pin_views(ds, cache, chunks)
-        assert views is not None  # gather loaded this batch's chunks
+        pinned = assembly.pin_views(ds, cache, chunks)
+        assert pinned is not None  # gather loaded this batch's chunks
         try:
-            cached = b"".join(assembly.row_parts(ds, views[1], lr, i))
+            cached = pinned.rows(lr, i)
         finally:
-            cache.release_all(views[0])
+            cache.release_all(pinned.entries)
         for payload in (loaded, cached):
             got = np.frombuffer(payload, dtype="<u4").reshape(rows, cols)
             np.testing.assert_array_equal(got, want)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import multiprocessing
 import sys
 import time
@@ -57,6 +58,8 @@ from tokenfeed.prepare.tokenize import (
     init_worker,
     load_tokenizer,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 256
 
@@ -294,10 +297,10 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         out.abandon(claim)  # bad input: nothing half-written stays behind
         raise
     except BaseException:
-        print(
-            f"tokenfeed prepare: stopped; progress is saved in {path}: re-run the same "
-            "command to resume after the last completed chunk",
-            file=sys.stderr,
+        log.warning(
+            "stopped; progress is saved in %s: re-run the same command to resume after the "
+            "last completed chunk",
+            path,
         )
         raise
     out.finish_progress(files)

@@ -15,7 +15,9 @@ Both stream: a file is never loaded whole.
   (documents have newlines). pyarrow reads ahead: measured peak ~40 x block_size of
   Arrow memory whatever the file size (256 KiB -> ~12 MB; 1 MiB -> ~42 MB). The text
   is read as bytes and decoded as UTF-8 with invalid bytes replaced, the policy of the
-  txt/jsonl readers.
+  txt/jsonl readers. One row must fit in a block: a document longer than the block
+  size makes pyarrow stop ("straddles two block boundaries"), so the file is read again
+  with blocks 4x larger (up to 1 GiB), from the row where it stopped.
 
 The text field must exist: otherwise the error names the file and the fields it does
 have. A null is an empty document (the caller drops it), a non-text column is an error.
@@ -23,6 +25,7 @@ have. A null is an empty document (the caller drops it), a non-text column is an
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +34,8 @@ import pyarrow.csv as pacsv
 import pyarrow.ipc  # noqa: F401 - pa.ipc is a submodule
 
 from tokenfeed.core.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 _TEXT_TYPES = (
     pa.types.is_string,
@@ -113,32 +118,56 @@ def iter_arrow_texts(path: str | Path, field: str, rows_per_slice: int = 1024) -
         raise InvalidArgument(f"{path}: damaged Arrow data ({e})") from None
 
 
+MAX_CSV_BLOCK = 1 << 30  # the longest row a CSV file may have
+_CSV = pacsv.ParseOptions(newlines_in_values=True)
+
+
 def iter_csv_texts(
     path: str | Path, field: str, block_size: int = 1 << 18, rows_per_slice: int = 1024
 ) -> Iterator[str]:
-    """Documents from a CSV file with a header row, streamed `block_size` bytes at a time."""
+    """Documents from a CSV file with a header row, streamed `block_size` bytes at a time
+    (larger where a row needs it)."""
     path = Path(path)
-    parse = pacsv.ParseOptions(newlines_in_values=True)
-    try:
-        with pa.input_stream(str(path), compression="detect") as f:
-            probe = pacsv.open_csv(
-                f, read_options=pacsv.ReadOptions(block_size=1 << 16), parse_options=parse
-            )
-            names = probe.schema.names
-    except (OSError, pa.ArrowInvalid) as e:
-        raise InvalidArgument(f"{path}: not a readable CSV file ({e})") from None
+    names = _csv_names(path)
     if field not in names:
         raise _missing(path, field, names)
     convert = pacsv.ConvertOptions(include_columns=[field], column_types={field: pa.binary()})
-    try:
-        with pa.input_stream(str(path), compression="detect") as f:
-            reader = pacsv.open_csv(
-                f,
-                read_options=pacsv.ReadOptions(block_size=block_size),
-                parse_options=parse,
-                convert_options=convert,
-            )
-            for batch in reader:
-                yield from _texts(batch.column(0), rows_per_slice)
-    except (OSError, pa.ArrowInvalid) as e:
-        raise InvalidArgument(f"{path}: CSV error ({e})") from None
+    done = 0  # rows yielded: a retry with larger blocks goes on after them
+    while True:
+        try:
+            with pa.input_stream(str(path), compression="detect") as f:
+                read = pacsv.ReadOptions(block_size=block_size)
+                row = 0
+                for batch in pacsv.open_csv(f, read, _CSV, convert):
+                    skip, row = max(0, done - row), row + batch.num_rows
+                    for text in _texts(batch.column(0).slice(skip), rows_per_slice):
+                        yield text
+                        done += 1
+            return
+        except pa.ArrowInvalid as e:
+            if not _row_too_long(e, block_size):
+                raise InvalidArgument(f"{path}: CSV error ({e})") from None
+            block_size *= 4
+            log.info("%s: a row is longer than a block; reading on with %d", path, block_size)
+        except OSError as e:
+            raise InvalidArgument(f"{path}: CSV error ({e})") from None
+
+
+def _csv_names(path: Path) -> list[str]:
+    block_size = 1 << 16
+    while True:
+        try:
+            with pa.input_stream(str(path), compression="detect") as f:
+                read = pacsv.ReadOptions(block_size=block_size)
+                return list(pacsv.open_csv(f, read, _CSV).schema.names)
+        except pa.ArrowInvalid as e:
+            if not _row_too_long(e, block_size):
+                raise InvalidArgument(f"{path}: not a readable CSV file ({e})") from None
+            block_size *= 4
+        except OSError as e:
+            raise InvalidArgument(f"{path}: not a readable CSV file ({e})") from None
+
+
+def _row_too_long(e: pa.ArrowInvalid, block_size: int) -> bool:
+    """pyarrow needs a row within one block; a larger block may hold it."""
+    return "straddles" in str(e) and block_size < MAX_CSV_BLOCK

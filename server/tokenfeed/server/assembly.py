@@ -4,9 +4,10 @@ The feeder's hot path. A stream's batches come from the sampling engine in Round
 (up to a few hundred consecutive batches as arrays), and everything that can be done
 for a whole round is done once per round, in a few numpy calls (`LocatedRound`): the
 chunk and byte offset where every row starts, which rows cross a chunk boundary,
-and every batch's encoding around its tokens (wire.frames). What is left per message
-is only what must be: one slice of a cached chunk per row, and one join that copies
-the tokens once into the message.
+every batch's encoding around its tokens (wire.frames), and the round as a splice
+program: (chunk, byte offset, byte count) per row, the frames between them. What is
+left per message is one call (splice.py, in C) that copies its pieces once into the
+message, with no Python object per row.
 
 Cache rules (cache.py): a burst of messages pins all its chunks at once, and only
 when every one is resident (it never waits holding pins); otherwise it copies chunk
@@ -23,7 +24,7 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Iterator
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
+from tokenfeed.server.splice import splice
 
 # A burst is built in one go: one pin of its chunks, one thread-pool round trip. 8 was
 # no faster end to end than 4 (serve_throughput) and gave streams coarser turns.
@@ -58,7 +60,9 @@ class LocatedRound:
     """A sampling Round found in the store's chunks and encoded around its tokens.
 
     Batch i is rows [row_lo[i], row_lo[i + 1]) of the round's flat row arrays, and
-    goes on the wire as heads[i] + its rows' tokens + tails[i].
+    goes on the wire as head(i) + its rows' tokens + tail(i): pieces
+    [piece_lo[i], piece_lo[i + 1]) of `program` (splice.py; key -1 reads `frames`,
+    wire.frames' heads and tails one after another).
     """
 
     def __init__(
@@ -97,7 +101,7 @@ class LocatedRound:
             if self.crossing
             else [False] * len(self.cols)
         )
-        self.heads, self.tails = wire.frames(
+        self.frames, sizes = wire.frames(
             rnd.epoch,
             rnd.step,
             rnd.offsets,
@@ -109,6 +113,50 @@ class LocatedRound:
             own,
             sources,
         )
+        at = np.zeros(len(sizes) + 1, dtype=np.int64)  # frame k is frames[at[k]:at[k + 1]]
+        np.cumsum(sizes, out=at[1:])
+        self.frame_at = at.tolist()
+        self.program, self.piece_lo = self._program(ds, rnd.rows, at)
+        # tokens in batches [0, i): a span's count is one subtraction
+        self.token_lo = [0, *np.cumsum(np.multiply(rnd.rows, self.cols)).tolist()]
+
+    def head(self, i: int) -> bytes:
+        return self.frames[self.frame_at[2 * i] : self.frame_at[2 * i + 1]]
+
+    def tail(self, i: int) -> bytes:
+        return self.frames[self.frame_at[2 * i + 1] : self.frame_at[2 * i + 2]]
+
+    def _program(
+        self, ds: Dataset, rows: list[int], at: np.ndarray
+    ) -> tuple[np.ndarray, list[int]]:
+        """The round's splice program: per batch its head, its rows (a row crossing
+        chunks is one piece per chunk), its tail; and where each batch's pieces begin.
+        `at`: where each frame (head_0, tail_0, head_1, ...) begins in `self.frames`."""
+        n, batches = self.row_lo[-1], len(self.cols)
+        per_row = np.ones(n, dtype=np.int64)  # pieces per row
+        crossing = {}
+        for r in self.crossing:
+            s, cols = int(self.starts[r]), self.cols[bisect_right(self.row_lo, r) - 1]
+            crossing[r] = list(_pieces(ds.chunk_bounds, int(self.chunk[r]), s, s + cols))
+            per_row[r] = len(crossing[r])
+        before = np.zeros(n + 1, dtype=np.int64)  # pieces of rows [0, r)
+        np.cumsum(per_row, out=before[1:])
+        batch = np.repeat(np.arange(batches, dtype=np.int64), rows)
+        first = 2 * batch + 1 + before[:-1]  # each row's first piece
+        piece_lo = 2 * np.arange(batches + 1, dtype=np.int64) + before[self.row_lo]
+        program = np.empty((int(piece_lo[-1]), 3), dtype=np.int64)
+        program[first, 0] = self.chunk
+        program[first, 1] = self.begin
+        program[first, 2] = np.repeat(self.row_bytes, rows)
+        for pieces, k in ((piece_lo[:-1], 0), (piece_lo[1:] - 1, 1)):  # heads, tails
+            program[pieces, 0] = -1
+            program[pieces, 1] = at[k:-1:2]
+            program[pieces, 2] = at[k + 1 :: 2] - at[k:-1:2]
+        size, bounds = ds.store.dtype.itemsize, ds.chunk_bounds
+        for r, parts in crossing.items():
+            for k, (c, a, b) in enumerate(parts):
+                program[first[r] + k] = (c, (a - bounds[c]) * size, (b - a) * size)
+        return program, piece_lo.tolist()
 
     def __len__(self) -> int:
         return len(self.cols)
@@ -168,37 +216,32 @@ def _pieces(bounds: list[int], c: int, start: int, end: int) -> Iterator[tuple[i
         c += 1
 
 
-def pin_views(
-    ds: Dataset, cache: ChunkCache, chunks: list[int]
-) -> tuple[list[Any], dict[int, memoryview]] | None:
-    """Pin `chunks` if all are cached: (entries to release, chunk -> byte view); else None.
+class Pinned:
+    """Chunks pinned in the cache for a burst: their ids (ascending) and byte views."""
 
-    Byte views because slicing a memoryview is several times cheaper than numpy.
-    """
+    def __init__(self, entries: list[Any], keys: list[int]) -> None:
+        self.entries = entries  # to release
+        self.keys = np.asarray(keys, dtype=np.int64)
+        self.views = [e.view for e in entries]
+
+    def rows(self, lr: LocatedRound, i: int) -> bytes:
+        """Batch i's rows of tokens (its pieces but the frames around them)."""
+        program = lr.program[lr.piece_lo[i] + 1 : lr.piece_lo[i + 1] - 1]
+        return splice([(program, b"")], self.keys, self.views)
+
+    def message(self, spans: list[Span]) -> bytes:
+        """Batches [i, j) of each span's round, framed: a message."""
+        segments = [(lr.program[lr.piece_lo[i] : lr.piece_lo[j]], lr.frames) for lr, i, j in spans]
+        return splice(segments, self.keys, self.views)
+
+
+def pin_views(ds: Dataset, cache: ChunkCache, chunks: list[int]) -> Pinned | None:
+    """Pin `chunks` (ascending) if all are cached; else None."""
     keys = ds.chunk_keys
     entries = cache.pin_resident([keys[c] for c in chunks])
     if entries is None:
         return None
-    return entries, {c: cast(memoryview, e.view) for c, e in zip(chunks, entries, strict=True)}
-
-
-def row_parts(
-    ds: Dataset, views: dict[int, memoryview], lr: LocatedRound, i: int
-) -> list[memoryview]:
-    """Batch i's rows as byte slices of pinned chunk views (no copy yet)."""
-    lo, hi = lr.row_lo[i], lr.row_lo[i + 1]
-    # Python lists per batch, not per round: a round waiting to be sent stays compact.
-    chunk = lr.chunk[lo:hi].tolist()
-    if not lr.batch_crosses[i]:
-        n = lr.row_bytes[i]
-        return [views[c][b : b + n] for c, b in zip(chunk, lr.begin[lo:hi].tolist(), strict=True)]
-    bounds, size, cols = ds.chunk_bounds, ds.store.dtype.itemsize, lr.cols[i]
-    parts = []
-    for r, first in zip(range(lo, hi), chunk, strict=True):
-        s = int(lr.starts[r])
-        for c, a, b in _pieces(bounds, first, s, s + cols):
-            parts.append(views[c][(a - bounds[c]) * size : (b - bounds[c]) * size])
-    return parts
+    return Pinned(entries, chunks)
 
 
 def gather(ds: Dataset, cache: ChunkCache, starts: list[int], cols: int) -> bytes:
@@ -376,46 +419,44 @@ class MessageBuilder:
         if not messages:
             return []
         chunks = spans_chunks(self.ds, [span for spans in messages for span in spans])
-        views = pin_views(self.ds, self.cache, sorted(chunks))
-        if views is None and inline:  # leave the burst to a worker thread
+        pinned = pin_views(self.ds, self.cache, sorted(chunks))
+        if pinned is None and inline:  # leave the burst to a worker thread
             return []
         try:
-            burst = [self._message(spans, views[1] if views else None) for spans in messages]
+            burst = [self._message(spans, pinned) for spans in messages]
         finally:
-            if views is not None:
-                self.cache.release_all(views[0])
+            if pinned is not None:
+                self.cache.release_all(pinned.entries)
         self._read_ahead(cursor, chunks)  # before the cursor moves: it counts from the first round
         self._advance(cursor)
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
         return burst
 
-    def _message(self, spans: list[Span], views: dict[int, memoryview] | None) -> Message:
-        parts: list[Any] = []
-        batches = tokens = 0
-        by_source: np.ndarray | None = None
-        for lr, i, j in spans:
-            for b in range(i, j):
-                lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
-                pieces: list[Any]
-                if views is not None:  # slices of the pinned chunks, copied once by the join
-                    pieces = row_parts(self.ds, views, lr, b)
-                else:
-                    pieces = [gather(self.ds, self.cache, lr.starts[lo:hi].tolist(), lr.cols[b])]
-                if self.documents is None:
-                    parts.append(lr.heads[b])
-                    parts += pieces
-                    parts.append(lr.tails[b])
-                else:
-                    starts = lr.starts[lo:hi]
-                    parts += self.documents.parts(
-                        lr.heads[b], pieces, lr.tails[b], starts, lr.cols[b]
-                    )
-                tokens += (hi - lo) * lr.cols[b]
-            batches += j - i
-            if lr.source_tokens is not None:  # this span's tokens by source
-                span = lr.source_tokens[j] - lr.source_tokens[i]
-                by_source = span if by_source is None else by_source + span
-        if self.by_source is not None:
-            self.by_source.append(by_source)  # type: ignore[arg-type]
-        return b"".join(parts), batches, tokens, tokens * self.ds.store.dtype.itemsize
+    def _message(self, spans: list[Span], pinned: Pinned | None) -> Message:
+        batches = sum(j - i for _, i, j in spans)
+        tokens = sum(lr.token_lo[j] - lr.token_lo[i] for lr, i, j in spans)
+        if self.by_source is not None:  # the message's tokens by source
+            counts = [lr.source_tokens[j] - lr.source_tokens[i] for lr, i, j in spans]  # type: ignore[index]
+            self.by_source.append(np.sum(counts, axis=0))
+        if pinned is not None and self.documents is None:
+            data = pinned.message(spans)
+        else:
+            data = b"".join(part for span in spans for part in self._batches(span, pinned))
+        return data, batches, tokens, tokens * self.ds.store.dtype.itemsize
+
+    def _batches(self, span: Span, pinned: Pinned | None) -> Iterator[Any]:
+        """A span's batches as pieces to join: with their document ends, or with rows
+        loaded chunk by chunk (not all resident)."""
+        lr, i, j = span
+        for b in range(i, j):
+            lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
+            if pinned is not None:
+                rows = pinned.rows(lr, b)
+            else:
+                rows = gather(self.ds, self.cache, lr.starts[lo:hi].tolist(), lr.cols[b])
+            if self.documents is None:
+                yield from (lr.head(b), rows, lr.tail(b))
+            else:
+                starts = lr.starts[lo:hi]
+                yield from self.documents.parts(lr.head(b), [rows], lr.tail(b), starts, lr.cols[b])

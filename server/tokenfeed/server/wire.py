@@ -1,14 +1,18 @@
 """Hand-rolled protobuf encoding of the hot path: StreamBatchesResponse messages.
 
 A response is its batches one after another, each a length-delimited field, so a
-message is `b"".join([head_0, *rows_0, tail_0, head_1, ...])`: `frames()` encodes,
-for every batch of a round at once, the bytes before its tokens (the field tag and
-length, epoch ... dtype, the tokens' tag and length) and after them (the packed
-`starts`). The tokens themselves go in as slices of the cached chunks, so the join
-is the only copy of them; building pb.Batch objects costs three (joining the rows,
-setting the field, serializing). Byte-identical to SerializeToString (tests compare
-them over many shapes); field numbers come from the generated descriptors, so the
-.proto stays the only source of the wire format.
+message is head_0, rows_0, tail_0, head_1, ...: `frames()` encodes, for every batch of
+a round at once, the bytes before its tokens (the field tag and length, epoch ...
+dtype, the tokens' tag and length) and after them (the packed `starts`, a mixture's
+`sources`), as one blob of head_0 tail_0 head_1 tail_1 ... and their sizes. The
+tokens themselves go in as slices of the cached chunks (splice.py), so they are
+copied once; building pb.Batch objects costs three (joining the rows, setting the
+field, serializing). Byte-identical to SerializeToString (tests compare them over
+many shapes); field numbers come from the generated descriptors, so the .proto stays
+the only source of the wire format.
+
+The per-batch loop runs in C (_native.c's `frames`, given the tags) where the
+extension is built; `_frames_py` is its reference and the fallback.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from tokenfeed.v1 import feeder_pb2 as pb
 
 _VARINT, _LEN = 0, 2  # wire types
 _MASK64 = (1 << 64) - 1
-_VARINT_LIMITS = np.array([1 << 7 * k for k in range(1, 10)], dtype=np.uint64)
 
 
 def varint(n: int) -> bytes:
@@ -92,44 +95,86 @@ def frames(
     itemsize: int,
     starts: np.ndarray,
     sources: np.ndarray | None = None,
-) -> tuple[list[bytes], list[bytes]]:
-    """(heads, tails) of consecutive batches (steps step, step + 1, ...): batch i of a
-    response is `heads[i]`, then its rows x cols tokens of `itemsize` bytes, then
-    `tails[i]`. `starts` are the batches' window starts (non-negative), concatenated.
+) -> tuple[bytes, np.ndarray]:
+    """(blob, sizes) of consecutive batches (steps step, step + 1, ...): the blob is
+    head_0 tail_0 head_1 tail_1 ..., `sizes` their 2n lengths (int64); batch i of a
+    response is head_i, then its rows x cols tokens of `itemsize` bytes, then tail_i.
+    `starts` are the batches' window starts (non-negative), concatenated.
 
     Fields are written in number order, as SerializeToString does: epoch, step and
-    offset by hand (they change every batch), fields 4-7 by protobuf (cached), the
-    tokens' tag and length, then `starts`, which protobuf packs for all batches in
-    one call and each batch's tail takes its slice of, then (a mixture's) `sources`,
-    each row's source index, packed the same way.
+    offset (they change every batch), fields 4-7 by protobuf (cached per shape), the
+    tokens' tag and length; then `starts`, packed, then (a mixture's) `sources`, each
+    row's source index, packed the same way.
     """
-    packed = pb.Batch(starts=starts.tolist()).SerializeToString() if len(starts) else b""
-    sizes = np.searchsorted(_VARINT_LIMITS, starts.astype(np.uint64), side="right") + 1
-    values = memoryview(packed)[len(packed) - int(sizes.sum()) :]  # after tag and length
-    cut = np.concatenate(([0], np.cumsum(rows))).tolist()  # batch i: starts[cut[i]:cut[i+1]]
-    at = np.concatenate(([0], np.cumsum(sizes)))[cut].tolist()  # and its bytes in `values`
-    source_tails = _packed_slices(_SOURCES, sources, cut) if sources is not None else None
-    heads, tails = [], []
-    epoch_field = _int_field(_EPOCH, epoch)
-    for i, (offset, shift, n_rows, n_cols) in enumerate(
-        zip(offsets, shifts, rows, cols, strict=True)
+    payloads = np.multiply(rows, cols, dtype=np.int64) * itemsize
+    middles = [
+        _middle_fields(shift, n_rows, n_cols, dtype, payload)
+        for shift, n_rows, n_cols, payload in zip(
+            shifts, rows, cols, payloads.tolist(), strict=True
+        )
+    ]
+    cut = np.zeros(len(rows) + 1, dtype=np.int64)  # batch i: starts[cut[i]:cut[i+1]]
+    np.cumsum(rows, out=cut[1:])
+    extras = _packed_slices(_SOURCES, sources, cut.tolist()) if sources is not None else None
+    blob, sizes = _encode(
+        _BATCH,
+        _int_field(_EPOCH, epoch),
+        _STEP,
+        step,
+        _OFFSET,
+        np.asarray(offsets, dtype=np.int64),
+        middles,
+        payloads,
+        _STARTS,
+        np.ascontiguousarray(starts, dtype=np.int64),
+        cut,
+        extras,
+    )
+    return blob, np.frombuffer(sizes, dtype=np.int64)
+
+
+def _frames_py(
+    batch_tag: bytes,
+    epoch_field: bytes,
+    step_tag: bytes,
+    step: int,
+    offset_tag: bytes,
+    offsets: np.ndarray,
+    middles: Sequence[bytes],
+    payloads: np.ndarray,
+    starts_tag: bytes,
+    starts: np.ndarray,
+    cut: np.ndarray,
+    extras: Sequence[bytes] | None,
+) -> tuple[bytes, bytes]:
+    """The reference of _native.frames: every batch's head and tail, and their sizes
+    (int64 bytes)."""
+    out, sizes = [], []
+    values = starts.tolist()
+    for i, (offset, middle, payload) in enumerate(
+        zip(offsets.tolist(), middles, payloads.tolist(), strict=True)
     ):
-        a, b = at[i], at[i + 1]
-        tail = _STARTS + varint(b - a) + values[a:b] if b > a else b""
-        if source_tails is not None:
-            tail += source_tails[i]
-        payload = n_rows * n_cols * itemsize
+        packed = b"".join(varint(v & _MASK64) for v in values[cut[i] : cut[i + 1]])
+        tail = starts_tag + varint(len(packed)) + packed if packed else b""
+        tail += extras[i] if extras is not None else b""
         fields = b"".join(
             (
                 epoch_field,
-                _int_field(_STEP, step + i),
-                _int_field(_OFFSET, offset),
-                _middle_fields(shift, n_rows, n_cols, dtype, payload),
+                step_tag + varint(step + i) if step + i else b"",
+                offset_tag + varint(offset & _MASK64) if offset else b"",
+                middle,
             )
         )
-        heads.append(_BATCH + varint(len(fields) + payload + len(tail)) + fields)
-        tails.append(tail)
-    return heads, tails
+        head = batch_tag + varint(len(fields) + payload + len(tail)) + fields
+        out += [head, tail]
+        sizes += [len(head), len(tail)]
+    return b"".join(out), np.array(sizes, dtype=np.int64).tobytes()
+
+
+try:
+    from tokenfeed.server._native import frames as _encode
+except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1)
+    _encode = _frames_py
 
 
 def _packed_slices(tag: bytes, values: np.ndarray, cut: list[int]) -> list[bytes]:

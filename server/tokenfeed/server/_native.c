@@ -1,0 +1,356 @@
+/* tokenfeed.server._native: the hot path's two loops over rows and batches, in C.
+ *
+ * - splice: a response message is its batches' frames with their rows of tokens
+ *   between them, every row a slice of a cached chunk; splice.py describes it as a
+ *   program of (key, byte offset, byte count) pieces, and this copies them into one
+ *   new bytes object without a Python object per piece.
+ * - frames: every batch's protobuf bytes before and after its tokens, for a round of
+ *   batches (wire.py). It knows varints and the order of Batch's fields, not their
+ *   numbers: wire.py passes the tags, read from the generated descriptors.
+ *
+ * splice.py and wire.py hold the pure-Python reference of each (and the fallback when
+ * this module is not built); the tests compare them, and wire's with protobuf.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* A C-contiguous buffer of int64 rows of 3, or of plain int64 (keys). */
+static int
+int64_buffer(PyObject *obj, Py_buffer *view, int rows_of_3, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    int ok = view->itemsize == 8 && (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
+    if (ok && rows_of_3)
+        ok = view->ndim == 2 && view->shape[1] == 3;
+    if (ok && !rows_of_3)
+        ok = view->ndim == 1;
+    if (!ok) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "splice: %s must be a C-contiguous int64 array%s",
+                     what, rows_of_3 ? " of shape (n, 3)" : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* Index of `key` in the ascending `keys`, or -1. */
+static Py_ssize_t
+find(const int64_t *keys, Py_ssize_t n, int64_t key)
+{
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (keys[mid] < key)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && keys[lo] == key ? lo : -1;
+}
+
+typedef struct {
+    Py_buffer program; /* int64 (n, 3): key, offset, count */
+    Py_buffer blob;    /* what key -1 reads */
+} Segment;
+
+static PyObject *
+splice(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *segments_obj, *keys_obj, *views_obj;
+    if (!PyArg_ParseTuple(args, "OOO:splice", &segments_obj, &keys_obj, &views_obj))
+        return NULL;
+    PyObject *segments = PySequence_Fast(segments_obj, "splice: segments must be a sequence");
+    if (segments == NULL)
+        return NULL;
+    PyObject *views = PySequence_Fast(views_obj, "splice: views must be a sequence");
+    if (views == NULL) {
+        Py_DECREF(segments);
+        return NULL;
+    }
+    Py_ssize_t n_segments = PySequence_Fast_GET_SIZE(segments);
+    Py_ssize_t n_views = PySequence_Fast_GET_SIZE(views);
+    Segment *segs = PyMem_Calloc(n_segments ? n_segments : 1, sizeof(Segment));
+    Py_buffer *bufs = PyMem_Calloc(n_views ? n_views : 1, sizeof(Py_buffer));
+    Py_buffer keys = {0};
+    Py_ssize_t got_segs = 0, got_views = 0;
+    PyObject *out = NULL;
+    if (segs == NULL || bufs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (int64_buffer(keys_obj, &keys, 0, "keys") < 0)
+        goto done;
+    if (keys.shape[0] != n_views) {
+        PyErr_Format(PyExc_ValueError, "splice: %zd keys but %zd views", keys.shape[0], n_views);
+        goto done;
+    }
+    for (; got_views < n_views; got_views++) {
+        PyObject *v = PySequence_Fast_GET_ITEM(views, got_views);
+        if (PyObject_GetBuffer(v, &bufs[got_views], PyBUF_SIMPLE) < 0)
+            goto done;
+    }
+    /* First pass: every segment's buffers and the message's size. */
+    Py_ssize_t total = 0;
+    for (; got_segs < n_segments; got_segs++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(segments, got_segs);
+        PyObject *program, *blob;
+        if (!PyTuple_Check(pair) || !PyArg_ParseTuple(pair, "OO", &program, &blob)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "splice: a segment is a (program, blob) tuple");
+            goto done;
+        }
+        Segment *s = &segs[got_segs];
+        if (int64_buffer(program, &s->program, 1, "a program") < 0)
+            goto done;
+        if (PyObject_GetBuffer(blob, &s->blob, PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&s->program);
+            goto done;
+        }
+        const int64_t *p = s->program.buf;
+        for (Py_ssize_t i = 0; i < s->program.shape[0]; i++) {
+            int64_t count = p[3 * i + 2];
+            if (count < 0 || count > PY_SSIZE_T_MAX - total) {
+                got_segs++;
+                PyErr_Format(PyExc_ValueError, "splice: piece %zd has a bad byte count %lld", i,
+                             (long long)count);
+                goto done;
+            }
+            total += count;
+        }
+    }
+    out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL)
+        goto done;
+    /* Second pass, without the GIL: find each piece's source, check it, copy it. */
+    char *dst = PyBytes_AS_STRING(out);
+    const int64_t *key_of = keys.buf;
+    Py_ssize_t bad_segment = -1, bad_piece = -1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < n_segments && bad_piece < 0; k++) {
+        const int64_t *p = segs[k].program.buf;
+        for (Py_ssize_t i = 0; i < segs[k].program.shape[0]; i++, p += 3) {
+            const Py_buffer *src = &segs[k].blob;
+            if (p[0] != -1) {
+                Py_ssize_t j = find(key_of, n_views, p[0]);
+                src = j < 0 ? NULL : &bufs[j];
+            }
+            if (src == NULL || p[1] < 0 || p[1] > src->len || p[2] > src->len - p[1]) {
+                bad_segment = k;
+                bad_piece = i;
+                break;
+            }
+            memcpy(dst, (const char *)src->buf + p[1], (size_t)p[2]);
+            dst += p[2];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad_piece >= 0) {
+        const int64_t *p = (const int64_t *)segs[bad_segment].program.buf + 3 * bad_piece;
+        PyErr_Format(PyExc_ValueError,
+                     "splice: piece %zd of segment %zd (key %lld, offset %lld, count %lld) is "
+                     "not inside its source",
+                     bad_piece, bad_segment, (long long)p[0], (long long)p[1], (long long)p[2]);
+        Py_CLEAR(out);
+    }
+done:
+    for (Py_ssize_t k = 0; k < got_segs; k++) {
+        PyBuffer_Release(&segs[k].program);
+        PyBuffer_Release(&segs[k].blob);
+    }
+    for (Py_ssize_t j = 0; j < got_views; j++)
+        PyBuffer_Release(&bufs[j]);
+    if (keys.obj != NULL)
+        PyBuffer_Release(&keys);
+    PyMem_Free(segs);
+    PyMem_Free(bufs);
+    Py_DECREF(segments);
+    Py_DECREF(views);
+    return out;
+}
+
+/* ------------------------------------------------------------------ frames */
+
+static inline Py_ssize_t
+varint_size(uint64_t v)
+{
+    Py_ssize_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static inline char *
+put_varint(char *p, uint64_t v)
+{
+    while (v >= 0x80) {
+        *p++ = (char)((v & 0x7F) | 0x80);
+        v >>= 7;
+    }
+    *p++ = (char)v;
+    return p;
+}
+
+static inline char *
+put(char *p, const Py_buffer *b)
+{
+    memcpy(p, b->buf, (size_t)b->len);
+    return p + b->len;
+}
+
+static PyObject *
+frames(PyObject *module, PyObject *args)
+{
+    (void)module;
+    Py_buffer batch_tag, epoch_field, step_tag, offset_tag, starts_tag;
+    Py_buffer offsets = {0}, payloads = {0}, starts = {0}, cut = {0};
+    PyObject *offsets_obj, *middles_obj, *payloads_obj, *starts_obj, *cut_obj, *extras_obj;
+    long long step;
+    if (!PyArg_ParseTuple(args, "y*y*y*Ly*OOOy*OOO:frames", &batch_tag, &epoch_field, &step_tag,
+                          &step, &offset_tag, &offsets_obj, &middles_obj, &payloads_obj,
+                          &starts_tag, &starts_obj, &cut_obj, &extras_obj))
+        return NULL;
+    PyObject *middles = NULL, *extras = NULL, *blob = NULL, *sizes = NULL, *result = NULL;
+    if (int64_buffer(offsets_obj, &offsets, 0, "offsets") < 0 ||
+        int64_buffer(payloads_obj, &payloads, 0, "payloads") < 0 ||
+        int64_buffer(starts_obj, &starts, 0, "starts") < 0 ||
+        int64_buffer(cut_obj, &cut, 0, "cut") < 0)
+        goto done;
+    middles = PySequence_Fast(middles_obj, "frames: middles must be a sequence of bytes");
+    if (middles == NULL)
+        goto done;
+    if (extras_obj != Py_None) {
+        extras = PySequence_Fast(extras_obj, "frames: extras must be a sequence of bytes");
+        if (extras == NULL)
+            goto done;
+    }
+    Py_ssize_t n = offsets.shape[0];
+    const int64_t *off = offsets.buf, *pay = payloads.buf, *st = starts.buf, *c = cut.buf;
+    if (payloads.shape[0] != n || PySequence_Fast_GET_SIZE(middles) != n ||
+        cut.shape[0] != n + 1 || (extras != NULL && PySequence_Fast_GET_SIZE(extras) != n)) {
+        PyErr_SetString(PyExc_ValueError, "frames: one offset, middle, payload (and extra) per "
+                                          "batch, and one more cut");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int ok = c[i] >= 0 && c[i] <= c[i + 1] && c[i + 1] <= starts.shape[0] && pay[i] >= 0;
+        ok = ok && PyBytes_Check(PySequence_Fast_GET_ITEM(middles, i));
+        ok = ok && (extras == NULL || PyBytes_Check(PySequence_Fast_GET_ITEM(extras, i)));
+        if (!ok) {
+            PyErr_Format(PyExc_ValueError, "frames: batch %zd: bad cut, payload or a non-bytes "
+                                           "middle or extra", i);
+            goto done;
+        }
+    }
+    /* First pass: the sizes of every head and tail. */
+    sizes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(2 * n * sizeof(int64_t)));
+    if (sizes == NULL)
+        goto done;
+    int64_t *size = (int64_t *)PyBytes_AS_STRING(sizes);
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t packed = 0;
+        for (int64_t k = c[i]; k < c[i + 1]; k++)
+            packed += varint_size((uint64_t)st[k]);
+        Py_ssize_t tail = packed ? starts_tag.len + varint_size((uint64_t)packed) + packed : 0;
+        if (extras != NULL)
+            tail += PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(extras, i));
+        uint64_t s = (uint64_t)step + (uint64_t)i;
+        Py_ssize_t fields = epoch_field.len + PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(middles, i));
+        fields += s ? step_tag.len + varint_size(s) : 0;
+        fields += off[i] ? offset_tag.len + varint_size((uint64_t)off[i]) : 0;
+        uint64_t length = (uint64_t)fields + (uint64_t)pay[i] + (uint64_t)tail;
+        size[2 * i] = batch_tag.len + varint_size(length) + fields;
+        size[2 * i + 1] = tail;
+        total += size[2 * i] + tail;
+    }
+    blob = PyBytes_FromStringAndSize(NULL, total);
+    if (blob == NULL)
+        goto done;
+    /* Second pass: the bytes, in Batch's field order (as SerializeToString writes). */
+    char *p = PyBytes_AS_STRING(blob);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *middle = PySequence_Fast_GET_ITEM(middles, i);
+        Py_ssize_t tail = size[2 * i + 1];
+        uint64_t s = (uint64_t)step + (uint64_t)i;
+        Py_ssize_t fields = epoch_field.len + PyBytes_GET_SIZE(middle);
+        fields += s ? step_tag.len + varint_size(s) : 0;
+        fields += off[i] ? offset_tag.len + varint_size((uint64_t)off[i]) : 0;
+        p = put(p, &batch_tag);
+        p = put_varint(p, (uint64_t)fields + (uint64_t)pay[i] + (uint64_t)tail);
+        p = put(p, &epoch_field);
+        if (s) {
+            p = put(p, &step_tag);
+            p = put_varint(p, s);
+        }
+        if (off[i]) {
+            p = put(p, &offset_tag);
+            p = put_varint(p, (uint64_t)off[i]);
+        }
+        memcpy(p, PyBytes_AS_STRING(middle), (size_t)PyBytes_GET_SIZE(middle));
+        p += PyBytes_GET_SIZE(middle);
+        /* (the batch's tokens go here) */
+        Py_ssize_t packed = 0;
+        for (int64_t k = c[i]; k < c[i + 1]; k++)
+            packed += varint_size((uint64_t)st[k]);
+        if (packed) {
+            p = put(p, &starts_tag);
+            p = put_varint(p, (uint64_t)packed);
+            for (int64_t k = c[i]; k < c[i + 1]; k++)
+                p = put_varint(p, (uint64_t)st[k]);
+        }
+        if (extras != NULL) {
+            PyObject *extra = PySequence_Fast_GET_ITEM(extras, i);
+            memcpy(p, PyBytes_AS_STRING(extra), (size_t)PyBytes_GET_SIZE(extra));
+            p += PyBytes_GET_SIZE(extra);
+        }
+    }
+    result = PyTuple_Pack(2, blob, sizes);
+done:
+    PyBuffer_Release(&batch_tag);
+    PyBuffer_Release(&epoch_field);
+    PyBuffer_Release(&step_tag);
+    PyBuffer_Release(&offset_tag);
+    PyBuffer_Release(&starts_tag);
+    if (offsets.obj != NULL)
+        PyBuffer_Release(&offsets);
+    if (payloads.obj != NULL)
+        PyBuffer_Release(&payloads);
+    if (starts.obj != NULL)
+        PyBuffer_Release(&starts);
+    if (cut.obj != NULL)
+        PyBuffer_Release(&cut);
+    Py_XDECREF(middles);
+    Py_XDECREF(extras);
+    Py_XDECREF(blob);
+    Py_XDECREF(sizes);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"splice", splice, METH_VARARGS,
+     "splice(segments, keys, views) -> bytes: see tokenfeed.server.splice."},
+    {"frames", frames, METH_VARARGS,
+     "frames(...) -> (bytes, int64 sizes as bytes): see tokenfeed.server.wire."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "tokenfeed.server._native",
+    "The hot path's loops in C (see tokenfeed.server.splice and tokenfeed.server.wire).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,23 @@
+# Types of the C extension (_native.c); splice.py and wire.py document the functions.
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+def splice(
+    segments: Sequence[tuple[np.ndarray, Any]], keys: np.ndarray, views: Sequence[Any]
+) -> bytes: ...
+def frames(
+    batch_tag: bytes,
+    epoch_field: bytes,
+    step_tag: bytes,
+    step: int,
+    offset_tag: bytes,
+    offsets: np.ndarray,
+    middles: Sequence[bytes],
+    payloads: np.ndarray,
+    starts_tag: bytes,
+    starts: np.ndarray,
+    cut: np.ndarray,
+    extras: Sequence[bytes] | None,
+) -> tuple[bytes, bytes]: ...
