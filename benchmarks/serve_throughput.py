@@ -420,6 +420,9 @@ def main() -> None:
                 )
     rows = [median_row(runs[row]) for row in plan]
     if args.only:
+        for row in plan:
+            cpu = " ".join(f"{r['cpu_per_gtok']:.2f}" for r in runs[row])
+            print(f"{':'.join(map(str, row))}: server CPU s/Gtok per run {cpu}")
         return
     if args.workers_rows:
         return report_workers(rows, args)

@@ -573,12 +573,13 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
     starts = np.array([[0, 650, 1390, 1400], [2000, 100, 0, 0]], dtype=np.int64)
     rnd = sampling.Round(0, 0, [0, 8], [1, 3], [4, 2], starts)  # the last batch is short
     lr = assembly.LocatedRound(ds, rnd, seq_len=900)
-    assert assembly.rows_chunks(ds, lr, 0, 6) == [0, 1, 3, 4, 5]  # chunk 2 is the empty one
+    assert sorted(assembly.spans_chunks([(lr, 0, 2)])) == [0, 1, 3, 4, 5]  # 2 is the empty one
+    assert assembly.chunks_by_first_use([(lr, 0, 2)]) == [0, 1, 3, 4, 5]
     for i, rows in enumerate(rnd.rows):
         cols = lr.cols[i]
         want = starts[i, :rows, None] + np.arange(cols)
         loaded = assembly.gather(ds, cache, starts[i, :rows].tolist(), cols)
-        chunks = assembly.rows_chunks(ds, lr, lr.row_lo[i], lr.row_lo[i + 1])
+        chunks = sorted(assembly.spans_chunks([(lr, i, i + 1)]))
         pinned = assembly.pin_views(ds, cache, chunks)
         assert pinned is not None  # gather loaded this batch's chunks
         try:

@@ -75,3 +75,71 @@ def test_the_c_splice_checks_its_arrays() -> None:
         splice.splice([(np.zeros((2, 3), dtype=np.int32), b"")], keys, [b"x"])
     with pytest.raises(ValueError, match="1 keys but 2 views"):
         splice.splice([], keys, [b"x", b"y"])
+
+
+PROGRAMS = [splice.program_py] + ([splice._program] if splice.NATIVE else [])
+
+
+@st.composite
+def rounds(draw: st.DrawFn):
+    """A store of chunks (some empty) holding T = 0, 1, 2, ... and a round of batches
+    whose rows lie anywhere in it, crossing chunks too."""
+    sizes = draw(st.lists(st.integers(0, 40), min_size=1, max_size=8).filter(lambda s: sum(s)))
+    total = sum(sizes)
+    batches = []
+    for _ in range(draw(st.integers(0, 4))):
+        cols = draw(st.integers(1, total))
+        starts = draw(st.lists(st.integers(0, total - cols), max_size=5))
+        batches.append((cols, starts))
+    frame_sizes = draw(st.lists(st.integers(0, 5), min_size=2 * len(batches)))
+    return sizes, batches, frame_sizes[: 2 * len(batches)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(rounds(), st.sampled_from([1, 2, 4]))
+def test_the_program_splices_each_row_from_its_chunks(case, itemsize) -> None:
+    """Spliced over the chunks, a round's program gives every batch's frames with its
+    rows T[s : s + cols] between them, whatever chunks the rows cross; C and Python
+    give the same program."""
+    sizes, batches, frame_sizes = case
+    dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize]
+    bounds = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    tokens = np.arange(bounds[-1]).astype(dtype)
+    chunks = [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    frames = bytes(range(sum(frame_sizes)))
+    args = (
+        np.array([s for _, starts in batches for s in starts], dtype=np.int64),
+        bounds,
+        np.array([len(starts) for _, starts in batches], dtype=np.int64),
+        np.array([cols * itemsize for cols, _ in batches], dtype=np.int64),
+        itemsize,
+        np.array(frame_sizes, dtype=np.int64),
+    )
+    made = [fn(*args) for fn in PROGRAMS]
+    assert all(m == made[0] for m in made)
+    program = np.frombuffer(made[0][0], dtype=np.int64).reshape(-1, 3)
+    piece_lo = np.frombuffer(made[0][1], dtype=np.int64).tolist()
+    keys = np.arange(len(chunks), dtype=np.int64)
+    views = [memoryview(c).cast("B") for c in chunks]
+    at = np.concatenate(([0], np.cumsum(frame_sizes))).astype(int).tolist()
+    for b, (cols, starts) in enumerate(batches):
+        got = splice.splice([(program[piece_lo[b] : piece_lo[b + 1]], frames)], keys, views)
+        rows = b"".join(tokens[s : s + cols].tobytes() for s in starts)
+        want = frames[at[2 * b] : at[2 * b + 1]] + rows + frames[at[2 * b + 1] : at[2 * b + 2]]
+        assert got == want
+    assert (program[program[:, 0] >= 0, 2] > 0).all()  # no piece of an empty chunk
+
+
+@pytest.mark.parametrize("fn", PROGRAMS)
+def test_a_row_outside_the_store_is_refused(fn) -> None:
+    bounds = np.array([0, 10, 20], dtype=np.int64)
+    one = np.array([1], dtype=np.int64)
+    with pytest.raises(ValueError, match="outside the store"):
+        fn(
+            np.array([15], dtype=np.int64),
+            bounds,
+            one,
+            np.array([12], dtype=np.int64),
+            1,
+            np.zeros(2, dtype=np.int64),
+        )

@@ -4,6 +4,8 @@
  *   between them, every row a slice of a cached chunk; splice.py describes it as a
  *   program of (key, byte offset, byte count) pieces, and this copies them into one
  *   new bytes object without a Python object per piece.
+ * - program: a round of batches as that program: where each row lies in the store's
+ *   chunks (a row crossing chunks is a piece per chunk), the frames between them.
  * - frames: every batch's protobuf bytes before and after its tokens, for a round of
  *   batches (wire.py). It knows varints and the order of Batch's fields, not their
  *   numbers: wire.py passes the tags, read from the generated descriptors.
@@ -175,6 +177,112 @@ done:
     return out;
 }
 
+/* ----------------------------------------------------------------- program */
+
+/* The last chunk whose start is <= t (chunk_starts ascending, chunk_starts[0] = 0). */
+static inline Py_ssize_t
+chunk_at(const int64_t *chunk_starts, Py_ssize_t n_chunks, int64_t t)
+{
+    Py_ssize_t lo = 0, n = n_chunks; /* search chunk_starts[0 .. n_chunks) */
+    while (n > 1) {
+        Py_ssize_t half = n / 2;
+        lo = chunk_starts[lo + half] <= t ? lo + half : lo; /* branch-free step */
+        n -= half;
+    }
+    return lo;
+}
+
+static PyObject *
+program(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *starts_obj, *bounds_obj, *rows_obj, *row_bytes_obj, *frames_obj;
+    Py_ssize_t itemsize;
+    if (!PyArg_ParseTuple(args, "OOOOnO:program", &starts_obj, &bounds_obj, &rows_obj,
+                          &row_bytes_obj, &itemsize, &frames_obj))
+        return NULL;
+    Py_buffer starts = {0}, bounds = {0}, rows = {0}, row_bytes = {0}, frame_sizes = {0};
+    PyObject *prog = NULL, *lo = NULL, *result = NULL;
+    if (int64_buffer(starts_obj, &starts, 0, "starts") < 0 ||
+        int64_buffer(bounds_obj, &bounds, 0, "chunk_starts") < 0 ||
+        int64_buffer(rows_obj, &rows, 0, "rows") < 0 ||
+        int64_buffer(row_bytes_obj, &row_bytes, 0, "row_bytes") < 0 ||
+        int64_buffer(frames_obj, &frame_sizes, 0, "frame sizes") < 0)
+        goto done;
+    const int64_t *st = starts.buf, *cs = bounds.buf, *nr = rows.buf, *rb = row_bytes.buf;
+    const int64_t *fs = frame_sizes.buf;
+    Py_ssize_t n_batches = rows.shape[0], n_chunks = bounds.shape[0] - 1;
+    if (itemsize <= 0 || n_chunks < 0 || row_bytes.shape[0] != n_batches ||
+        frame_sizes.shape[0] != 2 * n_batches) {
+        PyErr_SetString(PyExc_ValueError, "program: one rows and row_bytes per batch, two frame "
+                                          "sizes, a positive itemsize and chunk_starts");
+        goto done;
+    }
+    /* First pass: check every row and count its pieces (non-empty chunks it touches). */
+    Py_ssize_t pieces = 2 * n_batches, r = 0;
+    int64_t total = n_chunks >= 0 ? cs[n_chunks] : 0;
+    for (Py_ssize_t b = 0; b < n_batches; b++) {
+        if (nr[b] < 0 || r + nr[b] > starts.shape[0] || rb[b] < 0 || rb[b] % itemsize) {
+            PyErr_Format(PyExc_ValueError, "program: batch %zd has bad rows or row_bytes", b);
+            goto done;
+        }
+        int64_t cols = rb[b] / itemsize;
+        for (int64_t k = 0; k < nr[b]; k++, r++) {
+            int64_t s = st[r];
+            if (s < 0 || cols > total - s) {
+                PyErr_Format(PyExc_ValueError, "program: row %zd [%lld, %lld) is outside the "
+                             "store's %lld tokens", r, (long long)s, (long long)(s + cols),
+                             (long long)total);
+                goto done;
+            }
+            for (Py_ssize_t c = chunk_at(cs, n_chunks, s); c < n_chunks && cs[c] < s + cols; c++)
+                pieces += (s > cs[c] ? s : cs[c]) < (s + cols < cs[c + 1] ? s + cols : cs[c + 1]);
+        }
+    }
+    prog = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(3 * pieces * sizeof(int64_t)));
+    lo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((n_batches + 1) * sizeof(int64_t)));
+    if (prog == NULL || lo == NULL)
+        goto done;
+    /* Second pass: head, the rows' pieces, tail, batch after batch. */
+    int64_t *p = (int64_t *)PyBytes_AS_STRING(prog), *piece_lo = (int64_t *)PyBytes_AS_STRING(lo);
+    int64_t at = 0, here = 0; /* at: the next frame's offset in the frames blob */
+    r = 0;
+    for (Py_ssize_t b = 0; b < n_batches; b++) {
+        piece_lo[b] = here;
+        p[0] = -1, p[1] = at, p[2] = fs[2 * b];
+        at += fs[2 * b], p += 3, here++;
+        int64_t cols = rb[b] / itemsize;
+        for (int64_t k = 0; k < nr[b]; k++, r++) {
+            int64_t s = st[r], end = s + cols;
+            for (Py_ssize_t c = chunk_at(cs, n_chunks, s); c < n_chunks && cs[c] < end; c++) {
+                int64_t a = s > cs[c] ? s : cs[c], e = end < cs[c + 1] ? end : cs[c + 1];
+                if (a < e) {
+                    p[0] = c, p[1] = (a - cs[c]) * itemsize, p[2] = (e - a) * itemsize;
+                    p += 3, here++;
+                }
+            }
+        }
+        p[0] = -1, p[1] = at, p[2] = fs[2 * b + 1];
+        at += fs[2 * b + 1], p += 3, here++;
+    }
+    piece_lo[n_batches] = here;
+    result = PyTuple_Pack(2, prog, lo);
+done:
+    if (starts.obj != NULL)
+        PyBuffer_Release(&starts);
+    if (bounds.obj != NULL)
+        PyBuffer_Release(&bounds);
+    if (rows.obj != NULL)
+        PyBuffer_Release(&rows);
+    if (row_bytes.obj != NULL)
+        PyBuffer_Release(&row_bytes);
+    if (frame_sizes.obj != NULL)
+        PyBuffer_Release(&frame_sizes);
+    Py_XDECREF(prog);
+    Py_XDECREF(lo);
+    return result;
+}
+
 /* ------------------------------------------------------------------ frames */
 
 static inline Py_ssize_t
@@ -338,6 +446,9 @@ done:
 static PyMethodDef methods[] = {
     {"splice", splice, METH_VARARGS,
      "splice(segments, keys, views) -> bytes: see tokenfeed.server.splice."},
+    {"program", program, METH_VARARGS,
+     "program(...) -> (int64 (n, 3) as bytes, int64 piece_lo as bytes): see "
+     "tokenfeed.server.splice."},
     {"frames", frames, METH_VARARGS,
      "frames(...) -> (bytes, int64 sizes as bytes): see tokenfeed.server.wire."},
     {NULL, NULL, 0, NULL},

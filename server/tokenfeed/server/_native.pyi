@@ -21,3 +21,11 @@ def frames(
     cut: np.ndarray,
     extras: Sequence[bytes] | None,
 ) -> tuple[bytes, bytes]: ...
+def program(
+    starts: np.ndarray,
+    chunk_starts: np.ndarray,
+    rows: np.ndarray,
+    row_bytes: np.ndarray,
+    itemsize: int,
+    frame_sizes: np.ndarray,
+) -> tuple[bytes, bytes]: ...

@@ -20,7 +20,6 @@ Where a burst is built is the servicer's choice (service.py): on the event loop
 from __future__ import annotations
 
 import time
-from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Iterator
 from functools import partial
@@ -29,12 +28,11 @@ from typing import Any
 import numpy as np
 
 from tokenfeed.core import sampling
-from tokenfeed.server import wire
+from tokenfeed.server import splice, wire
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
-from tokenfeed.server.splice import splice
 
 # A burst is built in one go: one pin of its chunks, one thread-pool round trip. 8 was
 # no faster end to end than 4 (serve_throughput) and gave streams coarser turns.
@@ -68,19 +66,15 @@ class LocatedRound:
     def __init__(
         self, ds: Dataset, rnd: sampling.Round, seq_len: int, num_sources: int = 0
     ) -> None:
-        store = ds.store
+        store, size = ds.store, ds.store.dtype.itemsize
         self.cols = [seq_len + s for s in rnd.shifts]
-        self.row_bytes = [c * store.dtype.itemsize for c in self.cols]
+        self.row_bytes = [c * size for c in self.cols]
         self.row_lo = [0, *np.cumsum(rnd.rows).tolist()]
         # Only a round's last batch can be short, so its rows are a prefix of the flat array.
         n = self.row_lo[-1]
         own = rnd.starts.ravel()[:n]  # in each row's store (a mixture's: its source's)
         sources = None if rnd.sources is None else rnd.sources.ravel()[:n]
-        starts = ds.virtual(own, sources)  # where assembly finds the rows
-        cols = np.repeat(self.cols, rnd.rows) if len(set(self.cols)) > 1 else self.cols[0]
-        bounds = store.chunk_starts
-        first = np.searchsorted(bounds, starts, side="right") - 1
-        self.starts = starts
+        self.starts = ds.virtual(own, sources)  # where assembly finds the rows
         self.sources = sources  # a mixture's: each row's source index
         # a mixture's tokens by source, summed over batches [0, i) in row i: a span's
         # count is one subtraction (`num_sources` > 0 for a mixture)
@@ -91,16 +85,6 @@ class LocatedRound:
             per = per.reshape(-1, num_sources) * np.asarray(self.cols, dtype=np.int64)[:, None]
             self.source_tokens = np.zeros((len(self.cols) + 1, num_sources), dtype=np.int64)
             np.cumsum(per, axis=0, out=self.source_tokens[1:])
-        self.chunk = first  # chunk holding each row's first token
-        self.begin = (starts - bounds[first]) * store.dtype.itemsize  # its byte offset there
-        # Windows cross chunks freely; such rows are rare and take the slow path.
-        crossing = starts + cols > bounds[first + 1]
-        self.crossing = np.flatnonzero(crossing).tolist()  # ascending row indices
-        self.batch_crosses = (  # per batch: does any of its rows cross?
-            np.logical_or.reduceat(crossing, self.row_lo[:-1]).tolist()
-            if self.crossing
-            else [False] * len(self.cols)
-        )
         self.frames, sizes = wire.frames(
             rnd.epoch,
             rnd.step,
@@ -113,10 +97,11 @@ class LocatedRound:
             own,
             sources,
         )
-        at = np.zeros(len(sizes) + 1, dtype=np.int64)  # frame k is frames[at[k]:at[k + 1]]
-        np.cumsum(sizes, out=at[1:])
-        self.frame_at = at.tolist()
-        self.program, self.piece_lo = self._program(ds, rnd.rows, at)
+        self.frame_at = [0, *np.cumsum(sizes).tolist()]  # frame k: frames[at[k]:at[k + 1]]
+        # where every row lies in the chunks (a row crossing chunks: a piece per chunk)
+        self.program, self.piece_lo = splice.program(
+            self.starts, store.chunk_starts, rnd.rows, self.row_bytes, size, sizes
+        )
         # tokens in batches [0, i): a span's count is one subtraction
         self.token_lo = [0, *np.cumsum(np.multiply(rnd.rows, self.cols)).tolist()]
 
@@ -126,82 +111,31 @@ class LocatedRound:
     def tail(self, i: int) -> bytes:
         return self.frames[self.frame_at[2 * i + 1] : self.frame_at[2 * i + 2]]
 
-    def _program(
-        self, ds: Dataset, rows: list[int], at: np.ndarray
-    ) -> tuple[np.ndarray, list[int]]:
-        """The round's splice program: per batch its head, its rows (a row crossing
-        chunks is one piece per chunk), its tail; and where each batch's pieces begin.
-        `at`: where each frame (head_0, tail_0, head_1, ...) begins in `self.frames`."""
-        n, batches = self.row_lo[-1], len(self.cols)
-        per_row = np.ones(n, dtype=np.int64)  # pieces per row
-        crossing = {}
-        for r in self.crossing:
-            s, cols = int(self.starts[r]), self.cols[bisect_right(self.row_lo, r) - 1]
-            crossing[r] = list(_pieces(ds.chunk_bounds, int(self.chunk[r]), s, s + cols))
-            per_row[r] = len(crossing[r])
-        before = np.zeros(n + 1, dtype=np.int64)  # pieces of rows [0, r)
-        np.cumsum(per_row, out=before[1:])
-        batch = np.repeat(np.arange(batches, dtype=np.int64), rows)
-        first = 2 * batch + 1 + before[:-1]  # each row's first piece
-        piece_lo = 2 * np.arange(batches + 1, dtype=np.int64) + before[self.row_lo]
-        program = np.empty((int(piece_lo[-1]), 3), dtype=np.int64)
-        program[first, 0] = self.chunk
-        program[first, 1] = self.begin
-        program[first, 2] = np.repeat(self.row_bytes, rows)
-        for pieces, k in ((piece_lo[:-1], 0), (piece_lo[1:] - 1, 1)):  # heads, tails
-            program[pieces, 0] = -1
-            program[pieces, 1] = at[k:-1:2]
-            program[pieces, 2] = at[k + 1 :: 2] - at[k:-1:2]
-        size, bounds = ds.store.dtype.itemsize, ds.chunk_bounds
-        for r, parts in crossing.items():
-            for k, (c, a, b) in enumerate(parts):
-                program[first[r] + k] = (c, (a - bounds[c]) * size, (b - a) * size)
-        return program, piece_lo.tolist()
-
     def __len__(self) -> int:
         return len(self.cols)
 
 
-def rows_chunks(ds: Dataset, lr: LocatedRound, lo: int, hi: int) -> list[int]:
-    """The chunks rows [lo, hi) of `lr` touch (empty chunks left out), ascending."""
-    chunks = set(lr.chunk[lo:hi].tolist())
-    crossing = lr.crossing
-    for r in crossing[bisect_left(crossing, lo) : bisect_left(crossing, hi)]:
-        s, cols = int(lr.starts[r]), lr.cols[bisect_right(lr.row_lo, r) - 1]
-        chunks.update(c for c, _, _ in _pieces(ds.chunk_bounds, int(lr.chunk[r]), s, s + cols))
-    return sorted(chunks)
+def _reach(spans: list[Span]) -> tuple[LocatedRound, int, int] | None:
+    """Consecutive spans as (their first round, first batch, batches): equal (rounds
+    compare by identity) for the same batches however they are cut into spans."""
+    return (spans[0][0], spans[0][1], sum(j - i for _, i, j in spans)) if spans else None
 
 
-def spans_chunks(ds: Dataset, spans: list[Span]) -> set[int]:
-    """The chunks consecutive spans touch; a run of spans in one round is one range."""
+def spans_chunks(spans: list[Span]) -> set[int]:
+    """The chunks spans touch (their pieces' keys, the frames' -1 left out)."""
     chunks: set[int] = set()
-    run: Span | None = None
-    for span in [*spans, None]:
-        if run is not None and span is not None and span[0] is run[0] and span[1] == run[2]:
-            run = (run[0], run[1], span[2])
-            continue
-        if run is not None:
-            lr = run[0]
-            chunks.update(rows_chunks(ds, lr, lr.row_lo[run[1]], lr.row_lo[run[2]]))
-        run = span
+    for lr, i, j in spans:
+        chunks.update(lr.program[lr.piece_lo[i] : lr.piece_lo[j], 0].tolist())
+    chunks.discard(-1)
     return chunks
 
 
-def chunks_by_first_use(ds: Dataset, spans: list[Span]) -> list[int]:
-    """The chunks spans touch, in the order their rows first need them (a row crossing
-    into the next chunks needs those at its own place in the order too)."""
+def chunks_by_first_use(spans: list[Span]) -> list[int]:
+    """The chunks spans touch, in the order their rows first need them."""
     seen: dict[int, None] = {}
     for lr, i, j in spans:
-        lo, hi = lr.row_lo[i], lr.row_lo[j]
-        rows, chunks = [np.arange(lo, hi)], [lr.chunk[lo:hi]]
-        crossing = lr.crossing
-        for r in crossing[bisect_left(crossing, lo) : bisect_left(crossing, hi)]:
-            s, cols = int(lr.starts[r]), lr.cols[bisect_right(lr.row_lo, r) - 1]
-            more = [c for c, _, _ in _pieces(ds.chunk_bounds, int(lr.chunk[r]), s, s + cols)]
-            rows.append(np.full(len(more), r))
-            chunks.append(np.array(more, dtype=lr.chunk.dtype))
-        flat = np.concatenate(chunks)[np.argsort(np.concatenate(rows), kind="stable")]
-        ids, first = np.unique(flat, return_index=True)
+        keys = lr.program[lr.piece_lo[i] : lr.piece_lo[j], 0]
+        ids, first = np.unique(keys[keys >= 0], return_index=True)
         seen.update(dict.fromkeys(ids[np.argsort(first)].tolist()))
     return list(seen)
 
@@ -227,12 +161,12 @@ class Pinned:
     def rows(self, lr: LocatedRound, i: int) -> bytes:
         """Batch i's rows of tokens (its pieces but the frames around them)."""
         program = lr.program[lr.piece_lo[i] + 1 : lr.piece_lo[i + 1] - 1]
-        return splice([(program, b"")], self.keys, self.views)
+        return splice.splice([(program, b"")], self.keys, self.views)
 
     def message(self, spans: list[Span]) -> bytes:
         """Batches [i, j) of each span's round, framed: a message."""
         segments = [(lr.program[lr.piece_lo[i] : lr.piece_lo[j]], lr.frames) for lr, i, j in spans]
-        return splice(segments, self.keys, self.views)
+        return splice.splice(segments, self.keys, self.views)
 
 
 def pin_views(ds: Dataset, cache: ChunkCache, chunks: list[int]) -> Pinned | None:
@@ -314,6 +248,7 @@ class MessageBuilder:
         self._pos = 0  # next batch of the first round
         self._bursts = 0  # bursts built so far
         self._asked: dict[int, int] = {}  # chunk -> burst when last read ahead
+        self._near: tuple[Any, set[int]] = (None, set())  # the last read-ahead's batches
         # A mixture's messages' tokens per source, one array per message built, in order
         # (the servicer counts them by source as it writes the messages).
         self.by_source: deque[np.ndarray] | None = None
@@ -353,14 +288,16 @@ class MessageBuilder:
         not asked again. Chunks of `used` (the burst just built) those batches do not need
         go to the cold end of the cache's order: the stream is past them (cache.cool)."""
         store = self.ds.store
-        near = spans_chunks(self.ds, self._spans(self.read_ahead_batches, cursor)[0])
+        spans = self._spans(self.read_ahead_batches, cursor)[0]
+        near = spans_chunks(spans)
+        self._near = (_reach(spans), near)  # usually the next burst's batches: it reuses them
         if used:
             self.cache.cool([self.ds.chunk_key(c) for c in used - near])
         if store.remote and self._bursts % DEEP_EVERY == 0:
             spans = self._spans(self.deep, cursor)[0]
             if self._exhausted:  # the epoch ends within reach: the next one's start too
                 spans += self._then_spans(self.deep - sum(j - i for _, i, j in spans))
-            chunks = chunks_by_first_use(self.ds, spans)
+            chunks = chunks_by_first_use(spans)
         else:
             chunks = sorted(near)
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
@@ -418,7 +355,8 @@ class MessageBuilder:
         messages, cursor = self._peek(self.burst_messages)
         if not messages:
             return []
-        chunks = spans_chunks(self.ds, [span for spans in messages for span in spans])
+        spans = [span for spans in messages for span in spans]
+        chunks = self._near[1] if self._near[0] == _reach(spans) else spans_chunks(spans)
         pinned = pin_views(self.ds, self.cache, sorted(chunks))
         if pinned is None and inline:  # leave the burst to a worker thread
             return []

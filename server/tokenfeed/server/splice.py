@@ -1,8 +1,17 @@
 """One response message from pieces of buffers, copied once.
 
 A message is its batches' frames (wire.py) with their rows of tokens between them, and
-every row is a slice of a cached chunk. `splice` takes the message as a program of
-pieces and returns the bytes:
+every row is a slice of a cached chunk. `program` describes a round of batches as
+pieces, once per round; `splice` copies a message's pieces into its bytes:
+
+    program(starts, chunk_starts, rows, row_bytes, itemsize, frame_sizes)
+        -> (int64 array (n, 3), piece_lo: list)
+
+- per batch b (rows[b] rows of row_bytes[b] bytes): its head (key -1, the next
+  frame), then each row's piece (chunk, byte offset, byte count), a row crossing chunks
+  being a piece per non-empty chunk, then its tail (key -1); frame_sizes are the heads'
+  and tails' sizes in order, laid out one after another (wire.frames' blob); batch b is
+  pieces [piece_lo[b], piece_lo[b + 1]).
 
     splice(segments, keys, views) -> bytes
 
@@ -12,22 +21,20 @@ pieces and returns the bytes:
   at that key's index in `keys` (ascending int64: pinned chunk ids), `views[i]` being
   chunk keys[i]'s bytes.
 
-The native version (_native.c, built with the package) copies every piece with one
-memcpy and no Python object per row: it took the per-row slicing and the join out
-of the server's CPU profile (issue 16). `splice_py` below is the reference: it
-defines the function, serves where the extension is not built (TOKENFEED_PURE_PYTHON=1
-at install), and the tests check the two agree.
+The native versions (_native.c, built with the package) loop over rows in C, with no
+Python object per row: they took the per-row slicing, the join and the per-round numpy
+out of the server's CPU profile (issue 16). `program_py` and `splice_py` below are the
+references: they define the functions, serve where the extension is not built
+(TOKENFEED_PURE_PYTHON=1 at install), and the tests check the two agree.
 """
 
 from __future__ import annotations
 
-import logging
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-log = logging.getLogger(__name__)
 
 Segment = tuple[np.ndarray, Any]  # (program, blob)
 
@@ -51,9 +58,65 @@ def splice_py(segments: Sequence[Segment], keys: np.ndarray, views: Sequence[Any
     return b"".join(parts)
 
 
+def program_py(
+    starts: np.ndarray,
+    chunk_starts: np.ndarray,
+    rows: np.ndarray,
+    row_bytes: np.ndarray,
+    itemsize: int,
+    frame_sizes: np.ndarray,
+) -> tuple[bytes, bytes]:
+    """The reference: what _native.program returns (the program's and piece_lo's int64
+    bytes), in Python."""
+    bounds, sizes = chunk_starts.tolist(), frame_sizes.tolist()
+    pieces: list[tuple[int, int, int]] = []
+    piece_lo, at, r = [], 0, 0  # at: the next frame's offset in the frames' blob
+    for b, (n, nbytes) in enumerate(zip(rows.tolist(), row_bytes.tolist(), strict=True)):
+        piece_lo.append(len(pieces))
+        pieces.append((-1, at, sizes[2 * b]))  # the head
+        at += sizes[2 * b]
+        cols = nbytes // itemsize
+        for s in starts[r : r + n].tolist():
+            if s < 0 or s + cols > bounds[-1]:
+                raise ValueError(f"program: row {r} is outside the store's {bounds[-1]} tokens")
+            c = bisect_right(bounds, s) - 1
+            while c + 1 < len(bounds) and bounds[c] < s + cols:
+                a, e = max(s, bounds[c]), min(s + cols, bounds[c + 1])
+                if a < e:
+                    pieces.append((c, (a - bounds[c]) * itemsize, (e - a) * itemsize))
+                c += 1
+            r += 1
+        pieces.append((-1, at, sizes[2 * b + 1]))  # the tail
+        at += sizes[2 * b + 1]
+    piece_lo.append(len(pieces))
+    return np.array(pieces, dtype=np.int64).tobytes(), np.array(piece_lo, dtype=np.int64).tobytes()
+
+
 try:
+    from tokenfeed.server._native import program as _program
     from tokenfeed.server._native import splice as splice
-except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1): the reference
-    splice = splice_py
+except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1): the references
+    _program, splice = program_py, splice_py
 
 NATIVE = splice is not splice_py
+
+
+def program(
+    starts: np.ndarray,
+    chunk_starts: np.ndarray,
+    rows: Sequence[int],
+    row_bytes: Sequence[int],
+    itemsize: int,
+    frame_sizes: np.ndarray,
+) -> tuple[np.ndarray, list[int]]:
+    """A round's splice program (see the module docstring) and where each batch's
+    pieces begin."""
+    prog, lo = _program(
+        np.ascontiguousarray(starts, dtype=np.int64),
+        np.ascontiguousarray(chunk_starts, dtype=np.int64),
+        np.asarray(rows, dtype=np.int64),
+        np.asarray(row_bytes, dtype=np.int64),
+        itemsize,
+        np.ascontiguousarray(frame_sizes, dtype=np.int64),
+    )
+    return np.frombuffer(prog, dtype=np.int64).reshape(-1, 3), np.frombuffer(lo, np.int64).tolist()

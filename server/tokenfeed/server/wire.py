@@ -107,12 +107,11 @@ def frames(
     row's source index, packed the same way.
     """
     payloads = np.multiply(rows, cols, dtype=np.int64) * itemsize
-    middles = [
-        _middle_fields(shift, n_rows, n_cols, dtype, payload)
-        for shift, n_rows, n_cols, payload in zip(
-            shifts, rows, cols, payloads.tolist(), strict=True
-        )
-    ]
+    shapes = list(zip(shifts, rows, cols, payloads.tolist(), strict=True))
+    if shapes.count(shapes[0]) == len(shapes):  # one shape: most rounds
+        middles = [_middle_fields(*shapes[0][:3], dtype, shapes[0][3])] * len(shapes)
+    else:
+        middles = [_middle_fields(sh, r, c, dtype, pay) for sh, r, c, pay in shapes]
     cut = np.zeros(len(rows) + 1, dtype=np.int64)  # batch i: starts[cut[i]:cut[i+1]]
     np.cumsum(rows, out=cut[1:])
     extras = _packed_slices(_SOURCES, sources, cut.tolist()) if sources is not None else None
