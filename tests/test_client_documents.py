@@ -86,6 +86,37 @@ def test_masking_alone_and_only_the_outputs_asked_for(docs_feeder) -> None:
         assert batch["labels"].dtype == np.uint16  # not masked: the narrow view
 
 
+def test_numpy_grouped_layout_masks_the_grouped_labels(docs_feeder) -> None:
+    """Masked labels follow the layout (a reshape of the flat int64 copy); the document
+    arrays stay flat."""
+    with client(
+        docs_feeder, shift=4, layout="grouped", documents=True, mask_cross_document_labels=True
+    ) as c:
+        for i, batch in enumerate(c):
+            ref = want(docs_feeder.tokens, batch)
+            assert batch["labels"].shape == batch["input_ids"].shape == (4, SEQ_LEN // 4, 4)
+            assert batch["labels"].dtype == np.int64
+            np.testing.assert_array_equal(batch["labels"].reshape(4, SEQ_LEN), ref["labels"])
+            np.testing.assert_array_equal(batch["position_ids"], ref["position_ids"])
+            if i == 10:
+                break
+
+
+def test_torch_documents_without_masking_keep_the_labels_view(docs_feeder) -> None:
+    torch = pytest.importorskip("torch")
+    with client(docs_feeder, shift=2, device="cpu", documents=True) as c:
+        for i, batch in enumerate(c):
+            ref = want(docs_feeder.tokens, batch)
+            buf = np.stack([docs_feeder.tokens[a : a + SEQ_LEN + 2] for a in batch["starts"]])
+            assert batch["labels"].dtype == torch.int64
+            np.testing.assert_array_equal(arr(batch["labels"]), buf[:, 2:])
+            np.testing.assert_array_equal(arr(batch["input_ids"]), buf[:, :SEQ_LEN])
+            np.testing.assert_array_equal(arr(batch["document_ids"]), ref["document_ids"])
+            np.testing.assert_array_equal(arr(batch["cu_seqlens"]), ref["cu_seqlens"])
+            if i == 10:
+                break
+
+
 @pytest.mark.parametrize("layout", ["flat", "grouped"])
 def test_torch_tensors_on_the_device(docs_feeder, layout) -> None:
     torch = pytest.importorskip("torch")

@@ -186,6 +186,31 @@ def test_the_loop_and_numpy_paths_agree(rows: int, seq_len: int, shift: int, dat
     np.testing.assert_array_equal(D.masked_labels(labels, loop), D.masked_labels(labels, vec))
 
 
+@settings(max_examples=100, deadline=None)
+@given(corpora(), st.booleans())
+def test_every_batch_gets_arrays_of_its_own(c: dict, loop: bool) -> None:
+    """The outputs are contiguous, share no memory with each other, with the batch's
+    buffer or with another batch's outputs (the loop may keep a batch; the sparse
+    results live in one array sliced up, so this guards against aliasing)."""
+    buf = batch_of(c)
+    seq_len, shift, rows = c["seq_len"], c["shift"], len(c["starts"])
+    ends = D.eos_ends(buf, EOS)
+    limit = D.LOOP_MAX_ENDS
+    try:
+        D.LOOP_MAX_ENDS = len(ends) if loop else -1
+        one = D.from_ends(ends, rows, seq_len, shift, labels=buf[:, shift:])
+        two = D.from_ends(ends, rows, seq_len, shift, labels=buf[:, shift:])
+    finally:
+        D.LOOP_MAX_ENDS = limit
+    arrays = [v for out in (one, two) for v in out.values() if isinstance(v, np.ndarray)]
+    assert len(arrays) == 8
+    for i, a in enumerate(arrays):
+        assert a.flags.c_contiguous
+        assert not np.shares_memory(a, buf)
+        for b in arrays[i + 1 :]:
+            assert not np.shares_memory(a, b)
+
+
 def test_many_ends_take_the_numpy_path_with_the_same_results() -> None:
     rows, seq_len, shift = 8, 200, 3
     rng = np.random.default_rng(1)

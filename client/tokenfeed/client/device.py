@@ -106,6 +106,7 @@ class TorchStager:
         torch = self.torch = _import_torch()
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.cpu = self.device.type == "cpu"
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)
             self.ring = HostRing(
@@ -147,13 +148,17 @@ class TorchStager:
 
         On CPU the views are taken in numpy and wrapped by `torch.from_numpy`: about
         half the CPU of slicing a tensor twice (each torch view is a new TensorImpl),
-        for the same memory; the document arrays are shared the same way."""
+        for the same memory; the document arrays are shared the same way, and masked
+        labels in `docs` are the labels (the view of the buffer is not wrapped)."""
         torch = self.torch
-        if self.device.type == "cpu":
+        if self.cpu:
+            wrap = torch.from_numpy
             inputs, labels = views(arr.astype(np.int64), seq_len, shift, layout)
-            if docs is not None:
-                docs = {k: _tensor(torch, v) for k, v in docs.items()}
-            return torch.from_numpy(inputs), torch.from_numpy(labels), docs, None
+            if docs is None:
+                return wrap(inputs), wrap(labels), None, None
+            docs = {k: v if type(v) is int else wrap(v) for k, v in docs.items()}
+            labels = docs["labels"] if "labels" in docs else wrap(labels)
+            return wrap(inputs), labels, docs, None
         if docs is not None and self.cuda:
             # Into the side stream before stage() records its event, so the loop's wait
             # on that event covers them too. Pageable sources: torch copies them before

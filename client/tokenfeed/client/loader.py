@@ -586,7 +586,12 @@ class FeederClient:
             None
             if not (self.documents or self.mask_cross_document_labels)
             else document_arrays(
-                msg, arr, self.seq_len, self.documents, self.mask_cross_document_labels
+                msg,
+                arr,
+                self.seq_len,
+                self.documents,
+                self.mask_cross_document_labels,
+                self.layout,
             )
         )
         if self._stager is None:
@@ -609,9 +614,7 @@ class FeederClient:
         if self.sources:
             batch["sources"] = np.array(msg.sources, dtype=np.int64)
         if docs is not None:
-            if "labels" in docs and self.layout == "grouped":
-                docs["labels"] = docs["labels"].reshape(labels.shape)
-            batch.update(docs)
+            batch.update(docs)  # masked labels replace the view
         offset = min(msg.offset + self.batch_size * self.world_size, num_windows)
         return batch, offset, msg.step + 1, pending, msg.step == ahead_step
 

@@ -202,51 +202,64 @@ def segments(
 
 
 def _segments_loop(ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: int) -> Segments:
-    """segments() by one pass over the ends and rows in Python (few ends)."""
+    """segments() by one pass over the ends and rows in Python (few ends).
+
+    Kept to few bytecodes per row and per end (bound appends, the next end held in a
+    local, no row arithmetic for an end past the row), and every sparse result goes
+    through one list into one numpy array plus one int32 copy: converting Python ints
+    costs per element, each extra numpy call a fixed microsecond or more."""
     flat = ends.tolist()
     n = len(flat)
-    cu: list[int] = []
-    first: list[int] = []
-    local: list[int] = []
+    cu: list[int] = []  # segment starts over the flattened input
+    local: list[int] = []  # each segment's document index within its row
+    first: list[int] = []  # each row's first segment
     label_at: list[int] = []
-    k, prev = 0, -1
+    add_cu, add_local, add_first, add_label = cu.append, local.append, first.append, label_at.append
+    k, prev, last = 0, -1, seq_len - 1
+    e = flat[0] if n else rows * cols  # the next end (past the buffer: none)
     for r in range(rows):
+        row_start = r * seq_len
+        add_first(len(cu))
+        add_cu(row_start)
+        add_local(0)
         base = r * cols  # the row's first buffer index
-        shift_in = r * shift  # buffer index - input-space index, in this row
-        first.append(len(cu))
-        cu.append(r * seq_len)
-        local.append(0)
-        inner, labelled, end = base + seq_len - 1, base + seq_len, base + cols
-        while k < n:
-            e = flat[k]
-            if e >= end:
-                break
+        end = base + cols
+        d = 0
+        while e < end:
             if e <= prev:
                 raise _bad_ends(rows, cols)
             prev = e
-            if e < labelled:  # an input token: it masks its own label at shift 1
-                label_at.append(e - shift_in)
-                if e < inner:  # not the last input token: the next one opens a segment
-                    cu.append(e - shift_in + 1)
-                    local.append(local[-1] + 1)
+            c = e - base
+            if c < seq_len:  # an input token: it masks its own label at shift 1
+                add_label(row_start + c)
+                if c < last:  # not the last input token: the next one opens a segment
+                    add_cu(row_start + c + 1)
+                    d += 1
+                    add_local(d)
             k += 1
+            e = flat[k] if k < n else rows * cols
     if k < n:
         raise _bad_ends(rows, cols)
     cu.append(rows * seq_len)
-    cu64 = np.array(cu, dtype=np.int64)
+    s = len(cu)  # segments + 1
+    # One array for all, sliced: [cu | local | first | label_at]; its first three parts
+    # again as int32 (cu_seqlens, local, first). Each slice is contiguous.
+    packed = np.array(cu + local + first + label_at, dtype=np.int64)
+    narrow = packed[: 2 * s - 1 + rows].astype(np.int32)
+    cu64 = packed[:s]
     lengths = cu64[1:] - cu64[:-1]
     return Segments(
         rows,
         seq_len,
         shift,
-        cu64.astype(np.int32),
+        narrow[:s],
         cu64,
-        int(lengths.max()),
+        max(lengths.tolist()),
         lengths,
-        np.array(first, dtype=np.int32),
-        np.array(local, dtype=np.int32),
+        narrow[2 * s - 1 :],
+        narrow[s : 2 * s - 1],
         ends,
-        np.array(label_at, dtype=np.int64),
+        packed[2 * s - 1 + rows :],
     )
 
 
