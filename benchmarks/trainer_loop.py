@@ -54,9 +54,11 @@ from tokenfeed.core.store import TokenStore, write_store
 SEQ_LEN, BATCH, DATASET = 1024, 16, "bench"
 VARIANTS = ("feeder/numpy", "feeder/torch", "dataloader/w0", "dataloader/w2", "lru-chunks/w2")
 # Document variants (issue 15), e.g. --variants feeder/numpy+docs,feeder/torch+docs,dataloader/w0:
-# +docs every document output and masked labels; +varlen what FlashAttention's varlen
-# functions take (cu_seqlens, max_seqlen, position_ids); +mask masked labels only.
+# +documents documents=True (every document output: the issue's condition); +docs that
+# and masked labels; +varlen what FlashAttention's varlen functions take (cu_seqlens,
+# max_seqlen, position_ids); +mask masked labels only.
 DOC_OPTIONS: dict[str, dict[str, Any]] = {
+    "documents": {"documents": True},
     "docs": {"documents": True, "mask_cross_document_labels": True},
     "varlen": {"documents": ("cu_seqlens", "max_seqlen", "position_ids")},
     "mask": {"mask_cross_document_labels": True},
