@@ -39,14 +39,20 @@ from tokenfeed.server.metrics import ServerMetrics
 BURST_MESSAGES = 4  # messages per burst...
 BURST_BYTES = 1 << 20  # ...unless they reach this size first
 READ_AHEAD_BATCHES = 8  # batches past the last burst built whose chunks are read ahead (min)
-ASK_AGAIN_BURSTS = 8  # a chunk read ahead is not asked for again for this many bursts
+ASK_AGAIN = 8  # a chunk read ahead is not asked for again for this many bursts...
+WAITING_CHUNKS = 16  # ...unless left out for want of room: these many, nearest first
 # Stores whose chunks come over the network (s3://): every DEEP_EVERY bursts, also read
-# ahead the chunks of the next shuffle group's worth of batches (at least DEEP_BATCHES,
-# at most MAX_DEEP_BATCHES), nearest first, so the next shuffle group's chunks are
-# loading about a group before the stream reaches them (a GET costs tens of ms before
-# its first byte, a 32 MiB chunk a few hundred). They wait in the cache's read-ahead
-# budget (cache.py). Done every few bursts, its cost stays small.
+# ahead the chunks of the next DEEP_GROUPS shuffle groups' worth of batches (at least
+# DEEP_BATCHES, at most MAX_DEEP_BATCHES), nearest first, so the next shuffle group's
+# chunks are loading a group or more before the stream reaches them (a GET costs tens
+# of ms before its first byte, a 32 MiB chunk a few hundred; with one group's worth,
+# looked at every DEEP_EVERY bursts, a stream serving from cache at full speed reached
+# a new group 40-110 ms after first asking for its chunks: measured, one stall per
+# group). They wait in the cache's read-ahead budget (cache.py); the chunks already
+# cached are warmed nearest last, and a chunk the look saw needed later is not cooled.
+# Done every few bursts, its cost stays small (chunk_uses: ~1 ms per 2000 batches).
 DEEP_EVERY = 16
+DEEP_GROUPS = 2
 DEEP_BATCHES = 1024
 MAX_DEEP_BATCHES = 16384
 
@@ -139,23 +145,50 @@ def spans_chunks(ds: Dataset, spans: list[Span]) -> set[int]:
     return chunks
 
 
-def chunks_by_first_use(ds: Dataset, spans: list[Span]) -> list[int]:
+def chunk_uses(ds: Dataset, spans: list[Span]) -> tuple[list[int], dict[int, int]]:
     """The chunks spans touch, in the order their rows first need them (a row crossing
-    into the next chunks needs those at its own place in the order too)."""
+    into the next chunks needs those at its own place in the order too), and for each
+    the last batch that needs it (0 = the spans' first batch).
+
+    One stable argsort of the rows' chunk numbers per span (a radix sort: 16-bit keys
+    while the store has at most 65536 chunks): ~1 ms for 2000 batches of 16 rows.
+    """
     seen: dict[int, None] = {}
+    last: dict[int, int] = {}
+    base = 0  # the span's first batch, counted from the first span's
     for lr, i, j in spans:
         lo, hi = lr.row_lo[i], lr.row_lo[j]
-        rows, chunks = [np.arange(lo, hi)], [lr.chunk[lo:hi]]
+        chunk = lr.chunk[lo:hi]
+        keys = chunk.astype(np.uint16) if len(ds.chunk_bounds) <= 1 << 16 else chunk
+        order = np.argsort(keys, kind="stable")  # each chunk's rows together, ascending
+        ordered = chunk[order]
+        cut = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+        heads = np.concatenate(([0], cut)) if len(order) else cut
+        tails = np.concatenate((cut - 1, [len(order) - 1])) if len(order) else cut
+        # chunk -> ((first row needing it, its place in that row), last row needing it)
+        rows = {
+            c: ((a, 0), b)
+            for c, a, b in zip(
+                ordered[heads].tolist(),
+                (order[heads] + lo).tolist(),
+                (order[tails] + lo).tolist(),
+                strict=True,
+            )
+        }
         crossing = lr.crossing
         for r in crossing[bisect_left(crossing, lo) : bisect_left(crossing, hi)]:
             s, cols = int(lr.starts[r]), lr.cols[bisect_right(lr.row_lo, r) - 1]
-            more = [c for c, _, _ in _pieces(ds.chunk_bounds, int(lr.chunk[r]), s, s + cols)]
-            rows.append(np.full(len(more), r))
-            chunks.append(np.array(more, dtype=lr.chunk.dtype))
-        flat = np.concatenate(chunks)[np.argsort(np.concatenate(rows), kind="stable")]
-        ids, first = np.unique(flat, return_index=True)
-        seen.update(dict.fromkeys(ids[np.argsort(first)].tolist()))
-    return list(seen)
+            pieces = _pieces(ds.chunk_bounds, int(lr.chunk[r]), s, s + cols)
+            for at, (c, _, _) in enumerate(pieces):
+                first, end = rows.get(c, ((r, at), r))
+                rows[c] = (min(first, (r, at)), max(end, r))
+        by_first = sorted(rows, key=lambda c: rows[c][0])
+        seen.update(dict.fromkeys(by_first))
+        ends = np.array([rows[c][1] for c in by_first], dtype=np.int64)
+        batch = np.searchsorted(lr.row_lo, ends, side="right") - 1 - i + base
+        last.update(zip(by_first, batch.tolist(), strict=True))
+        base += j - i
+    return list(seen), last
 
 
 def _pieces(bounds: list[int], c: int, start: int, end: int) -> Iterator[tuple[int, int, int]]:
@@ -262,7 +295,9 @@ class MessageBuilder:
                 plan.spec.shuffle_blocks if plan.shuffle else 1
             )
             per_group = -(-group_windows // (plan.batch_size * plan.world_size))
-        self.deep = min(MAX_DEEP_BATCHES, max(DEEP_BATCHES, per_group + self.read_ahead_batches))
+        self.deep = min(
+            MAX_DEEP_BATCHES, max(DEEP_BATCHES, DEEP_GROUPS * per_group + self.read_ahead_batches)
+        )
         self._source = rounds
         self._then = then
         self._then_rounds: list[LocatedRound] = []  # the next epoch's first rounds, located
@@ -271,6 +306,9 @@ class MessageBuilder:
         self._pos = 0  # next batch of the first round
         self._bursts = 0  # bursts built so far
         self._asked: dict[int, int] = {}  # chunk -> burst when last read ahead
+        self._waiting: list[int] = []  # chunks read-ahead left out for want of room
+        self._at = 0  # the batch (of this stream) the last read-ahead counted from
+        self._needed: dict[int, int] = {}  # chunk -> last batch needing it (last deep look)
         # A mixture's messages' tokens per source, one array per message built, in order
         # (the servicer counts them by source as it writes the messages).
         self.by_source: deque[np.ndarray] | None = None
@@ -305,32 +343,50 @@ class MessageBuilder:
 
     def _read_ahead(self, cursor: tuple[int, int], used: set[int] | None = None) -> None:
         """Read ahead the chunks of the `read_ahead_batches` batches from `cursor` (in an
-        unshuffled order, the chunk after them too; remote stores: every few bursts, a
-        shuffle group's worth, nearest first); chunks asked for in the last few bursts are
-        not asked again. Chunks of `used` (the burst just built) those batches do not need
-        go to the cold end of the cache's order: the stream is past them (cache.cool)."""
+        unshuffled order, the chunk after them too; remote stores: every few bursts, two
+        shuffle groups' worth, nearest first), and those an earlier call left out for want
+        of room. Chunks asked for in the last few bursts are not asked again, unless the
+        cache has a read-ahead budget and they are that near: a read-ahead into the budget
+        evicts nothing, so asking again only makes sure a chunk evicted since is loaded.
+        Chunks of `used` (the burst just built) those batches do not need go to the cold
+        end of the cache's order: the stream is past them (cache.cool), unless the last
+        deep look saw a later batch needing them (a chunk a row crosses into may be a
+        block of the next shuffle group, or of this epoch's next one)."""
         store = self.ds.store
+        k, pos = cursor  # the batches since the last call: this burst's
+        self._at += pos - self._pos + sum(len(self._rounds[r]) for r in range(k))
         near = spans_chunks(self.ds, self._spans(self.read_ahead_batches, cursor)[0])
-        if used:
-            self.cache.cool([self.ds.chunk_key(c) for c in used - near])
         if store.remote and self._bursts % DEEP_EVERY == 0:
             spans = self._spans(self.deep, cursor)[0]
             if self._exhausted:  # the epoch ends within reach: the next one's start too
                 spans += self._then_spans(self.deep - sum(j - i for _, i, j in spans))
-            chunks = chunks_by_first_use(self.ds, spans)
+            chunks, last = chunk_uses(self.ds, spans)
+            self._needed = {c: self._at + b for c, b in last.items()}
         else:
             chunks = sorted(near)
+        if used:
+            past = [c for c in used - near if self._needed.get(c, -1) < self._at]
+            self.cache.cool([self.ds.chunk_key(c) for c in past])
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
             chunks.append(max(chunks) + 1)
+        asked = set(chunks)
+        chunks += [c for c in self._waiting if c not in asked]
         self._bursts += 1
         if len(self._asked) > 4096:
             self._asked.clear()
+        again = near if self.cache.readahead_capacity else set()  # asked at every burst
+        wanted = []
         for c in chunks:
-            if self._bursts - self._asked.get(c, -ASK_AGAIN_BURSTS) < ASK_AGAIN_BURSTS:
+            if c not in again and self._bursts - self._asked.get(c, -ASK_AGAIN) < ASK_AGAIN:
                 continue
             self._asked[c] = self._bursts
             if nbytes := store.chunk_nbytes(c):
-                self.cache.read_ahead(self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))
+                wanted.append((c, (self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))))
+        # in order of need: the nearest load first and end warmest
+        left = set(self.cache.read_ahead_all([w for _, w in wanted]))
+        self._waiting = [c for c, w in wanted if w[0] in left][:WAITING_CHUNKS]
+        for c in self._waiting:
+            del self._asked[c]
 
     def _then_spans(self, n: int) -> list[Span]:
         """The next epoch's first n batches (as far as it has them), located once."""
