@@ -292,6 +292,40 @@ def test_read_ahead_all_loads_nearest_first_and_warms_nearest_last() -> None:
     cache.close()
 
 
+def test_a_load_in_flight_counts_its_overhead_until_it_lands() -> None:
+    """An object storage GET holds buffers beside its chunk while in flight: they count
+    in the bound of the room the chunk loads into, and are given back when it lands."""
+    gate = threading.Event()
+
+    def slow(k: int) -> np.ndarray:
+        gate.wait(30)
+        return chunk(k, 100)
+
+    cache = ChunkCache(300, readahead_bytes=350, load_overhead=50)
+    assert cache.read_ahead(1, 100, lambda: slow(1))
+    assert cache.read_ahead(2, 100, lambda: slow(2))
+    assert cache.readahead_bytes == 300 and cache.loading == 2
+    assert not cache.read_ahead(3, 100, lambda: chunk(3, 100))  # 450 > 350: no room
+    gate.set()
+    wait_until(lambda: cache.loading == 0, 30, "read-aheads")
+    assert cache.readahead_bytes == 200
+    assert cache.read_ahead(3, 100, lambda: chunk(3, 100))  # 350: room again
+    for k in (4, 5, 6):  # 6 in flight (150) did not fit beside 4 and 5: 4 went
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    assert cache.resident_bytes == 200 and 4 not in cache
+    seen: list[int] = []
+
+    def watched() -> np.ndarray:
+        seen.append(cache.resident_bytes)  # while this load is in flight
+        return chunk(7, 100)
+
+    with cache.pinned(7, 100, watched):
+        assert seen == [250] and cache.resident_bytes == 200
+    assert 5 not in cache and 6 in cache
+    cache.close()
+
+
 def test_cooled_chunks_go_first_and_warm_up_again_when_used() -> None:
     cache = ChunkCache(300)
     for k in (1, 2, 3):
@@ -337,13 +371,17 @@ def test_read_ahead_nobody_used_gives_its_room_up_once_stale() -> None:
     cache.close()
 
 
-@pytest.mark.parametrize(("seed", "ahead"), [(0, 0), (1, 0), (2, 0), (0, 3_000), (1, 3_000)])
-def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "ahead", "overhead"),
+    [(0, 0, 0), (1, 0, 0), (2, 0, 0), (0, 3_000, 0), (1, 3_000, 0), (2, 0, 300), (2, 3_000, 300)],
+)
+def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int, overhead: int) -> None:
     """The cache stays within its bound; with a read-ahead budget, read-aheads stay
     within theirs and both together within the sum (a first use may move a chunk from
-    one to the other while everything else is pinned)."""
+    one to the other while everything else is pinned); loads in flight count their
+    overhead in all of it."""
     capacity = 5_000
-    cache = ChunkCache(capacity, readahead_bytes=ahead)
+    cache = ChunkCache(capacity, readahead_bytes=ahead, load_overhead=overhead)
     sizes = {k: random.Random(k).randint(1, 2_000) for k in range(40)}
     violations: list[int] = []
     wrong: list[int] = []

@@ -31,6 +31,10 @@ so at that moment the only chunks left to evict are the ones the new group needs
 has cooled the old group's chunks, those go first.
 Without a budget, a read-ahead chunk takes cache room, at the cold end of the LRU order.
 
+A load in flight counts its chunk plus `load_overhead` bytes (the feeder gives the object
+storage client's buffers per GET; at most the chunk's size), in the bound of the room it
+loads into, until it lands: with GETs in flight the memory stays within the bounds too.
+
 Pure threading and numpy: no gRPC, no store format (callers pass a `load` function).
 """
 
@@ -61,6 +65,7 @@ Loader = Callable[[], np.ndarray]
 @dataclass
 class _Entry:
     nbytes: int
+    held: int = 0  # bytes counted for it: nbytes, plus the load's overhead while it loads
     pins: int = 0
     data: np.ndarray | None = None
     view: memoryview | None = None  # `data` as bytes, made once: slicing it is cheap
@@ -91,6 +96,7 @@ class ChunkCache:
         metrics: ServerMetrics | None = None,
         readahead_threads: int = 2,
         readahead_bytes: int = 0,
+        load_overhead: int = 0,
         stale_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -100,6 +106,9 @@ class ChunkCache:
             raise FailedPrecondition(f"read-ahead budget must be >= 0, got {readahead_bytes}")
         self.capacity = capacity_bytes
         self.readahead_capacity = readahead_bytes
+        # Bytes a load holds beyond its chunk while in flight (an object storage client's
+        # buffers): counted with its chunk until it lands, so they stay within the bounds.
+        self.load_overhead = load_overhead
         self.stale_seconds = stale_seconds
         self._clock = clock
         self.metrics = metrics
@@ -120,7 +129,8 @@ class ChunkCache:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes held by the cache proper (chunks in use or used), loading ones included."""
+        """Bytes held by the cache proper (chunks in use or used), loading ones included
+        (with their load's overhead)."""
         with self._cond:
             return self._used
 
@@ -230,11 +240,11 @@ class ChunkCache:
                 return False
             if self.readahead_capacity:
                 self._make_room(0, wait=False)  # first uses may have left the cache over
-                if not self._make_ahead_room(nbytes):
+                if not self._make_ahead_room(nbytes + self._overhead(nbytes)):
                     return False
                 entry = self._insert(key, nbytes, ahead=True)
             else:
-                if not self._make_room(nbytes, wait=False):
+                if not self._make_room(self._loading_cost(nbytes), wait=False):
                     return False
                 entry = self._insert(key, nbytes)
                 self._entries.move_to_end(key, last=False)
@@ -301,7 +311,7 @@ class ChunkCache:
                         self._by_dataset(self.metrics.cache_dataset_hits, [key])
                     return entry
             else:
-                self._make_room(nbytes, wait=True)
+                self._make_room(self._loading_cost(nbytes), wait=True)
                 # Re-check: another thread may have started this load while we waited.
                 entry = self._entries.get(key)
                 leader = entry is None
@@ -334,12 +344,13 @@ class ChunkCache:
             # a dataset's hit and miss series exist (at 0) from its first chunk load on
             self.metrics.cache_dataset_hits.labels(dataset=key[0])
             self.metrics.cache_dataset_misses.labels(dataset=key[0])
-        entry = _Entry(nbytes, ahead=ahead, since=self._clock() if ahead else 0.0)
+        held = nbytes + self._overhead(nbytes) if ahead else self._loading_cost(nbytes)
+        entry = _Entry(nbytes, held, ahead=ahead, since=self._clock() if ahead else 0.0)
         self._entries[key] = entry
         if ahead:
-            self._ahead += nbytes
+            self._ahead += held
         else:
-            self._used += nbytes
+            self._used += held
         self.stats.loads += 1
         self._gauge()
         return entry
@@ -351,8 +362,8 @@ class ChunkCache:
         Not now: the caller pins a burst's chunks, often all the cache holds but the few
         it needs next (module docstring)."""
         entry.ahead = False
-        self._ahead -= entry.nbytes
-        self._used += entry.nbytes
+        self._ahead -= entry.held
+        self._used += entry.held
         self.stats.ahead_used += 1
         self._gauge()
 
@@ -427,6 +438,9 @@ class ChunkCache:
             self.metrics.chunk_load_seconds.observe(time.perf_counter() - t0)
         view = data.data.cast("B")
         with self._cond:
+            self._uncount(entry)  # landed: the load's overhead is given back
+            entry.held = entry.nbytes
+            self._count(entry)
             entry.data, entry.view = data, view
             entry.done.set()
             self._cond.notify_all()
@@ -449,11 +463,27 @@ class ChunkCache:
             msg = getattr(error, "message", None) or repr(error)
             log.error("chunk load failed for %r: %s", key, msg)
 
+    def _overhead(self, nbytes: int) -> int:
+        """A load's overhead: at most its chunk's size (a small object's GET holds little)."""
+        return min(self.load_overhead, nbytes)
+
+    def _loading_cost(self, nbytes: int) -> int:
+        """What a load into the cache proper counts while in flight; never more than the
+        whole cache, so a chunk as large as the cache can still load."""
+        return min(nbytes + self._overhead(nbytes), max(self.capacity, nbytes))
+
+    def _count(self, entry: _Entry) -> None:
+        if entry.ahead:
+            self._ahead += entry.held
+        else:
+            self._used += entry.held
+        self._gauge()
+
     def _uncount(self, entry: _Entry) -> None:
         if entry.ahead:
-            self._ahead -= entry.nbytes
+            self._ahead -= entry.held
         else:
-            self._used -= entry.nbytes
+            self._used -= entry.held
 
     @staticmethod
     def _by_dataset(counter: Any, keys: list[Hashable]) -> None:
