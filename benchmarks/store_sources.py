@@ -31,7 +31,8 @@ a second and epoch starts weigh far more than in training. Per row:
 steady-state tokens/s (after the first 2 s), the ratio to `local`, the time to the
 first batch from a cold server (process start excluded: from the first request), and
 memory: how far the server's resident set grew from idle (serving, before the first
-request) to its peak, against --cache-bytes plus the read-ahead budget.
+request) to its peak, against --cache-bytes plus the read-ahead budget, and the peak
+growth of its parts: the chunks (RssShmem), the heap (RssAnon), mapped files (RssFile).
 
 Goals (issue 14): s3 >= 0.9x local, first batch from cold S3 < 2 s, memory within
 --cache-bytes plus the read-ahead budget; seed and megatron >= 0.9x local.
@@ -149,12 +150,16 @@ def status(pid: int) -> dict[str, int]:
 
 
 class Sampler(threading.Thread):
-    """Peak RssAnon (malloc heaps: the chunks themselves live in shared anonymous maps,
-    RssShmem) and peak RSS, sampled every 20 ms."""
+    """Peaks of the resident set and of its parts, sampled every 20 ms: RssShmem (the
+    chunks: each lives in a shared anonymous map of its own), RssAnon (malloc heaps,
+    thread stacks) and RssFile (mapped files: libraries, the seed layout's Arrow files)."""
+
+    PARTS = ("VmRSS", "RssShmem", "RssAnon", "RssFile")
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
-        self.pid, self.peak_anon, self.peak_rss = pid, 0, 0
+        self.pid = pid
+        self.peak = dict.fromkeys(self.PARTS, 0)
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -163,8 +168,8 @@ class Sampler(threading.Thread):
                 s = status(self.pid)
             except OSError:
                 return
-            self.peak_anon = max(self.peak_anon, s.get("RssAnon", 0))
-            self.peak_rss = max(self.peak_rss, s.get("VmRSS", 0))
+            for k in self.PARTS:
+                self.peak[k] = max(self.peak[k], s.get(k, 0))
 
 
 def measure(
@@ -252,8 +257,11 @@ def measure(
             "other_cpu": sum(cpu[2:]),
             "tokens_per_s": (end[1] - warm[1]) / (end[0] - warm[0]),
             "first_batch_s": first or 0.0,
-            "grew": max(peak["VmHWM"], sampler.peak_rss) - idle["VmRSS"],
-            "heap_grew": sampler.peak_anon - idle.get("RssAnon", 0),
+            "idle": idle["VmRSS"],
+            "grew": max(peak["VmHWM"], sampler.peak["VmRSS"]) - idle["VmRSS"],
+            "chunks_grew": sampler.peak["RssShmem"] - idle.get("RssShmem", 0),
+            "heap_grew": sampler.peak["RssAnon"] - idle.get("RssAnon", 0),
+            "files_grew": sampler.peak["RssFile"] - idle.get("RssFile", 0),
             "epochs": epoch + 1,
         }
     finally:
@@ -333,7 +341,9 @@ def main() -> int:
                         print(
                             f"  repeat {rep + 1} {row:<9} {got['tokens_per_s'] / 1e6:6.1f} M tok/s"
                             f"  first {got['first_batch_s']:.2f} s"
-                            f"  grew {got['grew'] / 2**20:.0f} MiB  CPU feeder "
+                            f"  grew {got['grew'] / 2**20:.0f} MiB (chunks "
+                            f"{got['chunks_grew'] / 2**20:.0f}, heap {got['heap_grew'] / 2**20:.0f}"
+                            f", files {got['files_grew'] / 2**20:.0f})  CPU feeder "
                             f"{got['feeder_cpu']:.2f} client {got['client_cpu']:.2f} "
                             f"S3+proxy {got['other_cpu']:.2f}  loads/s {got['loads']:.1f} "
                             f"({got['load_ms']:.0f} ms) waits/s {got['waits']:.1f}",
@@ -349,8 +359,7 @@ def main() -> int:
         "repeats interleaved: median (range)"
     )
     print(
-        f"{'store':<28} {'M tokens/s':>18} {'ratio':>17} {'first batch s':>17} "
-        f"{'RSS grew MiB':>15} {'heap grew MiB':>15}"
+        f"{'store':<28} {'M tokens/s':>18} {'ratio':>17} {'first batch s':>17} {'RSS grew MiB':>15}"
     )
     base = results["local"]
     for row in rows:
@@ -360,8 +369,22 @@ def main() -> int:
         print(
             f"{label:<28} {spread([r['tokens_per_s'] / 1e6 for r in rs], '.1f'):>18} "
             f"{spread(ratios, '.2f'):>17} {spread([r['first_batch_s'] for r in rs], '.2f'):>17} "
-            f"{spread([r['grew'] / 2**20 for r in rs], '.0f'):>15} "
-            f"{spread([r['heap_grew'] / 2**20 for r in rs], '.0f'):>15}"
+            f"{spread([r['grew'] / 2**20 for r in rs], '.0f'):>15}"
+        )
+    print(
+        "\nmemory, MiB (medians): RSS idle (serving, before the first request), and the peak"
+        " growth from there of RSS and its parts: chunks (RssShmem: each chunk is a shared"
+        " anonymous map), heap (RssAnon: malloc, stacks), files (RssFile: mapped files)"
+    )
+    for row in rows:
+        rs = results[row]
+        label = LABELS[row].format(ms=round(args.latency * 1000))
+        print(
+            f"{label:<28} "
+            + "  ".join(
+                f"{k} {statistics.median(r[k] for r in rs) / 2**20:4.0f}"
+                for k in ("idle", "grew", "chunks_grew", "heap_grew", "files_grew")
+            )
         )
     print(
         "\nsteady state (medians): CPU cores busy (feeder, client, S3 server + proxy); chunk"

@@ -183,7 +183,7 @@ def loaded(cache: ChunkCache, key: object) -> None:
 def test_read_ahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
     """With a budget, read-ahead chunks wait outside the cache until first used: they
     push out neither the chunks in use nor each other; a first use moves one into the
-    cache, which then evicts its least recent chunk."""
+    cache, which evicts its least recent chunk at the next read-ahead, load or cool."""
     metrics = ServerMetrics(CollectorRegistry())
     cache = ChunkCache(300, metrics, readahead_bytes=200)
     for k in (1, 2, 3):
@@ -199,17 +199,20 @@ def test_read_ahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
     reg = metrics.registry
     assert reg.get_sample_value("tokenfeed_readahead_bytes") == 200
     assert reg.get_sample_value("tokenfeed_readahead_capacity_bytes") == 200
-    with cache.pinned(4, 100, lambda: chunk(99, 100)) as data:  # first use: 1 goes
+    with cache.pinned(4, 100, lambda: chunk(99, 100)) as data:  # first use
         assert int(data[0]) == 4
-    assert 1 not in cache and all(k in cache for k in (2, 3, 4, 5))
-    assert cache.resident_bytes == 300 and cache.readahead_bytes == 100
-    assert cache.read_ahead(6, 100, lambda: chunk(6, 100))  # room again
+    assert all(k in cache for k in (1, 2, 3, 4, 5))  # the bytes only moved: 500 in all
+    assert cache.resident_bytes == 400 and cache.readahead_bytes == 100
+    assert cache.read_ahead(6, 100, lambda: chunk(6, 100))  # room again; 1 goes first
     loaded(cache, 6)
+    assert 1 not in cache and all(k in cache for k in (2, 3, 4, 5, 6))
+    assert cache.resident_bytes == 300 and cache.readahead_bytes == 200
     entries = cache.pin_resident([5, 6])  # the all-resident fast path moves them too
     assert entries is not None
     cache.release_all(entries)
-    assert cache.readahead_bytes == 0 and cache.resident_bytes == 300
-    assert 2 not in cache and 3 not in cache
+    assert cache.readahead_bytes == 0 and cache.resident_bytes == 500
+    cache.cool([])  # a stream's cool settles the debt: the least recent go
+    assert cache.resident_bytes == 300 and 2 not in cache and 3 not in cache
     assert cache.stats.ahead_used == 3 and cache.stats.loads == 6
     cache.close()
 
@@ -243,7 +246,83 @@ def test_pin_resident_moves_a_read_ahead_without_evicting_what_it_pins() -> None
     entries = cache.pin_resident(["r", "a"])  # "a" is the least recent, but pinned here
     assert entries is not None and [int(e.data[0]) for e in entries] == [7, 1]
     cache.release_all(entries)
+    cache.cool([])
     assert "a" in cache and "r" in cache and "b" not in cache
+    cache.close()
+
+
+def test_a_first_use_leaves_evicting_to_the_streams_cool() -> None:
+    """A burst crossing into a new shuffle group pins the old group's chunks and the new
+    group's: a first use there must not evict the one unpinned chunk the new group needs
+    later ("x"), but wait for the stream to cool the old group's ("a", "b")."""
+    cache = ChunkCache(300, readahead_bytes=100)
+    for k in ("x", "a", "b"):  # x least recent: the new group needs it only later
+        with cache.pinned(k, 100, lambda: chunk(1, 100)):
+            pass
+    assert cache.read_ahead("r", 100, lambda: chunk(2, 100))
+    loaded(cache, "r")
+    entries = cache.pin_resident(["a", "b", "r"])  # the burst at the boundary
+    assert entries is not None
+    cache.release_all(entries)
+    assert all(k in cache for k in ("x", "a", "b", "r")) and cache.resident_bytes == 400
+    cache.cool(["a", "b"])  # the stream is past the old group
+    assert cache.resident_bytes == 300 and "b" not in cache  # the coldest cooled one
+    assert all(k in cache for k in ("x", "a", "r"))
+    cache.close()
+
+
+def test_read_ahead_all_loads_nearest_first_and_warms_nearest_last() -> None:
+    """Chunks asked for in the order a stream needs them: the budget takes the nearest
+    ones not cached, the others are returned (and none after the first left out jumps
+    the queue); the cached ones are warmed so that the nearest is evicted last."""
+    cache = ChunkCache(300, readahead_bytes=250)
+    for k in (1, 2, 3):
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    want = [2, 8, 1, 9, 7, 10]  # 8 and 9 fill 200 of the 250; 10 would fit, 7 not
+    sizes = {2: 100, 8: 100, 1: 100, 9: 100, 7: 100, 10: 50}
+    left = cache.read_ahead_all([(k, sizes[k], lambda k=k: chunk(k, sizes[k])) for k in want])
+    assert left == [7, 10] and cache.stats.read_aheads == 2
+    loaded(cache, 8)
+    loaded(cache, 9)
+    for k in (4, 5):  # two loads: the coldest go, 3 (not asked for) first, then 1
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    assert 3 not in cache and 1 not in cache and 2 in cache
+    cache.close()
+
+
+def test_a_load_in_flight_counts_its_overhead_until_it_lands() -> None:
+    """An object storage GET holds buffers beside its chunk while in flight: they count
+    in the bound of the room the chunk loads into, and are given back when it lands."""
+    gate = threading.Event()
+
+    def slow(k: int) -> np.ndarray:
+        gate.wait(30)
+        return chunk(k, 100)
+
+    cache = ChunkCache(300, readahead_bytes=350, load_overhead=50)
+    assert cache.read_ahead(1, 100, lambda: slow(1))
+    assert cache.read_ahead(2, 100, lambda: slow(2))
+    assert cache.readahead_bytes == 300 and cache.loading == 2
+    assert not cache.read_ahead(3, 100, lambda: chunk(3, 100))  # 450 > 350: no room
+    gate.set()
+    wait_until(lambda: cache.loading == 0, 30, "read-aheads")
+    assert cache.readahead_bytes == 200
+    assert cache.read_ahead(3, 100, lambda: chunk(3, 100))  # 350: room again
+    for k in (4, 5, 6):  # 6 in flight (150) did not fit beside 4 and 5: 4 went
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    assert cache.resident_bytes == 200 and 4 not in cache
+    seen: list[int] = []
+
+    def watched() -> np.ndarray:
+        seen.append(cache.resident_bytes)  # while this load is in flight
+        return chunk(7, 100)
+
+    with cache.pinned(7, 100, watched):
+        assert seen == [250] and cache.resident_bytes == 200
+    assert 5 not in cache and 6 in cache
     cache.close()
 
 
@@ -292,13 +371,17 @@ def test_read_ahead_nobody_used_gives_its_room_up_once_stale() -> None:
     cache.close()
 
 
-@pytest.mark.parametrize(("seed", "ahead"), [(0, 0), (1, 0), (2, 0), (0, 3_000), (1, 3_000)])
-def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "ahead", "overhead"),
+    [(0, 0, 0), (1, 0, 0), (2, 0, 0), (0, 3_000, 0), (1, 3_000, 0), (2, 0, 300), (2, 3_000, 300)],
+)
+def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int, overhead: int) -> None:
     """The cache stays within its bound; with a read-ahead budget, read-aheads stay
     within theirs and both together within the sum (a first use may move a chunk from
-    one to the other while everything else is pinned)."""
+    one to the other while everything else is pinned); loads in flight count their
+    overhead in all of it."""
     capacity = 5_000
-    cache = ChunkCache(capacity, readahead_bytes=ahead)
+    cache = ChunkCache(capacity, readahead_bytes=ahead, load_overhead=overhead)
     sizes = {k: random.Random(k).randint(1, 2_000) for k in range(40)}
     violations: list[int] = []
     wrong: list[int] = []
@@ -319,8 +402,16 @@ def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int) -> None
         rng = random.Random(seed * 100 + i)
         for _ in range(300):
             k = rng.randrange(40)
-            if rng.random() < 0.2:
+            p = rng.random()
+            if p < 0.15:
                 cache.read_ahead(k, sizes[k], lambda k=k: load(k))
+                continue
+            if p < 0.2:
+                ks = rng.sample(range(40), 4)
+                cache.read_ahead_all([(j, sizes[j], lambda j=j: load(j)) for j in ks])
+                continue
+            if p < 0.25:
+                cache.cool(rng.sample(range(40), 3))
                 continue
             with cache.pinned(k, sizes[k], lambda k=k: load(k)) as data:
                 if data.nbytes != sizes[k] or int(data[0]) != k % 251:

@@ -574,7 +574,7 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
     rnd = sampling.Round(0, 0, [0, 8], [1, 3], [4, 2], starts)  # the last batch is short
     lr = assembly.LocatedRound(ds, rnd, seq_len=900)
     assert sorted(assembly.spans_chunks([(lr, 0, 2)])) == [0, 1, 3, 4, 5]  # 2 is the empty one
-    assert assembly.chunks_by_first_use([(lr, 0, 2)]) == [0, 1, 3, 4, 5]
+    assert assembly.chunk_uses([(lr, 0, 2)])[0] == [0, 1, 3, 4, 5]
     for i, rows in enumerate(rnd.rows):
         cols = lr.cols[i]
         want = starts[i, :rows, None] + np.arange(cols)

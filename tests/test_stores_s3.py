@@ -28,6 +28,7 @@ from tokenfeed.core.store.objects import ObjectStore, RetryPolicy
 from tokenfeed.prepare.output import PROGRESS_NAME
 from tokenfeed.prepare.pipeline import PrepareConfig, prepare
 from tokenfeed.prepare.sources import IterableSource
+from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.service import plan_for
 from tokenfeed.v1 import feeder_pb2 as pb
@@ -150,6 +151,25 @@ def test_read_ahead_on_s3_reaches_into_the_next_epoch(s3_root: str) -> None:
         cache = f.server.cache
         wait_until(lambda: all(ds.chunk_key(c) in cache for c in wanted), 30, "read-ahead")
         assert cache.stats.read_aheads > 0
+
+
+def test_a_stream_from_s3_never_waits_once_its_read_aheads_land(s3_root: str) -> None:
+    """test_readahead.py's policy check over real object storage: every read-ahead of
+    a stream is let land (GETs from SeaweedFS) before its next burst; then no burst waits
+    for a chunk: each was asked for in time and none needed soon was evicted."""
+    from test_readahead import drive
+
+    per = 16_384
+    make_positional_store(f"{s3_root}/groups", 24 * per, per)  # type: ignore[arg-type]
+    ds = Catalog(s3_root).get("groups")
+    assert ds.store.remote
+    cache = ChunkCache(18 * 4 * per, readahead_bytes=10 * 4 * per, readahead_threads=8)
+    try:
+        spec = SamplingSpec(dataset="groups", seq_len=64, batch_size=4, shuffle=True, seed=2)
+        assert drive(ds, cache, spec, epochs=2) == []
+        assert cache.stats.ahead_used > 0 and cache.stats.evictions > 0
+    finally:
+        cache.close()
 
 
 def _source(stop_after: int | None = None) -> IterableSource:

@@ -39,14 +39,20 @@ from tokenfeed.server.metrics import ServerMetrics
 BURST_MESSAGES = 4  # messages per burst...
 BURST_BYTES = 1 << 20  # ...unless they reach this size first
 READ_AHEAD_BATCHES = 8  # batches past the last burst built whose chunks are read ahead (min)
-ASK_AGAIN_BURSTS = 8  # a chunk read ahead is not asked for again for this many bursts
+ASK_AGAIN = 8  # a chunk read ahead is not asked for again for this many bursts...
+WAITING_CHUNKS = 16  # ...unless left out for want of room: these many, nearest first
 # Stores whose chunks come over the network (s3://): every DEEP_EVERY bursts, also read
-# ahead the chunks of the next shuffle group's worth of batches (at least DEEP_BATCHES,
-# at most MAX_DEEP_BATCHES), nearest first, so the next shuffle group's chunks are
-# loading about a group before the stream reaches them (a GET costs tens of ms before
-# its first byte, a 32 MiB chunk a few hundred). They wait in the cache's read-ahead
-# budget (cache.py). Done every few bursts, its cost stays small.
+# ahead the chunks of the next DEEP_GROUPS shuffle groups' worth of batches (at least
+# DEEP_BATCHES, at most MAX_DEEP_BATCHES), nearest first, so the next shuffle group's
+# chunks are loading a group or more before the stream reaches them (a GET costs tens
+# of ms before its first byte, a 32 MiB chunk a few hundred; with one group's worth,
+# looked at every DEEP_EVERY bursts, a stream serving from cache at full speed reached
+# a new group 40-110 ms after first asking for its chunks: measured, one stall per
+# group). They wait in the cache's read-ahead budget (cache.py); the chunks already
+# cached are warmed nearest last, and a chunk the look saw needed later is not cooled.
+# Done every few bursts, its cost stays small (chunk_uses: ~1 ms per 2000 batches).
 DEEP_EVERY = 16
+DEEP_GROUPS = 2
 DEEP_BATCHES = 1024
 MAX_DEEP_BATCHES = 16384
 
@@ -130,14 +136,26 @@ def spans_chunks(spans: list[Span]) -> set[int]:
     return chunks
 
 
-def chunks_by_first_use(spans: list[Span]) -> list[int]:
-    """The chunks spans touch, in the order their rows first need them."""
+def chunk_uses(spans: list[Span]) -> tuple[list[int], dict[int, int]]:
+    """The chunks spans touch, in the order their rows first need them (a row crossing
+    into the next chunks needs those at its own place in the order: the program's), and
+    for each the last batch that needs it (0 = the spans' first batch)."""
     seen: dict[int, None] = {}
+    last: dict[int, int] = {}
+    base = 0  # the span's first batch, counted from the first span's
     for lr, i, j in spans:
-        keys = lr.program[lr.piece_lo[i] : lr.piece_lo[j], 0]
-        ids, first = np.unique(keys[keys >= 0], return_index=True)
+        lo = lr.piece_lo[i]
+        keys = lr.program[lo : lr.piece_lo[j], 0]
+        rows = np.flatnonzero(keys >= 0)  # the row pieces, not the frames
+        chunks = keys[rows]
+        ids, first = np.unique(chunks, return_index=True)
+        _, from_end = np.unique(chunks[::-1], return_index=True)
+        last_piece = rows[len(chunks) - 1 - from_end] + lo
+        batch = np.searchsorted(lr.piece_lo, last_piece, side="right") - 1 - i + base
         seen.update(dict.fromkeys(ids[np.argsort(first)].tolist()))
-    return list(seen)
+        last.update(zip(ids.tolist(), batch.tolist(), strict=True))
+        base += j - i
+    return list(seen), last
 
 
 def _pieces(bounds: list[int], c: int, start: int, end: int) -> Iterator[tuple[int, int, int]]:
@@ -239,7 +257,9 @@ class MessageBuilder:
                 plan.spec.shuffle_blocks if plan.shuffle else 1
             )
             per_group = -(-group_windows // (plan.batch_size * plan.world_size))
-        self.deep = min(MAX_DEEP_BATCHES, max(DEEP_BATCHES, per_group + self.read_ahead_batches))
+        self.deep = min(
+            MAX_DEEP_BATCHES, max(DEEP_BATCHES, DEEP_GROUPS * per_group + self.read_ahead_batches)
+        )
         self._source = rounds
         self._then = then
         self._then_rounds: list[LocatedRound] = []  # the next epoch's first rounds, located
@@ -249,6 +269,9 @@ class MessageBuilder:
         self._bursts = 0  # bursts built so far
         self._asked: dict[int, int] = {}  # chunk -> burst when last read ahead
         self._near: tuple[Any, set[int]] = (None, set())  # the last read-ahead's batches
+        self._waiting: list[int] = []  # chunks read-ahead left out for want of room
+        self._at = 0  # the batch (of this stream) the last read-ahead counted from
+        self._needed: dict[int, int] = {}  # chunk -> last batch needing it (last deep look)
         # A mixture's messages' tokens per source, one array per message built, in order
         # (the servicer counts them by source as it writes the messages).
         self.by_source: deque[np.ndarray] | None = None
@@ -283,34 +306,52 @@ class MessageBuilder:
 
     def _read_ahead(self, cursor: tuple[int, int], used: set[int] | None = None) -> None:
         """Read ahead the chunks of the `read_ahead_batches` batches from `cursor` (in an
-        unshuffled order, the chunk after them too; remote stores: every few bursts, a
-        shuffle group's worth, nearest first); chunks asked for in the last few bursts are
-        not asked again. Chunks of `used` (the burst just built) those batches do not need
-        go to the cold end of the cache's order: the stream is past them (cache.cool)."""
+        unshuffled order, the chunk after them too; remote stores: every few bursts, two
+        shuffle groups' worth, nearest first), and those an earlier call left out for want
+        of room. Chunks asked for in the last few bursts are not asked again, unless the
+        cache has a read-ahead budget and they are that near: a read-ahead into the budget
+        evicts nothing, so asking again only makes sure a chunk evicted since is loaded.
+        Chunks of `used` (the burst just built) those batches do not need go to the cold
+        end of the cache's order: the stream is past them (cache.cool), unless the last
+        deep look saw a later batch needing them (a chunk a row crosses into may be a
+        block of the next shuffle group, or of this epoch's next one)."""
         store = self.ds.store
+        k, pos = cursor  # the batches since the last call: this burst's
+        self._at += pos - self._pos + sum(len(self._rounds[r]) for r in range(k))
         spans = self._spans(self.read_ahead_batches, cursor)[0]
         near = spans_chunks(spans)
         self._near = (_reach(spans), near)  # usually the next burst's batches: it reuses them
-        if used:
-            self.cache.cool([self.ds.chunk_key(c) for c in used - near])
         if store.remote and self._bursts % DEEP_EVERY == 0:
             spans = self._spans(self.deep, cursor)[0]
             if self._exhausted:  # the epoch ends within reach: the next one's start too
                 spans += self._then_spans(self.deep - sum(j - i for _, i, j in spans))
-            chunks = chunks_by_first_use(spans)
+            chunks, last = chunk_uses(spans)
+            self._needed = {c: self._at + b for c, b in last.items()}
         else:
             chunks = sorted(near)
+        if used:
+            past = [c for c in used - near if self._needed.get(c, -1) < self._at]
+            self.cache.cool([self.ds.chunk_key(c) for c in past])
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
             chunks.append(max(chunks) + 1)
+        asked = set(chunks)
+        chunks += [c for c in self._waiting if c not in asked]
         self._bursts += 1
         if len(self._asked) > 4096:
             self._asked.clear()
+        again = near if self.cache.readahead_capacity else set()  # asked at every burst
+        wanted = []
         for c in chunks:
-            if self._bursts - self._asked.get(c, -ASK_AGAIN_BURSTS) < ASK_AGAIN_BURSTS:
+            if c not in again and self._bursts - self._asked.get(c, -ASK_AGAIN) < ASK_AGAIN:
                 continue
             self._asked[c] = self._bursts
             if nbytes := store.chunk_nbytes(c):
-                self.cache.read_ahead(self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))
+                wanted.append((c, (self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))))
+        # in order of need: the nearest load first and end warmest
+        left = set(self.cache.read_ahead_all([w for _, w in wanted]))
+        self._waiting = [c for c, w in wanted if w[0] in left][:WAITING_CHUNKS]
+        for c in self._waiting:
+            del self._asked[c]
 
     def _then_spans(self, n: int) -> list[Span]:
         """The next epoch's first n batches (as far as it has them), located once."""

@@ -24,7 +24,16 @@ are reading now, and without read-aheads pushing out each other. Memory stays wi
 capacity + readahead_bytes. A read-ahead that finds its room full is skipped (asked
 again later), unless the oldest chunk waiting there has been waiting `stale_seconds`
 unused: a guess that did not come true (its stream went away) gives its room up.
+The eviction a first use calls for waits for the next load, read-ahead or `cool`: a
+burst crossing into a new shuffle group pins the old group's chunks and the new one's,
+so at that moment the only chunks left to evict are the ones the new group needs later
+(measured: most stalls on S3 were such chunks, loaded again at once); once the stream
+has cooled the old group's chunks, those go first.
 Without a budget, a read-ahead chunk takes cache room, at the cold end of the LRU order.
+
+A load in flight counts its chunk plus `load_overhead` bytes (the feeder gives the object
+storage client's buffers per GET; at most the chunk's size), in the bound of the room it
+loads into, until it lands: with GETs in flight the memory stays within the bounds too.
 
 Pure threading and numpy: no gRPC, no store format (callers pass a `load` function).
 """
@@ -56,6 +65,7 @@ Loader = Callable[[], np.ndarray]
 @dataclass
 class _Entry:
     nbytes: int
+    held: int = 0  # bytes counted for it: nbytes, plus the load's overhead while it loads
     pins: int = 0
     data: np.ndarray | None = None
     view: memoryview | None = None  # `data` as bytes, made once: slicing it is cheap
@@ -86,6 +96,7 @@ class ChunkCache:
         metrics: ServerMetrics | None = None,
         readahead_threads: int = 2,
         readahead_bytes: int = 0,
+        load_overhead: int = 0,
         stale_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -95,6 +106,9 @@ class ChunkCache:
             raise FailedPrecondition(f"read-ahead budget must be >= 0, got {readahead_bytes}")
         self.capacity = capacity_bytes
         self.readahead_capacity = readahead_bytes
+        # Bytes a load holds beyond its chunk while in flight (an object storage client's
+        # buffers): counted with its chunk until it lands, so they stay within the bounds.
+        self.load_overhead = load_overhead
         self.stale_seconds = stale_seconds
         self._clock = clock
         self.metrics = metrics
@@ -115,7 +129,8 @@ class ChunkCache:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes held by the cache proper (chunks in use or used), loading ones included."""
+        """Bytes held by the cache proper (chunks in use or used), loading ones included
+        (with their load's overhead)."""
         with self._cond:
             return self._used
 
@@ -124,6 +139,12 @@ class ChunkCache:
         """Bytes of chunks read ahead and not used yet (in the read-ahead budget)."""
         with self._cond:
             return self._ahead
+
+    @property
+    def loading(self) -> int:
+        """Chunk loads in flight, read-aheads included."""
+        with self._cond:
+            return sum(1 for e in self._entries.values() if e.data is None)
 
     def __contains__(self, key: Hashable) -> bool:
         with self._cond:
@@ -177,12 +198,33 @@ class ChunkCache:
                 e.pins -= 1
             self._cond.notify_all()
 
-    def read_ahead(self, key: Hashable, nbytes: int, load: Loader) -> bool:
+    def read_ahead_all(self, wanted: list[tuple[Hashable, int, Loader]]) -> list[Hashable]:
+        """`read_ahead` for chunks in the order a stream will first need them: loads
+        start nearest first (the read-ahead room fills with what is needed first), and
+        the chunks already cached are warmed farthest first, so the nearest ends warmest
+        and the room a load needs is taken from the chunks needed last (or not at all).
+        Returns the keys left out for want of room (neither cached nor loading), nearest
+        first: once one is left out, so are the ones after it (none jumps the queue).
+        """
+        left: list[Hashable] = []
+        with self._cond:  # re-entrant: read_ahead takes it again
+            for key, _, _ in reversed(wanted):
+                e = self._entries.get(key)
+                if e is not None and not e.ahead:
+                    self._entries.move_to_end(key)
+            for key, n, load in wanted:
+                if key in self._entries:
+                    continue
+                if left or not self.read_ahead(key, n, load, warm=False):
+                    left.append(key)
+        return left
+
+    def read_ahead(self, key: Hashable, nbytes: int, load: Loader, *, warm: bool = True) -> bool:
         """Start loading `key` in the background unless present, in flight or no room.
 
         Never blocks and never evicts a pinned chunk; returns whether a load started.
-        A chunk already cached moves to the warm end of the LRU order: a stream will
-        need it soon, so room is made from chunks it will not.
+        A chunk already cached moves to the warm end of the LRU order (unless `warm` is
+        False): a stream will need it soon, so room is made from chunks it will not.
         With a read-ahead budget the chunk waits in it until first used (see the module
         docstring); without one it joins at the cold end of the LRU order and moves up
         when first used: a read-ahead guess (a slow stream's far future, say) must not
@@ -193,15 +235,16 @@ class ChunkCache:
             if self._closed:
                 return False
             if (present := self._entries.get(key)) is not None:
-                if not present.ahead:  # needed soon: warm, so room is made elsewhere first
+                if warm and not present.ahead:  # needed soon: room is made elsewhere first
                     self._entries.move_to_end(key)
                 return False
             if self.readahead_capacity:
-                if not self._make_ahead_room(nbytes):
+                self._make_room(0, wait=False)  # first uses may have left the cache over
+                if not self._make_ahead_room(nbytes + self._overhead(nbytes)):
                     return False
                 entry = self._insert(key, nbytes, ahead=True)
             else:
-                if not self._make_room(nbytes, wait=False):
+                if not self._make_room(self._loading_cost(nbytes), wait=False):
                     return False
                 entry = self._insert(key, nbytes)
                 self._entries.move_to_end(key, last=False)
@@ -219,12 +262,14 @@ class ChunkCache:
 
         Plain LRU keeps exactly the wrong chunks when the cache holds less than an
         epoch: the ones the epoch has already used, evicting the ones still to come.
+        A cache left over its bound by first uses evicts now, cooled chunks first.
         """
         with self._cond:
             for key in keys:
                 e = self._entries.get(key)
                 if e is not None and not e.ahead:
                     self._entries.move_to_end(key, last=False)
+            self._make_room(0, wait=False)
 
     def clear(self) -> None:
         """Drop every unpinned chunk (used chunks go when released)."""
@@ -266,7 +311,7 @@ class ChunkCache:
                         self._by_dataset(self.metrics.cache_dataset_hits, [key])
                     return entry
             else:
-                self._make_room(nbytes, wait=True)
+                self._make_room(self._loading_cost(nbytes), wait=True)
                 # Re-check: another thread may have started this load while we waited.
                 entry = self._entries.get(key)
                 leader = entry is None
@@ -299,34 +344,43 @@ class ChunkCache:
             # a dataset's hit and miss series exist (at 0) from its first chunk load on
             self.metrics.cache_dataset_hits.labels(dataset=key[0])
             self.metrics.cache_dataset_misses.labels(dataset=key[0])
-        entry = _Entry(nbytes, ahead=ahead, since=self._clock() if ahead else 0.0)
+        held = nbytes + self._overhead(nbytes) if ahead else self._loading_cost(nbytes)
+        entry = _Entry(nbytes, held, ahead=ahead, since=self._clock() if ahead else 0.0)
         self._entries[key] = entry
         if ahead:
-            self._ahead += nbytes
+            self._ahead += held
         else:
-            self._used += nbytes
+            self._used += held
         self.stats.loads += 1
         self._gauge()
         return entry
 
     def _promote(self, entry: _Entry) -> None:
         """A read-ahead chunk's first use (lock held, `entry` pinned): it moves from the
-        read-ahead room into the cache, which evicts least recent chunks to make room
-        without waiting; if everything else is pinned it stays over its bound until the
-        next load makes room (the bytes only moved: the sum of both bounds holds)."""
+        read-ahead room into the cache, which may be over its bound until the next load,
+        read-ahead or `cool` evicts (the bytes only moved: the sum of both bounds holds).
+        Not now: the caller pins a burst's chunks, often all the cache holds but the few
+        it needs next (module docstring)."""
         entry.ahead = False
-        self._ahead -= entry.nbytes
-        self._used += entry.nbytes
+        self._ahead -= entry.held
+        self._used += entry.held
         self.stats.ahead_used += 1
-        self._make_room(0, wait=False)
         self._gauge()
+
+    def _fits_ahead(self, nbytes: int) -> bool:
+        """Within the room, and both together within the sum of the bounds (the cache
+        may still be over its own after a first use, when all it holds is pinned)."""
+        return (
+            self._ahead + nbytes <= self.readahead_capacity
+            and self._used + self._ahead + nbytes <= self.capacity + self.readahead_capacity
+        )
 
     def _make_ahead_room(self, nbytes: int) -> bool:
         """Whether `nbytes` fit in the read-ahead room (lock held), after dropping chunks
         that have waited there unused for stale_seconds, oldest first."""
         if nbytes > self.readahead_capacity:
             return False
-        if self._ahead + nbytes <= self.readahead_capacity:
+        if self._fits_ahead(nbytes):
             return True
         now = self._clock()
         stale = [
@@ -338,7 +392,7 @@ class ChunkCache:
         for k, e in sorted(stale, key=lambda ke: ke[1].since):
             self._evict(k, e)
             self.stats.ahead_dropped += 1
-            if self._ahead + nbytes <= self.readahead_capacity:
+            if self._fits_ahead(nbytes):
                 return True
         return False
 
@@ -384,6 +438,9 @@ class ChunkCache:
             self.metrics.chunk_load_seconds.observe(time.perf_counter() - t0)
         view = data.data.cast("B")
         with self._cond:
+            self._uncount(entry)  # landed: the load's overhead is given back
+            entry.held = entry.nbytes
+            self._count(entry)
             entry.data, entry.view = data, view
             entry.done.set()
             self._cond.notify_all()
@@ -406,11 +463,27 @@ class ChunkCache:
             msg = getattr(error, "message", None) or repr(error)
             log.error("chunk load failed for %r: %s", key, msg)
 
+    def _overhead(self, nbytes: int) -> int:
+        """A load's overhead: at most its chunk's size (a small object's GET holds little)."""
+        return min(self.load_overhead, nbytes)
+
+    def _loading_cost(self, nbytes: int) -> int:
+        """What a load into the cache proper counts while in flight; never more than the
+        whole cache, so a chunk as large as the cache can still load."""
+        return min(nbytes + self._overhead(nbytes), max(self.capacity, nbytes))
+
+    def _count(self, entry: _Entry) -> None:
+        if entry.ahead:
+            self._ahead += entry.held
+        else:
+            self._used += entry.held
+        self._gauge()
+
     def _uncount(self, entry: _Entry) -> None:
         if entry.ahead:
-            self._ahead -= entry.nbytes
+            self._ahead -= entry.held
         else:
-            self._used -= entry.nbytes
+            self._used -= entry.held
 
     @staticmethod
     def _by_dataset(counter: Any, keys: list[Hashable]) -> None:

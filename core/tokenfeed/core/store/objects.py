@@ -87,6 +87,13 @@ T = TypeVar("T")
 # so later 4 MiB buffers come from per-thread arenas), vs ~13 MiB at 64 KiB, with the
 # same or less CPU per GET (4.8-5.0 ms vs 5.1-5.6).
 STREAM_PIECE = 64 << 10
+# What a GET in flight holds beside its chunk's own map: obstore's and hyper's buffers
+# and the reading thread's share of the heap. Measured against SeaweedFS with 1, 2, 4
+# and 8 GETs of 4 MiB objects in flight (malloc arenas limited to 2, as the feeder
+# does): the heap peaked 2-3, 3, 5 and 9-12 MiB above idle, ~1.2-1.5 MiB per GET,
+# whatever STREAM_PIECE (16 KiB to 1 MiB). The feeder's cache counts it per load in
+# flight, so its memory bound holds with GETs in flight.
+GET_BUFFER_BYTES = 3 << 19
 SCHEME = "s3://"
 INSTALL_HINT = "pip install 'tokenfeed[s3]'"
 
