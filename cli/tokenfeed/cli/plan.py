@@ -28,9 +28,10 @@ from typing import Any
 from tokenfeed.core.dtypes import DTYPES, itemsize
 
 # Wire tokens per server CPU-second at the client's default message size (~256 KiB,
-# 16 x 1024 uint16 rows, shuffled): benchmarks/serve_throughput.py, this project's
-# 2-core VM, 1e9 / 3.4 CPU-s per 1e9 tokens. Re-measure when the hot path changes.
-BUILD_PER_CORE_TOKENS_S = 2.9e8
+# 16 x 1024 uint16 rows, shuffled): benchmarks/serve_throughput.py --workers-rows, this
+# project's 2-core VM, the dearest workers row: 1e9 / 1.89 CPU-s per 1e9 tokens (the C
+# splice; 3.4 before it). Re-measure when the hot path changes.
+BUILD_PER_CORE_TOKENS_S = 5.3e8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
