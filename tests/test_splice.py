@@ -143,3 +143,40 @@ def test_a_row_outside_the_store_is_refused(fn) -> None:
             1,
             np.zeros(2, dtype=np.int64),
         )
+
+
+def test_a_stream_is_byte_identical_without_the_extension(tmp_path) -> None:
+    """The messages of a shuffled stream whose rows cross chunks, built with the C loops
+    and with their Python references (what a TOKENFEED_PURE_PYTHON=1 install runs)."""
+    from conftest import make_positional_store
+    from prometheus_client import CollectorRegistry
+
+    from tokenfeed.core.request import SamplingSpec
+    from tokenfeed.server.assembly import MessageBuilder
+    from tokenfeed.server.cache import ChunkCache
+    from tokenfeed.server.datasets import Catalog
+    from tokenfeed.server.metrics import ServerMetrics
+    from tokenfeed.server.service import plan_for
+
+    make_positional_store(tmp_path / "s", 30_000, 1_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(dataset="s", seq_len=300, batch_size=3, stride=70, shuffle=True, seed=5)
+    plan = plan_for(spec, ds)
+
+    def messages() -> list[bytes]:
+        cache = ChunkCache(1 << 22)
+        metrics = ServerMetrics(CollectorRegistry())
+        pipe = MessageBuilder(ds, plan, plan.rounds(1, 0), 4, cache, metrics)
+        out = []
+        while burst := pipe.next_burst():
+            out += [data for data, _, _, _ in burst]
+        cache.close()
+        return out
+
+    native = messages()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(splice, "splice", splice.splice_py)
+        mp.setattr(splice, "_program", splice.program_py)
+        mp.setattr(wire, "_encode", wire._frames_py)
+        reference = messages()
+    assert len(native) > 10 and native == reference
