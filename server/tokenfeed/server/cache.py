@@ -347,12 +347,8 @@ class ChunkCache:
         held = nbytes + self._overhead(nbytes) if ahead else self._loading_cost(nbytes)
         entry = _Entry(nbytes, held, ahead=ahead, since=self._clock() if ahead else 0.0)
         self._entries[key] = entry
-        if ahead:
-            self._ahead += held
-        else:
-            self._used += held
+        self._count(entry)
         self.stats.loads += 1
-        self._gauge()
         return entry
 
     def _promote(self, entry: _Entry) -> None:
@@ -361,11 +357,10 @@ class ChunkCache:
         read-ahead or `cool` evicts (the bytes only moved: the sum of both bounds holds).
         Not now: the caller pins a burst's chunks, often all the cache holds but the few
         it needs next (module docstring)."""
+        self._uncount(entry)
         entry.ahead = False
-        self._ahead -= entry.held
-        self._used += entry.held
+        self._count(entry)
         self.stats.ahead_used += 1
-        self._gauge()
 
     def _fits_ahead(self, nbytes: int) -> bool:
         """Within the room, and both together within the sum of the bounds (the cache
