@@ -192,6 +192,26 @@ chunk_at(const int64_t *chunk_starts, Py_ssize_t n_chunks, int64_t t)
     return lo;
 }
 
+/* The pieces of tokens [s, s + cols): one per non-empty chunk they touch, written to
+ * `out` (3 int64 each: chunk, byte offset, byte count) unless it is NULL; their number. */
+static inline Py_ssize_t
+row_pieces(const int64_t *cs, Py_ssize_t n_chunks, int64_t s, int64_t cols, Py_ssize_t itemsize,
+           int64_t *out)
+{
+    Py_ssize_t n = 0;
+    int64_t end = s + cols;
+    for (Py_ssize_t c = chunk_at(cs, n_chunks, s); c < n_chunks && cs[c] < end; c++) {
+        int64_t a = s > cs[c] ? s : cs[c], e = end < cs[c + 1] ? end : cs[c + 1];
+        if (a < e) {
+            if (out != NULL)
+                out[3 * n] = c, out[3 * n + 1] = (a - cs[c]) * itemsize,
+                out[3 * n + 2] = (e - a) * itemsize;
+            n++;
+        }
+    }
+    return n;
+}
+
 static PyObject *
 program(PyObject *module, PyObject *args)
 {
@@ -220,7 +240,7 @@ program(PyObject *module, PyObject *args)
     }
     /* First pass: check every row and count its pieces (non-empty chunks it touches). */
     Py_ssize_t pieces = 2 * n_batches, r = 0;
-    int64_t total = n_chunks >= 0 ? cs[n_chunks] : 0;
+    int64_t total = cs[n_chunks];
     for (Py_ssize_t b = 0; b < n_batches; b++) {
         if (nr[b] < 0 || r + nr[b] > starts.shape[0] || rb[b] < 0 || rb[b] % itemsize) {
             PyErr_Format(PyExc_ValueError, "program: batch %zd has bad rows or row_bytes", b);
@@ -235,8 +255,7 @@ program(PyObject *module, PyObject *args)
                              (long long)total);
                 goto done;
             }
-            for (Py_ssize_t c = chunk_at(cs, n_chunks, s); c < n_chunks && cs[c] < s + cols; c++)
-                pieces += (s > cs[c] ? s : cs[c]) < (s + cols < cs[c + 1] ? s + cols : cs[c + 1]);
+            pieces += row_pieces(cs, n_chunks, s, cols, itemsize, NULL);
         }
     }
     prog = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(3 * pieces * sizeof(int64_t)));
@@ -253,14 +272,8 @@ program(PyObject *module, PyObject *args)
         at += fs[2 * b], p += 3, here++;
         int64_t cols = rb[b] / itemsize;
         for (int64_t k = 0; k < nr[b]; k++, r++) {
-            int64_t s = st[r], end = s + cols;
-            for (Py_ssize_t c = chunk_at(cs, n_chunks, s); c < n_chunks && cs[c] < end; c++) {
-                int64_t a = s > cs[c] ? s : cs[c], e = end < cs[c + 1] ? end : cs[c + 1];
-                if (a < e) {
-                    p[0] = c, p[1] = (a - cs[c]) * itemsize, p[2] = (e - a) * itemsize;
-                    p += 3, here++;
-                }
-            }
+            Py_ssize_t written = row_pieces(cs, n_chunks, st[r], cols, itemsize, p);
+            p += 3 * written, here += written;
         }
         p[0] = -1, p[1] = at, p[2] = fs[2 * b + 1];
         at += fs[2 * b + 1], p += 3, here++;
@@ -314,6 +327,28 @@ put(char *p, const Py_buffer *b)
     return p + b->len;
 }
 
+/* The bytes of the varints of starts[from .. to): a batch's packed `starts`. */
+static inline Py_ssize_t
+packed_size(const int64_t *starts, int64_t from, int64_t to)
+{
+    Py_ssize_t n = 0;
+    for (int64_t k = from; k < to; k++)
+        n += varint_size((uint64_t)starts[k]);
+    return n;
+}
+
+/* A batch's fields before its tokens: epoch, step and offset (proto3 leaves out zeros),
+ * then its middle (fields 4-7 and the tokens' tag and length). */
+static inline Py_ssize_t
+fields_size(const Py_buffer *epoch_field, const Py_buffer *step_tag, uint64_t step,
+            const Py_buffer *offset_tag, int64_t offset, PyObject *middle)
+{
+    Py_ssize_t n = epoch_field->len + PyBytes_GET_SIZE(middle);
+    n += step ? step_tag->len + varint_size(step) : 0;
+    n += offset ? offset_tag->len + varint_size((uint64_t)offset) : 0;
+    return n;
+}
+
 static PyObject *
 frames(PyObject *module, PyObject *args)
 {
@@ -365,16 +400,12 @@ frames(PyObject *module, PyObject *args)
     int64_t *size = (int64_t *)PyBytes_AS_STRING(sizes);
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t packed = 0;
-        for (int64_t k = c[i]; k < c[i + 1]; k++)
-            packed += varint_size((uint64_t)st[k]);
+        Py_ssize_t packed = packed_size(st, c[i], c[i + 1]);
         Py_ssize_t tail = packed ? starts_tag.len + varint_size((uint64_t)packed) + packed : 0;
         if (extras != NULL)
             tail += PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(extras, i));
-        uint64_t s = (uint64_t)step + (uint64_t)i;
-        Py_ssize_t fields = epoch_field.len + PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(middles, i));
-        fields += s ? step_tag.len + varint_size(s) : 0;
-        fields += off[i] ? offset_tag.len + varint_size((uint64_t)off[i]) : 0;
+        Py_ssize_t fields = fields_size(&epoch_field, &step_tag, (uint64_t)step + (uint64_t)i,
+                                        &offset_tag, off[i], PySequence_Fast_GET_ITEM(middles, i));
         uint64_t length = (uint64_t)fields + (uint64_t)pay[i] + (uint64_t)tail;
         size[2 * i] = batch_tag.len + varint_size(length) + fields;
         size[2 * i + 1] = tail;
@@ -389,9 +420,7 @@ frames(PyObject *module, PyObject *args)
         PyObject *middle = PySequence_Fast_GET_ITEM(middles, i);
         Py_ssize_t tail = size[2 * i + 1];
         uint64_t s = (uint64_t)step + (uint64_t)i;
-        Py_ssize_t fields = epoch_field.len + PyBytes_GET_SIZE(middle);
-        fields += s ? step_tag.len + varint_size(s) : 0;
-        fields += off[i] ? offset_tag.len + varint_size((uint64_t)off[i]) : 0;
+        Py_ssize_t fields = fields_size(&epoch_field, &step_tag, s, &offset_tag, off[i], middle);
         p = put(p, &batch_tag);
         p = put_varint(p, (uint64_t)fields + (uint64_t)pay[i] + (uint64_t)tail);
         p = put(p, &epoch_field);
@@ -406,9 +435,7 @@ frames(PyObject *module, PyObject *args)
         memcpy(p, PyBytes_AS_STRING(middle), (size_t)PyBytes_GET_SIZE(middle));
         p += PyBytes_GET_SIZE(middle);
         /* (the batch's tokens go here) */
-        Py_ssize_t packed = 0;
-        for (int64_t k = c[i]; k < c[i + 1]; k++)
-            packed += varint_size((uint64_t)st[k]);
+        Py_ssize_t packed = packed_size(st, c[i], c[i + 1]);
         if (packed) {
             p = put(p, &starts_tag);
             p = put_varint(p, (uint64_t)packed);

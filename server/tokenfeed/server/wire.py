@@ -108,8 +108,9 @@ def frames(
     """
     payloads = np.multiply(rows, cols, dtype=np.int64) * itemsize
     shapes = list(zip(shifts, rows, cols, payloads.tolist(), strict=True))
-    if shapes.count(shapes[0]) == len(shapes):  # one shape: most rounds
-        middles = [_middle_fields(*shapes[0][:3], dtype, shapes[0][3])] * len(shapes)
+    if shapes.count(shapes[0]) == len(shapes):  # one shape: most rounds, one lookup
+        sh, r, c, pay = shapes[0]
+        middles = [_middle_fields(sh, r, c, dtype, pay)] * len(shapes)
     else:
         middles = [_middle_fields(sh, r, c, dtype, pay) for sh, r, c, pay in shapes]
     cut = np.zeros(len(rows) + 1, dtype=np.int64)  # batch i: starts[cut[i]:cut[i+1]]
@@ -159,8 +160,8 @@ def _frames_py(
         fields = b"".join(
             (
                 epoch_field,
-                step_tag + varint(step + i) if step + i else b"",
-                offset_tag + varint(offset & _MASK64) if offset else b"",
+                _int_field(step_tag, step + i),
+                _int_field(offset_tag, offset),
                 middle,
             )
         )
