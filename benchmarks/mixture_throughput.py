@@ -35,29 +35,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+from serve_throughput import BATCH, DEFAULT_PER_MESSAGE, SEQ_LEN, STRIDE  # one layout
+from serve_throughput import spec as dataset_spec
+
 from tokenfeed.cli.process import wait_for_port
 
-SEQ_LEN, BATCH, STRIDE = 1024, 16, 256
-DEFAULT_PER_MESSAGE = max(1, (256 << 10) // (BATCH * (SEQ_LEN + 1) * 2))  # the client's
 SOURCES = (("mix-a", 0.5, 8), ("mix-b", 0.3, 5), ("mix-c", 0.2, 3))  # name, weight, 16ths
 
 
 def spec(mixture: bool):  # -> SamplingSpec
-    from tokenfeed.core.request import SamplingSpec
-
-    return SamplingSpec(
-        dataset="" if mixture else "bench",
-        sources=tuple((name, w) for name, w, _ in SOURCES) if mixture else (),
-        split="train",
-        split_rate=1.0,
-        seq_len=SEQ_LEN,
-        stride=STRIDE,
-        batch_size=BATCH,
-        world_size=1,
-        shift=1,
-        seed=1,
-        shuffle=True,
-    )
+    """serve_throughput's sampling over the dataset, or over the mixture of SOURCES."""
+    if not mixture:
+        return dataset_spec()
+    return dataset_spec(dataset="", sources=tuple((name, w) for name, w, _ in SOURCES))
 
 
 def run_client(address: str, mixture: bool, streams: int, seconds: float, per_message: int):

@@ -68,22 +68,21 @@ DEFAULT_PER_MESSAGE = max(1, (256 << 10) // (BATCH * (SEQ_LEN + 1) * 2))
 METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
 
 
+def spec(**changes: Any):  # -> SamplingSpec
+    """The benchmark's sampling: 16 x 1024 windows, stride 256, shuffled; `changes`
+    (benchmarks/mixture_throughput.py: a mixture of the same layout)."""
+    from tokenfeed.core.request import SamplingSpec
+
+    layout = dict(dataset="bench", seq_len=SEQ_LEN, stride=STRIDE, batch_size=BATCH)
+    return SamplingSpec(**{**layout, "shift": 1, "seed": 1, "shuffle": True, **changes})
+
+
 def request(per_message: int, epoch: int):
     from tokenfeed.v1 import feeder_pb2 as pb
 
-    params = pb.SamplingParams(
-        dataset="bench",
-        split="train",
-        split_rate=1.0,
-        seq_len=SEQ_LEN,
-        stride=STRIDE,
-        batch_size=BATCH,
-        world_size=1,
-        shift=1,
-        seed=1,
-        shuffle=True,
+    return pb.StreamBatchesRequest(
+        params=spec().to_proto(), epoch=epoch, batches_per_message=per_message
     )
-    return pb.StreamBatchesRequest(params=params, epoch=epoch, batches_per_message=per_message)
 
 
 # ---------------------------------------------------------------------- processes
