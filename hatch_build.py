@@ -1,13 +1,15 @@
-"""Build hook: compile the server's one C extension (tokenfeed.server._native).
+"""Build hook: compile the package's two C extensions.
 
-Hatchling builds the package; this hook compiles server/tokenfeed/server/_native.c with
-setuptools' build_ext (the compiler and flags Python itself was built with) into the
-source tree, where both an editable install (`pip install -e .`, the source roots on
-the path) and the wheel (its `artifacts`) find it. A wheel with it is platform-specific.
+* tokenfeed.server._native: the server's loops over rows and batches (splice.py, wire.py);
+* tokenfeed.core._keyed: the keyed bijection's loop (keyed.py), which sampling runs on.
+
+Hatchling builds the package; this hook compiles each with setuptools' build_ext (the
+compiler and flags Python itself was built with) into the source tree, where both an
+editable install (`pip install -e .`, the source roots on the path) and the wheel (its
+`artifacts`) find them. A wheel with them is platform-specific.
 
 Without a C compiler the install fails, saying so; `TOKENFEED_PURE_PYTHON=1` installs
-without the extension and the server splices messages in Python (correct, slower:
-tokenfeed.server.splice).
+without the extensions and their numpy/Python references run instead (correct, slower).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-NAME = "tokenfeed.server._native"
-SOURCE = Path("server/tokenfeed/server/_native.c")
+EXTENSIONS = {  # module -> its source
+    "tokenfeed.server._native": Path("server/tokenfeed/server/_native.c"),
+    "tokenfeed.core._keyed": Path("core/tokenfeed/core/_keyed.c"),
+}
 
 
 class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
@@ -30,30 +34,29 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
         if self.target_name != "wheel":
             return
         if os.environ.get("TOKENFEED_PURE_PYTHON") == "1":
-            self.app.display_warning("TOKENFEED_PURE_PYTHON=1: building without the C splice")
+            self.app.display_warning("TOKENFEED_PURE_PYTHON=1: building without the C loops")
             return
         root = Path(self.root)
-        target = root / SOURCE.parent / compiled_name()
-        build(root, target)
+        for name, source in EXTENSIONS.items():
+            build(root, name, source)
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
 
     def clean(self, versions: list[str]) -> None:
-        for path in (Path(self.root) / SOURCE.parent).glob("_native*.so"):
-            path.unlink()
+        for source in EXTENSIONS.values():
+            for path in (Path(self.root) / source.parent).glob(f"{source.stem}*.so"):
+                path.unlink()
 
 
-def compiled_name() -> str:
+def build(root: Path, name: str, source: Path) -> None:
+    """Compile `source` as module `name`, next to it."""
     import sysconfig
 
-    return "_native" + str(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
-
-
-def build(root: Path, target: Path) -> None:
     from setuptools import Distribution, Extension
     from setuptools.command.build_ext import build_ext
 
-    ext = Extension(NAME, [str(root / SOURCE)], extra_compile_args=["-O2"])
+    target = root / source.with_suffix(str(sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    ext = Extension(name, [str(root / source)], extra_compile_args=["-O2"])
     with tempfile.TemporaryDirectory(prefix="tokenfeed-build-") as tmp:
         cmd = build_ext(Distribution({"name": "tokenfeed", "ext_modules": [ext]}))
         cmd.build_lib, cmd.build_temp = os.path.join(tmp, "lib"), os.path.join(tmp, "temp")
@@ -62,9 +65,9 @@ def build(root: Path, target: Path) -> None:
             cmd.run()
         except Exception as e:  # CompileError and friends: say what to do
             sys.stderr.write(
-                f"tokenfeed: compiling {SOURCE} failed ({e}). Install a C compiler and "
+                f"tokenfeed: compiling {source} failed ({e}). Install a C compiler and "
                 "Python's headers (Debian: gcc python3-dev), or set TOKENFEED_PURE_PYTHON=1 "
-                "to install without the extension (a slower server).\n"
+                "to install without the extensions (a slower server).\n"
             )
             raise
-        shutil.copyfile(cmd.get_ext_fullpath(NAME), target)
+        shutil.copyfile(cmd.get_ext_fullpath(name), target)

@@ -12,6 +12,7 @@ from conftest import make_plan
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tokenfeed.core import keyed
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
 from tokenfeed.core.keyed import Permutation as _Permutation
 from tokenfeed.core.request import SamplingSpec, proper_divisors
@@ -228,6 +229,43 @@ def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
     y = perm(x)
     assert np.array_equal(np.sort(y), x)
     assert np.array_equal(perm.inverse(y), x)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 2**62), min_size=1, max_size=40),
+    st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40),
+    st.booleans(),
+    st.booleans(),
+    st.randoms(use_true_random=False),
+)
+def test_the_c_permutation_is_the_numpy_one(
+    sizes: list[int], seeds: list[int], per_element: bool, inverse: bool, rnd
+) -> None:
+    """keyed.permute in C (_keyed.c) against its numpy reference, with one bijection for
+    every element or one each (keys, sizes and widths per element), either way."""
+    if not keyed.NATIVE:
+        pytest.skip("built without the C extensions (TOKENFEED_PURE_PYTHON=1)")
+    m = len(sizes)
+    if per_element:
+        n = np.array(sizes, dtype=np.int64)
+        rk = keyed.round_keys(np.array((seeds * m)[:m], dtype=np.uint64))  # a strided view
+    else:
+        n, rk = sizes[0], keyed.round_keys(seeds[0])
+    x = np.array([rnd.randrange(int(v)) for v in np.broadcast_to(n, (m,))], dtype=np.int64)
+    got = keyed.permute(x, n, rk, inverse=inverse)
+    assert np.array_equal(got, keyed.permute_np(x, n, rk, inverse=inverse))
+    assert np.array_equal(keyed.permute(got, n, rk, inverse=not inverse), x)
+
+
+def test_the_c_permutation_refuses_what_it_cannot_map() -> None:
+    if not keyed.NATIVE:
+        pytest.skip("built without the C extensions (TOKENFEED_PURE_PYTHON=1)")
+    rk = keyed.round_keys(7)
+    with pytest.raises(ValueError, match="bits"):
+        keyed.permute(np.array([5]), 3, rk)  # x not below n
+    with pytest.raises(TypeError, match="rk"):
+        keyed.permute(np.array([1, 2]), 3, rk[:4])
 
 
 @settings(max_examples=200, deadline=None)

@@ -9,17 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenfeed.core import keyed
 from tokenfeed.server import splice, wire
 
 SPLICES = [splice.splice_py] + ([splice.splice] if splice.NATIVE else [])
 
 
 def test_the_c_extension_is_built() -> None:
-    """The package builds _native (hatch_build.py) unless told not to."""
+    """The package builds its C extensions (hatch_build.py) unless told not to."""
     if os.environ.get("TOKENFEED_PURE_PYTHON") == "1":
-        assert not splice.NATIVE
+        assert not splice.NATIVE and not keyed.NATIVE
     else:
-        assert splice.NATIVE and wire._encode is not wire._frames_py
+        assert splice.NATIVE and wire._encode is not wire._frames_py and keyed.NATIVE
 
 
 @st.composite
@@ -147,7 +148,8 @@ def test_a_row_outside_the_store_is_refused(fn) -> None:
 
 def test_a_stream_is_byte_identical_without_the_extension(tmp_path) -> None:
     """The messages of a shuffled stream whose rows cross chunks, built with the C loops
-    and with their Python references (what a TOKENFEED_PURE_PYTHON=1 install runs)."""
+    and with their Python and numpy references (what a TOKENFEED_PURE_PYTHON=1 install
+    runs)."""
     from conftest import make_positional_store
     from prometheus_client import CollectorRegistry
 
@@ -178,5 +180,6 @@ def test_a_stream_is_byte_identical_without_the_extension(tmp_path) -> None:
         mp.setattr(splice, "splice", splice.splice_py)
         mp.setattr(splice, "_program", splice.program_py)
         mp.setattr(wire, "_encode", wire._frames_py)
+        mp.setattr(keyed, "_permute_c", None)
         reference = messages()
     assert len(native) > 10 and native == reference

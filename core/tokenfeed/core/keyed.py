@@ -20,6 +20,7 @@ passes in one go); numpy's cost is per call, not per element, at these sizes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -171,7 +172,29 @@ def permute(
 
     x: int array [m], each below its n; n: an int or an int array [m]; rk: round keys
     [6] or [m, 6]; bits: domain_bits(n) if not given. Elements whose n is 1 map to 0.
+    In C (_keyed.c) when the package was built with it; `permute_np` is the reference.
     """
+    if bits is None:
+        bits = domain_bits(n)
+    if _permute_c is None:
+        return permute_np(x, n, rk, bits, inverse)
+    xs = np.ascontiguousarray(x, dtype=np.int64).reshape(-1)
+    out = np.empty_like(xs)
+    _permute_c(xs, _ints(n), rk.astype(np.uint64, copy=False), _ints(bits), inverse, out)
+    return out.reshape(np.shape(x))
+
+
+def _ints(v: Any) -> Any:
+    """An int, or a contiguous int64 array: what _keyed.permute takes for n and bits."""
+    if isinstance(v, np.ndarray) and v.ndim:
+        return np.ascontiguousarray(v, dtype=np.int64).reshape(-1)
+    return int(v)
+
+
+def permute_np(
+    x: np.ndarray, n: Any, rk: np.ndarray, bits: Any = None, inverse: bool = False
+) -> np.ndarray:
+    """`permute` in numpy: the reference, and what runs without the C extension."""
     if bits is None:
         bits = domain_bits(n)
     if isinstance(bits, np.ndarray) and bits.size and int(bits.min()) == int(bits.max()):
@@ -194,6 +217,15 @@ def permute(
         keep = sub >= (n_u[idx] if per_n else n_u)
         idx = idx[keep]
     return out.astype(np.int64)
+
+
+_permute_c: Callable[..., None] | None
+try:
+    from tokenfeed.core._keyed import permute as _permute_c
+except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1)
+    _permute_c = None
+
+NATIVE = _permute_c is not None
 
 
 class Permutation:

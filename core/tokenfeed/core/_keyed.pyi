@@ -1,0 +1,12 @@
+# Types of the C extension (_keyed.c); keyed.py documents the function.
+import numpy as np
+
+def permute(
+    x: np.ndarray,
+    n: int | np.ndarray,
+    rk: np.ndarray,
+    bits: int | np.ndarray,
+    inverse: bool,
+    out: np.ndarray,
+    /,
+) -> None: ...
