@@ -192,24 +192,21 @@ chunk_at(const int64_t *chunk_starts, Py_ssize_t n_chunks, int64_t t)
     return lo;
 }
 
-/* The pieces of tokens [s, s + cols): one per non-empty chunk they touch, written to
- * `out` (3 int64 each: chunk, byte offset, byte count) unless it is NULL; their number. */
-static inline Py_ssize_t
-row_pieces(const int64_t *cs, Py_ssize_t n_chunks, int64_t s, int64_t cols, Py_ssize_t itemsize,
-           int64_t *out)
+/* Append the piece (key, offset, count) to `*prog` (`*here` pieces so far, room for
+ * `*room`), doubling it when full; -1 (an exception set, *prog freed) on failure. */
+static inline int
+add_piece(PyObject **prog, Py_ssize_t *room, Py_ssize_t *here, int64_t key, int64_t offset,
+    int64_t count)
 {
-    Py_ssize_t n = 0;
-    int64_t end = s + cols;
-    for (Py_ssize_t c = chunk_at(cs, n_chunks, s); c < n_chunks && cs[c] < end; c++) {
-        int64_t a = s > cs[c] ? s : cs[c], e = end < cs[c + 1] ? end : cs[c + 1];
-        if (a < e) {
-            if (out != NULL)
-                out[3 * n] = c, out[3 * n + 1] = (a - cs[c]) * itemsize,
-                out[3 * n + 2] = (e - a) * itemsize;
-            n++;
-        }
+    if (*here == *room) {
+        *room *= 2;
+        if (_PyBytes_Resize(prog, (Py_ssize_t)(3 * *room * sizeof(int64_t))) < 0)
+            return -1;
     }
-    return n;
+    int64_t *p = (int64_t *)PyBytes_AS_STRING(*prog) + 3 * *here;
+    p[0] = key, p[1] = offset, p[2] = count;
+    ++*here;
+    return 0;
 }
 
 static PyObject *
@@ -238,47 +235,55 @@ program(PyObject *module, PyObject *args)
                                           "sizes, a positive itemsize and chunk_starts");
         goto done;
     }
-    /* First pass: check every row and count its pieces (non-empty chunks it touches). */
-    Py_ssize_t pieces = 2 * n_batches, r = 0;
-    int64_t total = cs[n_chunks];
-    for (Py_ssize_t b = 0; b < n_batches; b++) {
-        if (nr[b] < 0 || r + nr[b] > starts.shape[0] || rb[b] < 0 || rb[b] % itemsize) {
+    for (Py_ssize_t b = 0; b < n_batches; b++)
+        if (nr[b] < 0 || rb[b] < 0 || rb[b] % itemsize) {
             PyErr_Format(PyExc_ValueError, "program: batch %zd has bad rows or row_bytes", b);
             goto done;
         }
-        int64_t cols = rb[b] / itemsize;
-        for (int64_t k = 0; k < nr[b]; k++, r++) {
-            int64_t s = st[r];
-            if (s < 0 || cols > total - s) {
-                PyErr_Format(PyExc_ValueError, "program: row %zd [%lld, %lld) is outside the "
-                             "store's %lld tokens", r, (long long)s, (long long)(s + cols),
-                             (long long)total);
-                goto done;
-            }
-            pieces += row_pieces(cs, n_chunks, s, cols, itemsize, NULL);
-        }
-    }
-    prog = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(3 * pieces * sizeof(int64_t)));
+    /* Room for a head, a tail and two pieces per row (a row crossing one chunk boundary);
+     * it doubles when rows cross more. */
+    Py_ssize_t room = 2 * n_batches + 2 * starts.shape[0] + 2;
+    prog = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(3 * room * sizeof(int64_t)));
     lo = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((n_batches + 1) * sizeof(int64_t)));
     if (prog == NULL || lo == NULL)
         goto done;
-    /* Second pass: head, the rows' pieces, tail, batch after batch. */
-    int64_t *p = (int64_t *)PyBytes_AS_STRING(prog), *piece_lo = (int64_t *)PyBytes_AS_STRING(lo);
-    int64_t at = 0, here = 0; /* at: the next frame's offset in the frames blob */
-    r = 0;
+    /* One pass: head, the rows' pieces (each row checked), tail, batch after batch. */
+    int64_t *piece_lo = (int64_t *)PyBytes_AS_STRING(lo), total = cs[n_chunks];
+    int64_t at = 0; /* the next frame's offset in the frames blob */
+    Py_ssize_t r = 0, here = 0;
     for (Py_ssize_t b = 0; b < n_batches; b++) {
+        if (nr[b] > starts.shape[0] - r) {
+            PyErr_Format(PyExc_ValueError, "program: batch %zd has bad rows or row_bytes", b);
+            goto done;
+        }
         piece_lo[b] = here;
-        p[0] = -1, p[1] = at, p[2] = fs[2 * b];
-        at += fs[2 * b], p += 3, here++;
+        if (add_piece(&prog, &room, &here, -1, at, fs[2 * b]) < 0)
+            goto done;
+        at += fs[2 * b];
         int64_t cols = rb[b] / itemsize;
         for (int64_t k = 0; k < nr[b]; k++, r++) {
-            Py_ssize_t written = row_pieces(cs, n_chunks, st[r], cols, itemsize, p);
-            p += 3 * written, here += written;
+            int64_t s = st[r], end = st[r] + cols;
+            if (s < 0 || cols > total - s) {
+                PyErr_Format(PyExc_ValueError, "program: row %zd [%lld, %lld) is outside the "
+                             "store's %lld tokens", r, (long long)s, (long long)end,
+                             (long long)total);
+                goto done;
+            }
+            /* a piece per non-empty chunk the row touches */
+            for (Py_ssize_t c = chunk_at(cs, n_chunks, s); c < n_chunks && cs[c] < end; c++) {
+                int64_t a = s > cs[c] ? s : cs[c], e = end < cs[c + 1] ? end : cs[c + 1];
+                if (a < e && add_piece(&prog, &room, &here, c, (a - cs[c]) * itemsize,
+                                 (e - a) * itemsize) < 0)
+                    goto done;
+            }
         }
-        p[0] = -1, p[1] = at, p[2] = fs[2 * b + 1];
-        at += fs[2 * b + 1], p += 3, here++;
+        if (add_piece(&prog, &room, &here, -1, at, fs[2 * b + 1]) < 0)
+            goto done;
+        at += fs[2 * b + 1];
     }
     piece_lo[n_batches] = here;
+    if (_PyBytes_Resize(&prog, (Py_ssize_t)(3 * here * sizeof(int64_t))) < 0)
+        goto done; /* it freed prog and set it to NULL */
     result = PyTuple_Pack(2, prog, lo);
 done:
     if (starts.obj != NULL)

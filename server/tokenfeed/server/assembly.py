@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -73,11 +73,15 @@ class LocatedRound:
         self, ds: Dataset, rnd: sampling.Round, seq_len: int, num_sources: int = 0
     ) -> None:
         store, size = ds.store, ds.store.dtype.itemsize
-        self.cols = [seq_len + s for s in rnd.shifts]
-        self.row_bytes = [c * size for c in self.cols]
-        self.row_lo = [0, *np.cumsum(rnd.rows).tolist()]
+        # the round's lists as arrays once (each conversion costs what the arithmetic does)
+        rows = np.asarray(rnd.rows, dtype=np.int64)
+        cols = np.add(rnd.shifts, seq_len, dtype=np.int64)
+        self.cols = cols.tolist()
+        cut = np.zeros(len(rows) + 1, dtype=np.int64)  # batch i: rows [cut[i], cut[i + 1])
+        np.cumsum(rows, out=cut[1:])
+        self._cut = cut
         # Only a round's last batch can be short, so its rows are a prefix of the flat array.
-        n = self.row_lo[-1]
+        n = int(cut[-1])
         own = rnd.starts.ravel()[:n]  # in each row's store (a mixture's: its source's)
         sources = None if rnd.sources is None else rnd.sources.ravel()[:n]
         self.starts = ds.virtual(own, sources)  # where assembly finds the rows
@@ -91,25 +95,38 @@ class LocatedRound:
             per = per.reshape(-1, num_sources) * np.asarray(self.cols, dtype=np.int64)[:, None]
             self.source_tokens = np.zeros((len(self.cols) + 1, num_sources), dtype=np.int64)
             np.cumsum(per, axis=0, out=self.source_tokens[1:])
-        self.frames, sizes = wire.frames(
+        self.frames, self._sizes = wire.frames(
             rnd.epoch,
             rnd.step,
             rnd.offsets,
             rnd.shifts,
-            rnd.rows,
-            self.cols,
+            rows,
+            cols,
             store.meta.dtype,
             store.dtype.itemsize,
             own,
             sources,
+            cut,
         )
-        self.frame_at = [0, *np.cumsum(sizes).tolist()]  # frame k: frames[at[k]:at[k + 1]]
         # where every row lies in the chunks (a row crossing chunks: a piece per chunk)
         self.program, self.piece_lo = splice.program(
-            self.starts, store.chunk_starts, rnd.rows, self.row_bytes, size, sizes
+            self.starts, store.chunk_starts, rows, cols * size, size, self._sizes
         )
         # tokens in batches [0, i): a span's count is one subtraction
-        self.token_lo = [0, *np.cumsum(np.multiply(rnd.rows, self.cols)).tolist()]
+        token_lo = np.zeros_like(cut)
+        np.cumsum(rows * cols, out=token_lo[1:])
+        self.token_lo = token_lo.tolist()
+
+    # What only the slower paths (documents, chunks not resident) read: made on first use.
+    @cached_property
+    def row_lo(self) -> list[int]:
+        """Batch i is rows [row_lo[i], row_lo[i + 1]) of the round's flat row arrays."""
+        return self._cut.tolist()
+
+    @cached_property
+    def frame_at(self) -> list[int]:
+        """Frame k is frames[frame_at[k]:frame_at[k + 1]]."""
+        return [0, *np.cumsum(self._sizes).tolist()]
 
     def head(self, i: int) -> bytes:
         return self.frames[self.frame_at[2 * i] : self.frame_at[2 * i + 1]]
@@ -413,8 +430,12 @@ class MessageBuilder:
         return burst
 
     def _message(self, spans: list[Span], pinned: Pinned | None) -> Message:
-        batches = sum(j - i for _, i, j in spans)
-        tokens = sum(lr.token_lo[j] - lr.token_lo[i] for lr, i, j in spans)
+        if len(spans) == 1:  # most messages lie in one round
+            lr, i, j = spans[0]
+            batches, tokens = j - i, lr.token_lo[j] - lr.token_lo[i]
+        else:
+            batches = sum(j - i for _, i, j in spans)
+            tokens = sum(lr.token_lo[j] - lr.token_lo[i] for lr, i, j in spans)
         if self.by_source is not None:  # the message's tokens by source
             counts = [lr.source_tokens[j] - lr.source_tokens[i] for lr, i, j in spans]  # type: ignore[index]
             self.by_source.append(sum(counts[1:], counts[0]))  # mostly one span: no numpy call

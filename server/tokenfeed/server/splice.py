@@ -104,8 +104,8 @@ NATIVE = splice is not splice_py
 def program(
     starts: np.ndarray,
     chunk_starts: np.ndarray,
-    rows: Sequence[int],
-    row_bytes: Sequence[int],
+    rows: Sequence[int] | np.ndarray,
+    row_bytes: Sequence[int] | np.ndarray,
     itemsize: int,
     frame_sizes: np.ndarray,
 ) -> tuple[np.ndarray, list[int]]:

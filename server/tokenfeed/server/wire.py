@@ -89,32 +89,43 @@ def frames(
     step: int,
     offsets: Sequence[int],
     shifts: Sequence[int],
-    rows: Sequence[int],
-    cols: Sequence[int],
+    rows: Sequence[int] | np.ndarray,
+    cols: Sequence[int] | np.ndarray,
     dtype: str,
     itemsize: int,
     starts: np.ndarray,
     sources: np.ndarray | None = None,
+    cut: np.ndarray | None = None,
 ) -> tuple[bytes, np.ndarray]:
     """(blob, sizes) of consecutive batches (steps step, step + 1, ...): the blob is
     head_0 tail_0 head_1 tail_1 ..., `sizes` their 2n lengths (int64); batch i of a
     response is head_i, then its rows x cols tokens of `itemsize` bytes, then tail_i.
-    `starts` are the batches' window starts (non-negative), concatenated.
+    `starts` are the batches' window starts (non-negative), concatenated; `cut`, if
+    given, is where each batch's begin in them (0, then the running sum of `rows`).
 
     Fields are written in number order, as SerializeToString does: epoch, step and
     offset (they change every batch), fields 4-7 by protobuf (cached per shape), the
     tokens' tag and length; then `starts`, packed, then (a mixture's) `sources`, each
     row's source index, packed the same way.
     """
-    payloads = np.multiply(rows, cols, dtype=np.int64) * itemsize
-    shapes = list(zip(shifts, rows, cols, payloads.tolist(), strict=True))
-    if shapes.count(shapes[0]) == len(shapes):  # one shape: most rounds, one lookup
-        sh, r, c, pay = shapes[0]
-        middles = [_middle_fields(sh, r, c, dtype, pay)] * len(shapes)
+    rows_a = np.asarray(rows, dtype=np.int64)
+    cols_a = np.asarray(cols, dtype=np.int64)
+    payloads = rows_a * cols_a * itemsize
+    if (
+        len(shifts) == list(shifts).count(shifts[0])
+        and (rows_a == rows_a[0]).all()
+        and (cols_a == cols_a[0]).all()
+    ):  # one shape: most rounds, one lookup
+        middles = [
+            _middle_fields(shifts[0], int(rows_a[0]), int(cols_a[0]), dtype, int(payloads[0]))
+        ]
+        middles *= len(rows_a)
     else:
+        shapes = zip(shifts, rows_a.tolist(), cols_a.tolist(), payloads.tolist(), strict=True)
         middles = [_middle_fields(sh, r, c, dtype, pay) for sh, r, c, pay in shapes]
-    cut = np.zeros(len(rows) + 1, dtype=np.int64)  # batch i: starts[cut[i]:cut[i+1]]
-    np.cumsum(rows, out=cut[1:])
+    if cut is None:
+        cut = np.zeros(len(rows_a) + 1, dtype=np.int64)
+        np.cumsum(rows_a, out=cut[1:])
     extras = _packed_slices(_SOURCES, sources, cut.tolist()) if sources is not None else None
     blob, sizes = _encode(
         _BATCH,
