@@ -28,6 +28,7 @@ from tokenfeed.core import errors
 from tokenfeed.core.errors import (
     DataLoss,
     FailedPrecondition,
+    FeederError,
     InvalidArgument,
     NotFound,
     Unauthenticated,
@@ -512,6 +513,28 @@ def test_non_retryable_errors_surface_at_once_with_the_servers_message(feeder) -
     with _client(feeder.address, seq_len=5000, batch_size=4) as c:
         with pytest.raises(FailedPrecondition, match="fewer than one global batch|too short"):
             next(iter(c))
+
+
+def test_a_feeder_bug_is_raised_after_a_few_internal_errors_not_retried_for_minutes(
+    feeder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the feeder (here: every burst raises) ends every stream with INTERNAL.
+    The client retries INTERNAL (a peer dying mid-message resets a stream with it), but
+    INTERNAL_ATTEMPTS in a row end the call with it, well inside the retry deadline."""
+    from tokenfeed.client.stream import INTERNAL_ATTEMPTS
+    from tokenfeed.server.assembly import MessageBuilder
+
+    def bug(self, inline: bool = False) -> list:
+        raise AttributeError("a bug")
+
+    monkeypatch.setattr(MessageBuilder, "next_burst", bug)
+    backoff = Backoff(initial=0.01, maximum=0.05, deadline=120)
+    with _client(feeder.address, backoff=backoff) as c:
+        with pytest.raises(FeederError, match="INTERNAL 3 times in a row") as info:
+            next(iter(c))
+        assert "internal error (AttributeError)" in str(info.value)
+        assert info.value.code == "INTERNAL"
+        assert c.reconnects == INTERNAL_ATTEMPTS - 1  # retried, then given up
 
 
 def test_an_error_in_the_reader_thread_reaches_the_loop(tmp_path: Path) -> None:

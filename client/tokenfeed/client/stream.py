@@ -13,7 +13,10 @@ loop re-raises the thread's error instead of waiting forever.
 Giving up (`Outage`): a client that has never reached a feeder tries for
 `Timeouts.connect_timeout` (a wrong address fails fast, naming every address tried
 and the last error, and TLS when it is the cause); once one answered, an outage lasts
-as long as `Backoff` allows. Every failed attempt logs a WARNING on `tokenfeed.client`
+as long as `Backoff` allows. INTERNAL is retried too (a peer dying mid-message resets
+the stream with it), but INTERNAL_ATTEMPTS of them in a row with nothing received in
+between end the call with that status: that is a feeder reporting a bug of its own,
+which waiting does not fix. Every failed attempt logs a WARNING on `tokenfeed.client`
 (address, reason, what happens next); a stream that starts or resumes logs an INFO
 line (rank, epoch, offset).
 
@@ -44,7 +47,7 @@ from tokenfeed.client.transport import (
     tls_problem,
     to_feeder_error,
 )
-from tokenfeed.core.errors import FeederUnavailable
+from tokenfeed.core.errors import FeederError, FeederUnavailable, error_for
 from tokenfeed.v1 import feeder_pb2
 
 log = logging.getLogger("tokenfeed.client")
@@ -88,6 +91,11 @@ class Backoff:
         )
 
 
+# INTERNAL statuses in a row (nothing received between them) after which a call ends
+# with the feeder's error instead of retrying: a bug of the feeder's, not an outage.
+INTERNAL_ATTEMPTS = 3
+
+
 class Outage:
     """Failed attempts in a row at one call, and when to give up.
 
@@ -109,13 +117,14 @@ class Outage:
         self.channels, self.backoff, self.what, self.rng = channels, backoff, what, rng
         self.connect_timeout = channels.options.connect_timeout
         self.failures = 0
+        self.internal = 0  # INTERNAL statuses among the last failures, in a row
         self.first_attempt = time.monotonic()
         self.outage_start = self.first_attempt
         self.tried: dict[str, None] = {}  # addresses, in the order tried
         self._hints: dict[str, str | None] = {}  # address -> TLS diagnosis
 
     def succeeded(self) -> None:
-        self.failures = 0
+        self.failures = self.internal = 0
         self.channels.reached = True
 
     def rpc_timeout(self) -> float:
@@ -144,8 +153,16 @@ class Outage:
         reason_text = message + (f"; {hint}" if hint else "")
         elapsed = now - self.outage_start
         delay = self.backoff.delay(self.failures - 1, self.rng)
-        error: FeederUnavailable | None = None
-        if connecting:
+        self.internal = self.internal + 1 if reason == "internal" else 0
+        error: FeederError | None = None
+        if self.internal >= INTERNAL_ATTEMPTS:
+            error = error_for(
+                "INTERNAL",
+                f"{self.what}: the feeder answered INTERNAL {self.internal} times in a row, "
+                f"a bug on its side (see its log), not an outage; last at {address}: "
+                f"{reason_text}",
+            )
+        elif connecting:
             left = self.connect_timeout - elapsed
             if left <= 0 or (
                 self.backoff.max_retries is not None and self.failures > self.backoff.max_retries

@@ -46,7 +46,7 @@ RETRYABLE = frozenset(
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.ABORTED,
-        grpc.StatusCode.INTERNAL,  # e.g. a stream reset mid-message by a dying peer
+        grpc.StatusCode.INTERNAL,  # a stream reset by a dying peer (a few in a row: Outage)
         grpc.StatusCode.RESOURCE_EXHAUSTED,  # the server's stream limit; frees up
         grpc.StatusCode.CANCELLED,  # cancelled by the server (ours are never retried)
     }
