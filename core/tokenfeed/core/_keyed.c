@@ -137,7 +137,7 @@ permute(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < m; i++) {
         uint64_t limit = (uint64_t)(ns ? ns[i] : n1);
         int64_t b = bs ? bs[i] : bits1;
-        if (b < 1 || b > 62 || (uint64_t)xs[i] >= ((uint64_t)1 << b) || limit < 1) {
+        if (b < 1 || b > 62 || limit < 1 || (uint64_t)xs[i] >= limit || (limit - 1) >> b) {
             bad = 1;
             break;
         }
@@ -150,7 +150,8 @@ permute(PyObject *self, PyObject *args)
     }
     Py_END_ALLOW_THREADS
     if (bad) {
-        PyErr_SetString(PyExc_ValueError, "permute: bits must be in [1, 62] and cover x, n >= 1");
+        PyErr_SetString(PyExc_ValueError,
+                        "permute: each x must be in [0, n) and bits in [1, 62] cover n");
         goto done;
     }
     result = Py_NewRef(Py_None);
