@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from functools import partial
 from typing import Any
 
@@ -272,6 +272,7 @@ class MessageBuilder:
         self._waiting: list[int] = []  # chunks read-ahead left out for want of room
         self._at = 0  # the batch (of this stream) the last read-ahead counted from
         self._needed: dict[int, int] = {}  # chunk -> last batch needing it (last deep look)
+        self._look: list[int] = []  # the last deep look's chunks, in order of first use
         # A mixture's messages' tokens per source, one array per message built, in order
         # (the servicer counts them by source as it writes the messages).
         self.by_source: deque[np.ndarray] | None = None
@@ -311,6 +312,8 @@ class MessageBuilder:
         of room. Chunks asked for in the last few bursts are not asked again, unless the
         cache has a read-ahead budget and they are that near: a read-ahead into the budget
         evicts nothing, so asking again only makes sure a chunk evicted since is loaded.
+        A deep look warms every cached chunk it saw by its first use, those not asked
+        again too.
         Chunks of `used` (the burst just built) those batches do not need go to the cold
         end of the cache's order: the stream is past them (cache.cool), unless the last
         deep look saw a later batch needing them (a chunk a row crosses into may be a
@@ -321,12 +324,14 @@ class MessageBuilder:
         spans = self._spans(self.read_ahead_batches, cursor)[0]
         near = spans_chunks(spans)
         self._near = (_reach(spans), near)  # usually the next burst's batches: it reuses them
+        warm: list[int] | None = None
         if store.remote and self._bursts % DEEP_EVERY == 0:
             spans = self._spans(self.deep, cursor)[0]
             if self._exhausted:  # the epoch ends within reach: the next one's start too
                 spans += self._then_spans(self.deep - sum(j - i for _, i, j in spans))
             chunks, last = chunk_uses(spans)
             self._needed = {c: self._at + b for c, b in last.items()}
+            self._look = warm = list(chunks)
         else:
             chunks = sorted(near)
         if used:
@@ -347,8 +352,10 @@ class MessageBuilder:
             self._asked[c] = self._bursts
             if nbytes := store.chunk_nbytes(c):
                 wanted.append((c, (self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))))
-        # in order of need: the nearest load first and end warmest
-        left = set(self.cache.read_ahead_all([w for _, w in wanted]))
+        # in order of need: the nearest load first and end warmest (a deep look warms
+        # every chunk it saw, those asked for in the last few bursts too)
+        keys: list[Hashable] | None = None if warm is None else [self.ds.chunk_key(c) for c in warm]
+        left = set(self.cache.read_ahead_all([w for _, w in wanted], warm=keys))
         self._waiting = [c for c, w in wanted if w[0] in left][:WAITING_CHUNKS]
         for c in self._waiting:
             del self._asked[c]
