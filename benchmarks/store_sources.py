@@ -28,9 +28,10 @@ same --cache-bytes and --readahead-bytes (10 chunks: a shuffle group of 8 plus r
 One FeederClient drains epoch after epoch, as a training loop does (its lookahead opens
 the next epoch's stream as one ends); the store is small, so an epoch lasts well under
 a second and epoch starts weigh far more than in training. Per row:
-steady-state tokens/s (after the first 2 s), the ratio to `local`, the time to the
-first batch from a cold server (process start excluded: from the first request), and
-memory: how far the server's resident set grew from idle (serving, before the first
+steady-state tokens/s (after the first 2 s), the ratio to `local`, chunk loads and
+waits per epoch (the cache policy's share, steadier than tokens/s on a shared machine),
+the time to the first batch from a cold server (process start excluded: from the first
+request), and memory: how far the server's resident set grew from idle (serving, before the first
 request) to its peak, against --cache-bytes plus the read-ahead budget, and the peak
 growth of its parts: the chunks (RssShmem), the heap (RssAnon), mapped files (RssFile).
 
@@ -214,6 +215,7 @@ def measure(
         first = None
         tokens = 0
         marks: list[tuple[float, int]] = []
+        epoch_tokens = 0
         epoch = 0
         # one client for every epoch, as a training loop: set_epoch(epoch + 1) adopts the
         # stream the client opened ahead as the epoch ended (its `lookahead`)
@@ -231,6 +233,8 @@ def measure(
                         m0 = scrape(metrics_port)
                     if now - t0 > seconds:
                         break
+                else:  # a whole epoch: its tokens (per-epoch rates below)
+                    epoch_tokens = epoch_tokens or tokens
                 epoch += 1
         cpu1 = [cpu_seconds(p) for p in (proc.pid, os.getpid(), *others)]
         m1 = scrape(metrics_port)
@@ -248,14 +252,18 @@ def measure(
             return (m1.get(name, 0.0) - m0.get(name, 0.0)) / span
 
         loads = rate("tokenfeed_chunk_load_seconds_count")
+        tokens_per_s = (end[1] - warm[1]) / (end[0] - warm[0])
+        epochs_per_s = tokens_per_s / epoch_tokens if epoch_tokens else float("nan")
         return {
             "loads": loads,
             "waits": rate("tokenfeed_cache_misses_total"),
+            "loads_per_epoch": loads / epochs_per_s,
+            "waits_per_epoch": rate("tokenfeed_cache_misses_total") / epochs_per_s,
             "load_ms": 1e3 * rate("tokenfeed_chunk_load_seconds_sum") / loads if loads else 0.0,
             "feeder_cpu": cpu[0],
             "client_cpu": cpu[1],
             "other_cpu": sum(cpu[2:]),
-            "tokens_per_s": (end[1] - warm[1]) / (end[0] - warm[0]),
+            "tokens_per_s": tokens_per_s,
             "first_batch_s": first or 0.0,
             "idle": idle["VmRSS"],
             "grew": max(peak["VmHWM"], sampler.peak["VmRSS"]) - idle["VmRSS"],
@@ -346,7 +354,9 @@ def main() -> int:
                             f", files {got['files_grew'] / 2**20:.0f})  CPU feeder "
                             f"{got['feeder_cpu']:.2f} client {got['client_cpu']:.2f} "
                             f"S3+proxy {got['other_cpu']:.2f}  loads/s {got['loads']:.1f} "
-                            f"({got['load_ms']:.0f} ms) waits/s {got['waits']:.1f}",
+                            f"({got['load_ms']:.0f} ms) waits/s {got['waits']:.1f}"
+                            f"  per epoch: loads {got['loads_per_epoch']:.1f} waits "
+                            f"{got['waits_per_epoch']:.2f}",
                             flush=True,
                         )
             finally:
@@ -388,7 +398,9 @@ def main() -> int:
         )
     print(
         "\nsteady state (medians): CPU cores busy (feeder, client, S3 server + proxy); chunk"
-        " loads/s and ms per load; waits/s (a stream asked for a chunk not loaded yet)"
+        " loads/s and ms per load; waits/s (a stream asked for a chunk not loaded yet);"
+        " loads and waits per epoch (rates over epochs/s: apart from how fast a neighbour"
+        " lets the row run)"
     )
     for row in rows:
         rs = results[row]
@@ -397,7 +409,16 @@ def main() -> int:
             f"{label:<28} "
             + "  ".join(
                 f"{statistics.median(r[k] for r in rs):5.2f}"
-                for k in ("feeder_cpu", "client_cpu", "other_cpu", "loads", "load_ms", "waits")
+                for k in (
+                    "feeder_cpu",
+                    "client_cpu",
+                    "other_cpu",
+                    "loads",
+                    "load_ms",
+                    "waits",
+                    "loads_per_epoch",
+                    "waits_per_epoch",
+                )
             )
         )
     return 0

@@ -292,6 +292,29 @@ def test_read_ahead_all_loads_nearest_first_and_warms_nearest_last() -> None:
     cache.close()
 
 
+def test_read_ahead_all_warms_by_the_order_given_not_only_what_it_asks_for() -> None:
+    """A stream asks for a chunk again only every few bursts, but each look tells when
+    every chunk is needed: `warm` ranks all the cached ones it names (the nearest ends
+    warmest), those not asked for this time too, so a load evicts the farthest first."""
+    cache = ChunkCache(400, readahead_bytes=100)
+    for k in (1, 2, 3, 4):
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+    # the look: 4 first, then 1, then 3; 2 not at all. Only 5 is asked for (loaded ahead).
+    left = cache.read_ahead_all([(5, 100, lambda: chunk(5, 100))], warm=[4, 5, 1, 3])
+    assert left == []
+    loaded(cache, 5)
+    for k in (6, 7, 8):  # three loads: 2 (not needed) goes, then 3 and 1, the farthest
+        with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
+            pass
+        if k == 6:
+            assert 2 not in cache and all(c in cache for c in (1, 3, 4, 5))
+        if k == 7:
+            assert 3 not in cache and all(c in cache for c in (1, 4, 5))
+    assert 1 not in cache and 4 in cache and 5 in cache
+    cache.close()
+
+
 def test_a_load_in_flight_counts_its_overhead_until_it_lands() -> None:
     """An object storage GET holds buffers beside its chunk while in flight: they count
     in the bound of the room the chunk loads into, and are given back when it lands."""

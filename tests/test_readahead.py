@@ -132,3 +132,43 @@ def test_a_remote_stream_never_waits_once_its_read_aheads_land(tmp_path: Path) -
         assert cache.stats.ahead_used > 0 and cache.stats.evictions > 0
     finally:
         cache.close()
+
+
+def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
+    tmp_path: Path,
+) -> None:
+    """Right after a remote stream's deep look, the chunks it saw that are cached stand
+    in the cache's eviction order by when the look needs them first: the farthest goes
+    first, the nearest last, a chunk asked for a few bursts ago (the stream asks less
+    often than it looks) included (before: such a chunk kept its older place, colder
+    than chunks needed after it, and was evicted and loaded again shortly before use)."""
+    per = 16_384
+    make_positional_store(tmp_path / "s", 24 * per, per)
+    ds = Catalog(tmp_path).get("s")
+    ds.store.files.remote = True
+    nbytes = 4 * per
+    cache = ChunkCache(18 * nbytes, readahead_bytes=10 * nbytes, readahead_threads=4)
+    spec = SamplingSpec(dataset="s", seq_len=64, batch_size=4, shuffle=True, seed=1)
+    plan = plan_for(spec, ds)
+    metrics = ServerMetrics(CollectorRegistry())
+    looks = 0
+    try:
+        for epoch in range(2):
+            mb = assembly.MessageBuilder(
+                ds, plan, plan.rounds(epoch, 0), 1, cache, metrics, then=plan.rounds(epoch + 1, 0)
+            )
+            look = mb._look
+            while True:
+                wait_until(lambda: cache.loading == 0, 30, "read-aheads")
+                if not mb.next_burst():
+                    break
+                if mb._look is look:
+                    continue
+                look = mb._look
+                rank = {ds.chunk_key(c): i for i, c in enumerate(look)}
+                cached = [k for k in cache.eviction_order() if k in rank]
+                assert cached == sorted(cached, key=lambda k: -rank[k])
+                looks += 1
+        assert looks > 10
+    finally:
+        cache.close()

@@ -146,6 +146,12 @@ class ChunkCache:
         with self._cond:
             return sum(1 for e in self._entries.values() if e.data is None)
 
+    def eviction_order(self) -> list[Hashable]:
+        """The keys of the cache proper's chunks (read-ahead ones apart), in the order
+        evictions take them (pins aside): coldest first."""
+        with self._cond:
+            return [k for k, e in self._entries.items() if not e.ahead]
+
     def __contains__(self, key: Hashable) -> bool:
         with self._cond:
             e = self._entries.get(key)
@@ -198,17 +204,21 @@ class ChunkCache:
                 e.pins -= 1
             self._cond.notify_all()
 
-    def read_ahead_all(self, wanted: list[tuple[Hashable, int, Loader]]) -> list[Hashable]:
+    def read_ahead_all(
+        self, wanted: list[tuple[Hashable, int, Loader]], warm: list[Hashable] | None = None
+    ) -> list[Hashable]:
         """`read_ahead` for chunks in the order a stream will first need them: loads
         start nearest first (the read-ahead room fills with what is needed first), and
         the chunks already cached are warmed farthest first, so the nearest ends warmest
         and the room a load needs is taken from the chunks needed last (or not at all).
+        `warm`, when given, is the order to warm by instead of `wanted`'s (a caller that
+        asks for some chunks less often than it learns when they are needed).
         Returns the keys left out for want of room (neither cached nor loading), nearest
         first: once one is left out, so are the ones after it (none jumps the queue).
         """
         left: list[Hashable] = []
         with self._cond:  # re-entrant: read_ahead takes it again
-            for key, _, _ in reversed(wanted):
+            for key in reversed([w[0] for w in wanted] if warm is None else warm):
                 e = self._entries.get(key)
                 if e is not None and not e.ahead:
                     self._entries.move_to_end(key)
