@@ -33,7 +33,8 @@ waits per epoch (the cache policy's share, steadier than tokens/s on a shared ma
 the time to the first batch from a cold server (process start excluded: from the first
 request), and memory: how far the server's resident set grew from idle (serving, before the first
 request) to its peak, against --cache-bytes plus the read-ahead budget, and the peak
-growth of its parts: the chunks (RssShmem), the heap (RssAnon), mapped files (RssFile).
+growth of its parts: the chunks (AnonHugePages), the heap (the rest of RssAnon), mapped
+files (RssFile).
 
 Goals (issue 14): s3 >= 0.9x local, first batch from cold S3 < 2 s, memory within
 --cache-bytes plus the read-ahead budget; seed and megatron >= 0.9x local.
@@ -140,10 +141,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def status(pid: int) -> dict[str, int]:
-    """/proc/PID/status sizes in bytes (VmRSS, VmHWM, RssAnon, RssFile, ...)."""
+def status(pid: int, name: str = "status") -> dict[str, int]:
+    """/proc/PID/status sizes in bytes (VmRSS, VmHWM, RssAnon, RssFile, ...), or those
+    of /proc/PID/smaps_rollup (AnonHugePages, ...)."""
     out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/{name}").read_text().splitlines():
         key, _, value = line.partition(":")
         if value.strip().endswith("kB"):
             out[key] = int(value.split()[0]) * 1024
@@ -151,11 +153,13 @@ def status(pid: int) -> dict[str, int]:
 
 
 class Sampler(threading.Thread):
-    """Peaks of the resident set and of its parts, sampled every 20 ms: RssShmem (the
-    chunks: each lives in a shared anonymous map of its own), RssAnon (malloc heaps,
-    thread stacks) and RssFile (mapped files: libraries, the seed layout's Arrow files)."""
+    """Peaks of the resident set and of its parts, sampled every 20 ms: AnonHugePages
+    (the chunks: each is a private map of its own in transparent huge pages,
+    core/store/memory.py; 0 where THP is off, the chunks then count as heap), the rest of
+    RssAnon (malloc heaps, thread stacks) and RssFile (mapped files: libraries, the seed
+    layout's Arrow files)."""
 
-    PARTS = ("VmRSS", "RssShmem", "RssAnon", "RssFile")
+    PARTS = ("VmRSS", "AnonHugePages", "Heap", "RssFile")
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
@@ -167,8 +171,10 @@ class Sampler(threading.Thread):
         while not self.done.wait(0.02):
             try:
                 s = status(self.pid)
+                s["AnonHugePages"] = status(self.pid, "smaps_rollup").get("AnonHugePages", 0)
             except OSError:
                 return
+            s["Heap"] = s.get("RssAnon", 0) - s["AnonHugePages"]
             for k in self.PARTS:
                 self.peak[k] = max(self.peak[k], s.get(k, 0))
 
@@ -206,6 +212,7 @@ def measure(
         watchdog.start()
         time.sleep(0.5)  # settle: imports done, threads started
         idle = status(proc.pid)
+        idle_huge = status(proc.pid, "smaps_rollup").get("AnonHugePages", 0)
         sampler = Sampler(proc.pid)
         sampler.start()
         kw = dict(dataset=dataset, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True, seed=1)
@@ -267,8 +274,8 @@ def measure(
             "first_batch_s": first or 0.0,
             "idle": idle["VmRSS"],
             "grew": max(peak["VmHWM"], sampler.peak["VmRSS"]) - idle["VmRSS"],
-            "chunks_grew": sampler.peak["RssShmem"] - idle.get("RssShmem", 0),
-            "heap_grew": sampler.peak["RssAnon"] - idle.get("RssAnon", 0),
+            "chunks_grew": sampler.peak["AnonHugePages"] - idle_huge,
+            "heap_grew": sampler.peak["Heap"] - (idle.get("RssAnon", 0) - idle_huge),
             "files_grew": sampler.peak["RssFile"] - idle.get("RssFile", 0),
             "epochs": epoch + 1,
         }
@@ -383,8 +390,9 @@ def main() -> int:
         )
     print(
         "\nmemory, MiB (medians): RSS idle (serving, before the first request), and the peak"
-        " growth from there of RSS and its parts: chunks (RssShmem: each chunk is a shared"
-        " anonymous map), heap (RssAnon: malloc, stacks), files (RssFile: mapped files)"
+        " growth from there of RSS and its parts: chunks (AnonHugePages: each chunk is a"
+        " private map in huge pages), heap (the rest of RssAnon: malloc, stacks), files"
+        " (RssFile: mapped files)"
     )
     for row in rows:
         rs = results[row]

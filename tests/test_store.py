@@ -188,3 +188,33 @@ def test_missing_store_is_not_found(tmp_path: Path) -> None:
         TokenStore.open(tmp_path / "nope")
     with pytest.raises(NotFound, match="neither meta.json"):
         TokenStore.open(tmp_path)
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that starts at `address` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            flags = next(x for x in lines[i + 1 :] if x.startswith("VmFlags:"))
+            return set(flags.split()[1:])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux: reads /proc/self/smaps")
+def test_a_chunk_is_read_into_private_memory_that_asks_for_huge_pages(tmp_path: Path) -> None:
+    """Chunks land in private anonymous maps (shared ones get no transparent huge pages
+    unless shmem THP is on) advised MADV_HUGEPAGE: fewer TLB misses for the server's
+    row copies (core/store/memory.py)."""
+    import ctypes
+
+    from tokenfeed.core.store.memory import HUGE_PAGE
+
+    tokens = np.arange(3 * HUGE_PAGE // 2, dtype=np.uint16)  # one chunk of 3 MiB
+    write_store(tmp_path / "s", tokens, dtype="uint16", tokens_per_chunk=tokens.size)
+    chunk = TokenStore.open(tmp_path / "s").read_chunk(0)
+    assert np.array_equal(chunk, tokens)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(chunk.base))
+    flags = _vm_flags(address)
+    assert "sh" not in flags  # private
+    if Path("/sys/kernel/mm/transparent_hugepage").exists():  # THP built into this kernel
+        assert "hg" in flags  # MADV_HUGEPAGE

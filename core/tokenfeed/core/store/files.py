@@ -14,13 +14,13 @@ wherever it lives. Names are plain relative paths ("chunk_000000.bin",
 
 from __future__ import annotations
 
-import mmap
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 from tokenfeed.core.atomic import write_atomic
 from tokenfeed.core.errors import DataLoss, InvalidArgument
+from tokenfeed.core.store.memory import anonymous
 from tokenfeed.core.store.objects import ObjectStore, S3Url, etag_generation, is_url
 
 
@@ -103,7 +103,7 @@ class LocalFiles(StoreFiles):
             return None
 
     def read(self, name: str, nbytes: int) -> memoryview:
-        buf = mmap.mmap(-1, max(nbytes, 1))
+        buf = anonymous(nbytes)
         try:
             with open(self.path / name, "rb") as f:
                 got = f.readinto(buf)

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenfeed.core.errors import DataLoss, NotFound
+from tokenfeed.core.store.memory import anonymous
 from tokenfeed.core.store.meta import Chunk, StoreMeta
 from tokenfeed.core.store.reader import StoreReader
 
@@ -230,7 +231,7 @@ class MegatronStore(StoreReader):
     def read_chunk(self, index: int, verify: bool = True) -> np.ndarray:
         a, b = int(self.chunk_starts[index]), int(self.chunk_starts[index + 1])
         n = b - a
-        buf = mmap.mmap(-1, max(n * self.dtype.itemsize, 1))
+        buf = anonymous(n * self.dtype.itemsize)
         out = np.frombuffer(buf, dtype=self.dtype, count=n)
         src = self.source_dtype
         if src.itemsize == self.dtype.itemsize:  # uint16, int16, int32: read in place

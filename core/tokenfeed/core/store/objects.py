@@ -57,7 +57,6 @@ import configparser
 import copy
 import hashlib
 import logging
-import mmap
 import os
 import random
 import re
@@ -75,6 +74,7 @@ from tokenfeed.core.errors import (
     PermissionDenied,
     StorageUnavailable,
 )
+from tokenfeed.core.store.memory import anonymous
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +493,7 @@ class ObjectStore:
                     raise DataLoss(f"{self.full(key)}: object has {total} bytes, expected {size}")
                 state["size"] = total
                 state["etag"] = res.meta.get("e_tag")
-                state["buf"] = mmap.mmap(-1, max(total, 1))
+                state["buf"] = anonymous(total)
             buf = state["buf"]
             for piece in res.stream(min_chunk_size=STREAM_PIECE):
                 mv = memoryview(piece)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import re
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from tokenfeed.core.errors import DataLoss, FeederError, NotFound
+from tokenfeed.core.store.memory import anonymous
 from tokenfeed.core.store.meta import META_NAME, Chunk, StoreMeta, check_checksum
 from tokenfeed.core.store.reader import StoreReader
 
@@ -187,7 +187,7 @@ class SeedStore(StoreReader):
         got = sum(int(p.size) for p in parts)
         if got != c.tokens:
             raise DataLoss(f"{folder}: {got} tokens, meta.json says {c.tokens}")
-        buf = mmap.mmap(-1, max(got * self.dtype.itemsize, 1))
+        buf = anonymous(got * self.dtype.itemsize)
         out = np.frombuffer(buf, dtype=self.dtype, count=got)
         limit = int(np.iinfo(self.dtype).max)
         at = 0
