@@ -7,7 +7,7 @@
  * - program: a round of batches as that program: where each row lies in the store's
  *   chunks (a row crossing chunks is a piece per chunk), the frames between them.
  * - frames: every batch's protobuf bytes before and after its tokens, for a round of
- *   batches (wire.py). It knows varints and the order of Batch's fields, not their
+ *   batches (wire.py), a mixture's `sources` field included. It knows varints and the order of Batch's fields, not their
  *   numbers: wire.py passes the tags, read from the generated descriptors.
  *
  * splice.py and wire.py hold the pure-Python reference of each (and the fallback when
@@ -332,14 +332,36 @@ put(char *p, const Py_buffer *b)
     return p + b->len;
 }
 
-/* The bytes of the varints of starts[from .. to): a batch's packed `starts`. */
+/* The bytes of the varints of values[from .. to): a batch's packed `starts` or `sources`. */
 static inline Py_ssize_t
-packed_size(const int64_t *starts, int64_t from, int64_t to)
+packed_size(const int64_t *values, int64_t from, int64_t to)
 {
     Py_ssize_t n = 0;
     for (int64_t k = from; k < to; k++)
-        n += varint_size((uint64_t)starts[k]);
+        n += varint_size((uint64_t)values[k]);
     return n;
+}
+
+/* A packed repeated int field of values[from .. to), `packed` bytes of varints (nothing
+ * when empty: proto3 leaves out an empty repeated field). */
+static inline char *
+put_packed(char *p, const Py_buffer *tag, const int64_t *values, int64_t from, int64_t to,
+           Py_ssize_t packed)
+{
+    if (!packed)
+        return p;
+    p = put(p, tag);
+    p = put_varint(p, (uint64_t)packed);
+    for (int64_t k = from; k < to; k++)
+        p = put_varint(p, (uint64_t)values[k]);
+    return p;
+}
+
+/* The size of that field. */
+static inline Py_ssize_t
+field_size(const Py_buffer *tag, Py_ssize_t packed)
+{
+    return packed ? tag->len + varint_size((uint64_t)packed) + packed : 0;
 }
 
 /* A batch's fields before its tokens: epoch, step and offset (proto3 leaves out zeros),
@@ -358,43 +380,40 @@ static PyObject *
 frames(PyObject *module, PyObject *args)
 {
     (void)module;
-    Py_buffer batch_tag, epoch_field, step_tag, offset_tag, starts_tag;
-    Py_buffer offsets = {0}, payloads = {0}, starts = {0}, cut = {0};
-    PyObject *offsets_obj, *middles_obj, *payloads_obj, *starts_obj, *cut_obj, *extras_obj;
+    Py_buffer batch_tag, epoch_field, step_tag, offset_tag, starts_tag, sources_tag;
+    Py_buffer offsets = {0}, payloads = {0}, starts = {0}, cut = {0}, sources = {0};
+    PyObject *offsets_obj, *middles_obj, *payloads_obj, *starts_obj, *cut_obj, *sources_obj;
     long long step;
-    if (!PyArg_ParseTuple(args, "y*y*y*Ly*OOOy*OOO:frames", &batch_tag, &epoch_field, &step_tag,
-                          &step, &offset_tag, &offsets_obj, &middles_obj, &payloads_obj,
-                          &starts_tag, &starts_obj, &cut_obj, &extras_obj))
+    if (!PyArg_ParseTuple(args, "y*y*y*Ly*OOOy*OOy*O:frames", &batch_tag, &epoch_field,
+                          &step_tag, &step, &offset_tag, &offsets_obj, &middles_obj,
+                          &payloads_obj, &starts_tag, &starts_obj, &cut_obj, &sources_tag,
+                          &sources_obj))
         return NULL;
-    PyObject *middles = NULL, *extras = NULL, *blob = NULL, *sizes = NULL, *result = NULL;
+    PyObject *middles = NULL, *blob = NULL, *sizes = NULL, *result = NULL;
     if (int64_buffer(offsets_obj, &offsets, 0, "offsets") < 0 ||
         int64_buffer(payloads_obj, &payloads, 0, "payloads") < 0 ||
         int64_buffer(starts_obj, &starts, 0, "starts") < 0 ||
-        int64_buffer(cut_obj, &cut, 0, "cut") < 0)
+        int64_buffer(cut_obj, &cut, 0, "cut") < 0 ||
+        (sources_obj != Py_None && int64_buffer(sources_obj, &sources, 0, "sources") < 0))
         goto done;
     middles = PySequence_Fast(middles_obj, "frames: middles must be a sequence of bytes");
     if (middles == NULL)
         goto done;
-    if (extras_obj != Py_None) {
-        extras = PySequence_Fast(extras_obj, "frames: extras must be a sequence of bytes");
-        if (extras == NULL)
-            goto done;
-    }
     Py_ssize_t n = offsets.shape[0];
     const int64_t *off = offsets.buf, *pay = payloads.buf, *st = starts.buf, *c = cut.buf;
+    const int64_t *src = sources.obj != NULL ? sources.buf : NULL; /* a mixture's */
     if (payloads.shape[0] != n || PySequence_Fast_GET_SIZE(middles) != n ||
-        cut.shape[0] != n + 1 || (extras != NULL && PySequence_Fast_GET_SIZE(extras) != n)) {
-        PyErr_SetString(PyExc_ValueError, "frames: one offset, middle, payload (and extra) per "
-                                          "batch, and one more cut");
+        cut.shape[0] != n + 1 || (src != NULL && sources.shape[0] != starts.shape[0])) {
+        PyErr_SetString(PyExc_ValueError, "frames: one offset, middle and payload per batch, "
+                                          "one more cut (and one source per start)");
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         int ok = c[i] >= 0 && c[i] <= c[i + 1] && c[i + 1] <= starts.shape[0] && pay[i] >= 0;
         ok = ok && PyBytes_Check(PySequence_Fast_GET_ITEM(middles, i));
-        ok = ok && (extras == NULL || PyBytes_Check(PySequence_Fast_GET_ITEM(extras, i)));
         if (!ok) {
             PyErr_Format(PyExc_ValueError, "frames: batch %zd: bad cut, payload or a non-bytes "
-                                           "middle or extra", i);
+                                           "middle", i);
             goto done;
         }
     }
@@ -405,10 +424,9 @@ frames(PyObject *module, PyObject *args)
     int64_t *size = (int64_t *)PyBytes_AS_STRING(sizes);
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t packed = packed_size(st, c[i], c[i + 1]);
-        Py_ssize_t tail = packed ? starts_tag.len + varint_size((uint64_t)packed) + packed : 0;
-        if (extras != NULL)
-            tail += PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(extras, i));
+        Py_ssize_t tail = field_size(&starts_tag, packed_size(st, c[i], c[i + 1]));
+        if (src != NULL)
+            tail += field_size(&sources_tag, packed_size(src, c[i], c[i + 1]));
         Py_ssize_t fields = fields_size(&epoch_field, &step_tag, (uint64_t)step + (uint64_t)i,
                                         &offset_tag, off[i], PySequence_Fast_GET_ITEM(middles, i));
         uint64_t length = (uint64_t)fields + (uint64_t)pay[i] + (uint64_t)tail;
@@ -440,18 +458,9 @@ frames(PyObject *module, PyObject *args)
         memcpy(p, PyBytes_AS_STRING(middle), (size_t)PyBytes_GET_SIZE(middle));
         p += PyBytes_GET_SIZE(middle);
         /* (the batch's tokens go here) */
-        Py_ssize_t packed = packed_size(st, c[i], c[i + 1]);
-        if (packed) {
-            p = put(p, &starts_tag);
-            p = put_varint(p, (uint64_t)packed);
-            for (int64_t k = c[i]; k < c[i + 1]; k++)
-                p = put_varint(p, (uint64_t)st[k]);
-        }
-        if (extras != NULL) {
-            PyObject *extra = PySequence_Fast_GET_ITEM(extras, i);
-            memcpy(p, PyBytes_AS_STRING(extra), (size_t)PyBytes_GET_SIZE(extra));
-            p += PyBytes_GET_SIZE(extra);
-        }
+        p = put_packed(p, &starts_tag, st, c[i], c[i + 1], packed_size(st, c[i], c[i + 1]));
+        if (src != NULL)
+            p = put_packed(p, &sources_tag, src, c[i], c[i + 1], packed_size(src, c[i], c[i + 1]));
     }
     result = PyTuple_Pack(2, blob, sizes);
 done:
@@ -460,6 +469,9 @@ done:
     PyBuffer_Release(&step_tag);
     PyBuffer_Release(&offset_tag);
     PyBuffer_Release(&starts_tag);
+    PyBuffer_Release(&sources_tag);
+    if (sources.obj != NULL)
+        PyBuffer_Release(&sources);
     if (offsets.obj != NULL)
         PyBuffer_Release(&offsets);
     if (payloads.obj != NULL)
@@ -469,7 +481,6 @@ done:
     if (cut.obj != NULL)
         PyBuffer_Release(&cut);
     Py_XDECREF(middles);
-    Py_XDECREF(extras);
     Py_XDECREF(blob);
     Py_XDECREF(sizes);
     return result;

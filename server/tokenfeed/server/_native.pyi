@@ -19,7 +19,8 @@ def frames(
     starts_tag: bytes,
     starts: np.ndarray,
     cut: np.ndarray,
-    extras: Sequence[bytes] | None,
+    sources_tag: bytes,
+    sources: np.ndarray | None,
 ) -> tuple[bytes, bytes]: ...
 def program(
     starts: np.ndarray,

@@ -11,8 +11,9 @@ field, serializing). Byte-identical to SerializeToString (tests compare them ove
 many shapes); field numbers come from the generated descriptors, so the .proto stays
 the only source of the wire format.
 
-The per-batch loop runs in C (_native.c's `frames`, given the tags) where the
-extension is built; `_frames_py` is its reference and the fallback.
+The per-batch loop, a mixture's `sources` included, runs in C (_native.c's `frames`,
+given the tags) where the extension is built; `_frames_py` is its reference and the
+fallback.
 """
 
 from __future__ import annotations
@@ -124,9 +125,8 @@ def frames(
         shapes = zip(shifts, rows_a.tolist(), cols_a.tolist(), payloads.tolist(), strict=True)
         middles = [_middle_fields(sh, r, c, dtype, pay) for sh, r, c, pay in shapes]
     if cut is None:
-        cut = np.zeros(len(rows_a) + 1, dtype=np.int64)
+        cut = np.zeros(len(rows_a) + 1, dtype=np.int64)  # batch i: starts[cut[i]:cut[i+1]]
         np.cumsum(rows_a, out=cut[1:])
-    extras = _packed_slices(_SOURCES, sources, cut.tolist()) if sources is not None else None
     blob, sizes = _encode(
         _BATCH,
         _int_field(_EPOCH, epoch),
@@ -139,7 +139,8 @@ def frames(
         _STARTS,
         np.ascontiguousarray(starts, dtype=np.int64),
         cut,
-        extras,
+        _SOURCES,
+        None if sources is None else np.ascontiguousarray(sources, dtype=np.int64),
     )
     return blob, np.frombuffer(sizes, dtype=np.int64)
 
@@ -156,18 +157,22 @@ def _frames_py(
     starts_tag: bytes,
     starts: np.ndarray,
     cut: np.ndarray,
-    extras: Sequence[bytes] | None,
+    sources_tag: bytes,
+    sources: np.ndarray | None,
 ) -> tuple[bytes, bytes]:
     """The reference of _native.frames: every batch's head and tail, and their sizes
-    (int64 bytes)."""
+    (int64 bytes). A batch's tail is its `starts` packed, then (`sources` given: a
+    mixture's) its rows' `sources` packed: starts[cut[i]:cut[i+1]] and the same slice of
+    sources."""
     out, sizes = [], []
     values = starts.tolist()
+    source_values = None if sources is None else sources.tolist()
     for i, (offset, middle, payload) in enumerate(
         zip(offsets.tolist(), middles, payloads.tolist(), strict=True)
     ):
-        packed = b"".join(varint(v & _MASK64) for v in values[cut[i] : cut[i + 1]])
-        tail = starts_tag + varint(len(packed)) + packed if packed else b""
-        tail += extras[i] if extras is not None else b""
+        tail = _packed(starts_tag, values[cut[i] : cut[i + 1]])
+        if source_values is not None:
+            tail += _packed(sources_tag, source_values[cut[i] : cut[i + 1]])
         fields = b"".join(
             (
                 epoch_field,
@@ -188,17 +193,8 @@ except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1)
     _encode = _frames_py
 
 
-def _packed_slices(tag: bytes, values: np.ndarray, cut: list[int]) -> list[bytes]:
-    """A packed repeated int field per batch: batch i holds values[cut[i]:cut[i+1]]
-    (small non-negative ints: source indices), as protobuf encodes it."""
-    if len(values) and int(values.max()) < 0x80:  # one byte per value: the usual case
-        raw = values.astype(np.uint8).tobytes()
-        return [
-            tag + varint(b - a) + raw[a:b] if b > a else b""
-            for a, b in zip(cut[:-1], cut[1:], strict=True)
-        ]
-    out = []
-    for a, b in zip(cut[:-1], cut[1:], strict=True):
-        body = b"".join(varint(int(v)) for v in values[a:b].tolist())
-        out.append(tag + varint(len(body)) + body if body else b"")
-    return out
+def _packed(tag: bytes, values: list[int]) -> bytes:
+    """A packed repeated int64/int32 field as protobuf encodes it (negatives as 10-byte
+    two's complement); nothing for no values (proto3 leaves out an empty field)."""
+    packed = b"".join(varint(v & _MASK64) for v in values)
+    return tag + varint(len(packed)) + packed if packed else b""
