@@ -348,3 +348,66 @@ def test_info_prints_the_plan_of_a_mixture(mix_root: Path, tmp_path: Path) -> No
         text=True,
     )
     assert bad.returncode == 2 and "sources['nope']" in bad.stderr
+
+
+@pytest.mark.parametrize("per_message", [1, 3, 7])
+def test_source_counters_count_exactly_the_tokens_of_each_source(mix_root: Path, per_message):
+    """SourceCounters (service.py) against the messages themselves: after the written
+    messages are counted and flushed, each source's tokens_sent is the tokens of the
+    rows carrying its index, also for messages spanning rounds (rounds start at one
+    step and double, so 3 and 7 batches per message straddle them) and when not every
+    message built is counted yet."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenfeed.server import service
+    from tokenfeed.server.assembly import MessageBuilder
+    from tokenfeed.server.cache import ChunkCache
+    from tokenfeed.server.datasets import Catalog
+    from tokenfeed.server.metrics import ServerMetrics
+    from tokenfeed.server.mixtures import MixtureSpace
+
+    registry = CollectorRegistry()
+    metrics = ServerMetrics(registry)
+    catalog = Catalog(mix_root)
+    sources = [catalog.get("a"), catalog.get("b")]
+    spec = SamplingSpec(
+        "", sources=(("a", 0.7), ("b", 0.3)), seq_len=SEQ, batch_size=B, shuffle=True, seed=3
+    )
+    plan = service.mixture_plan_for(spec, sources)
+    pipe = MessageBuilder(
+        MixtureSpace.of(sources), plan, plan.rounds(0), per_message, ChunkCache(1 << 24), metrics
+    )
+    counters = service.SourceCounters.of(metrics, pipe)
+    assert counters is not None
+    want = [0, 0]
+    held = 0  # messages built, not yet counted: the last burst's
+    for _ in range(12):
+        counters.count(held)
+        burst = pipe.next_burst()
+        for data, _, _, _ in burst:
+            for batch in pb.StreamBatchesResponse.FromString(data).batches:
+                for s in batch.sources:
+                    want[s] += batch.cols
+        held = len(burst)
+    counters.flush()
+
+    def sent(name: str) -> float:
+        labels = {"dataset": name, "split": "train", "source": name}
+        return registry.get_sample_value("tokenfeed_server_tokens_sent_total", labels) or 0.0
+
+    last = [0, 0]  # the tokens of the last burst, built and not counted
+    for data, _, _, _ in burst:
+        for batch in pb.StreamBatchesResponse.FromString(data).batches:
+            for s in batch.sources:
+                last[s] += batch.cols
+    assert [sent("a"), sent("b")] == [want[0] - last[0], want[1] - last[1]]
+    assert min(want) > 0
+    counters.count(held)
+    counters.flush()
+    assert [sent("a"), sent("b")] == want
+    assert (
+        registry.get_sample_value(
+            "tokenfeed_server_bytes_sent_total", {"dataset": "a", "split": "train"}
+        )
+        == want[0] * sources[0].store.dtype.itemsize
+    )

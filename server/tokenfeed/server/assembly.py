@@ -303,9 +303,10 @@ class MessageBuilder:
         self._at = 0  # the batch (of this stream) the last read-ahead counted from
         self._needed: dict[int, int] = {}  # chunk -> last batch needing it (last deep look)
         self._look: list[int] = []  # the last deep look's chunks, in order of first use
-        # A mixture's messages' tokens per source, one array per message built, in order
-        # (the servicer counts them by source as it writes the messages).
-        self.by_source: deque[np.ndarray] | None = None
+        # A mixture's messages, each as its spans (one entry per message built, in order):
+        # the servicer counts their tokens by source (LocatedRound.source_tokens) once they
+        # are written (service.SourceCounters).
+        self.by_source: deque[list[Span]] | None = None
         self._k = 0  # a mixture's number of sources
         if isinstance(plan, sampling.MixturePlan):
             self.by_source = deque()
@@ -456,9 +457,8 @@ class MessageBuilder:
         else:
             batches = sum(j - i for _, i, j in spans)
             tokens = sum(lr.token_lo[j] - lr.token_lo[i] for lr, i, j in spans)
-        if self.by_source is not None:  # the message's tokens by source
-            counts = [lr.source_tokens[j] - lr.source_tokens[i] for lr, i, j in spans]  # type: ignore[index]
-            self.by_source.append(sum(counts[1:], counts[0]))  # mostly one span: no numpy call
+        if self.by_source is not None:  # counted by source when written (no numpy call here)
+            self.by_source.append(spans)
         if pinned is not None and self.documents is None:
             data = pinned.message(spans)
         else:
