@@ -81,6 +81,7 @@ import numpy as np
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
 from tokenfeed.core.keyed import (
     MASK64,
+    NATIVE,
     domain_bits,
     encrypt,
     key,
@@ -981,10 +982,10 @@ class Mixture:
         bits = domain_bits(gb)
         if gb == 1:
             v = np.zeros((steps, B), np.int64)
-        elif gb == 1 << bits:  # no value walks: one key per step, broadcast over its slots
+        elif gb == 1 << bits and not NATIVE:  # numpy: one key per step, broadcast over slots
             v = encrypt(slots.reshape(steps, B).astype(np.uint64), rk.T[:, None, :], bits)
             v = v.astype(np.int64)
-        else:
+        else:  # (in C, a power-of-two domain too: no value walks, the same bijection)
             v = permute(slots, gb, np.repeat(rk, B, axis=1).T, bits).reshape(steps, B)
         # slot v of step s holds source i = the last i with start[s, i] <= v (starts do
         # not decrease along i): a count of the starts at or below v for a few sources,

@@ -7,8 +7,9 @@
  * - program: a round of batches as that program: where each row lies in the store's
  *   chunks (a row crossing chunks is a piece per chunk), the frames between them.
  * - frames: every batch's protobuf bytes before and after its tokens, for a round of
- *   batches (wire.py), a mixture's `sources` field included. It knows varints and the order of Batch's fields, not their
- *   numbers: wire.py passes the tags, read from the generated descriptors.
+ *   batches (wire.py), a mixture's `sources` field included. It knows varints and the
+ *   order of Batch's fields, not their numbers: wire.py passes the tags, read from the
+ *   generated descriptors.
  *
  * splice.py and wire.py hold the pure-Python reference of each (and the fallback when
  * this module is not built); the tests compare them, and wire's with protobuf.

@@ -90,10 +90,10 @@ class LocatedRound:
         # count is one subtraction (`num_sources` > 0 for a mixture)
         self.source_tokens: np.ndarray | None = None
         if sources is not None and num_sources:
-            batch = np.repeat(np.arange(len(self.cols), dtype=np.int64), rnd.rows)
-            per = np.bincount(batch * num_sources + sources, minlength=len(self.cols) * num_sources)
-            per = per.reshape(-1, num_sources) * np.asarray(self.cols, dtype=np.int64)[:, None]
-            self.source_tokens = np.zeros((len(self.cols) + 1, num_sources), dtype=np.int64)
+            batch = np.repeat(np.arange(len(rows), dtype=np.int64), rows)
+            per = np.bincount(batch * num_sources + sources, minlength=len(rows) * num_sources)
+            per = per.reshape(-1, num_sources) * cols[:, None]
+            self.source_tokens = np.zeros((len(rows) + 1, num_sources), dtype=np.int64)
             np.cumsum(per, axis=0, out=self.source_tokens[1:])
         self.frames, self._sizes = wire.frames(
             rnd.epoch,
