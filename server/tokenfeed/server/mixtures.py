@@ -54,8 +54,8 @@ class VirtualStore(StoreReader):
             np.int64
         )
 
-    @property
-    def remote(self) -> bool:
+    @cached_property
+    def remote(self) -> bool:  # asked at every burst (read-ahead); a store's never changes
         return any(s.remote for s in self.stores)
 
     def read_chunk(self, index: int, verify: bool = True) -> np.ndarray:
