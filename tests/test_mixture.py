@@ -759,3 +759,38 @@ def test_anchored_floats_are_fixed_up_where_they_are_ambiguous():
     assert checked >= 16
     # the floats alone are wrong somewhere, so the exact fix-ups are what is tested
     assert wrong_floats > 0 and wrong_dues > 0
+
+
+@SETTINGS
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2**62) | st.integers(0, 2**53 + 5) | st.integers(0, 10**6),
+            st.integers(1, 2**40) | st.integers(1, 100),
+        ),
+        min_size=1,
+        max_size=50,
+    )
+)
+def test_pass_divmod_is_numpys(pairs):
+    """MixturePlan.starts' split of items into (pass, position) equals np.divmod,
+    near powers of two, multiples of the divisor and 2**53 alike."""
+    from tokenfeed.core.sampling import _divmod
+
+    n = np.array([a for a, _ in pairs], dtype=np.int64)
+    d = np.array([b for _, b in pairs], dtype=np.int64)
+    for values in (n, np.maximum(n // d * d - 1, 0), n // d * d):  # around multiples too
+        q, r = _divmod(values, d)
+        want_q, want_r = np.divmod(values, d)
+        assert np.array_equal(q, want_q) and np.array_equal(r, want_r)
+
+
+def test_pass_divmod_just_below_two_to_the_53():
+    from tokenfeed.core.sampling import _divmod
+
+    top = (1 << 53) - 1
+    n = np.array([top, top - 1, top - 2, 1 << 52, (1 << 52) + 1, 0], dtype=np.int64)
+    for d in (1, 2, 3, 7, 65_532, 40_956, 24_572, (1 << 26) + 1, top):
+        q, r = _divmod(n, np.full(len(n), d, dtype=np.int64))
+        want_q, want_r = np.divmod(n, d)
+        assert np.array_equal(q, want_q) and np.array_equal(r, want_r)
