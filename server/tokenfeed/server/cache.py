@@ -112,6 +112,7 @@ class ChunkCache:
         self.stale_seconds = stale_seconds
         self._clock = clock
         self.metrics = metrics
+        self._children: dict[tuple[Any, str], Any] = {}  # (counter, dataset) -> child
         self.stats = CacheStats()
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU first
         self._used = 0  # bytes of the cache's entries (not read-ahead ones), ready or loading
@@ -490,20 +491,17 @@ class ChunkCache:
         else:
             self._used -= entry.held
 
-    @staticmethod
-    def _by_dataset(counter: Any, keys: list[Hashable]) -> None:
+    def _by_dataset(self, counter: Any, keys: list[Hashable]) -> None:
         """Count keys by dataset (a key's first part when it is a (name, ...) tuple)."""
-        if len(keys) == 1:
-            name = keys[0][0] if isinstance(keys[0], tuple) else None
-            if isinstance(name, str):
-                counter.labels(dataset=name).inc()
-            return
         names: dict[str, int] = {}
         for k in keys:
             if isinstance(k, tuple) and isinstance(k[0], str):
                 names[k[0]] = names.get(k[0], 0) + 1
         for name, n in names.items():
-            counter.labels(dataset=name).inc(n)
+            child = self._children.get((counter, name))
+            if child is None:  # labels() validates and locks: once per dataset, not per burst
+                child = self._children[counter, name] = counter.labels(dataset=name)
+            child.inc(n)
 
     def _gauge(self) -> None:
         if self.metrics is not None:
