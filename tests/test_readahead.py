@@ -54,7 +54,7 @@ def by_rows(ds: Dataset, spans: list[assembly.Span]) -> tuple[list[int], dict[in
 
 def row_chunks(ds: Dataset, lr: assembly.LocatedRound, r: int, cols: int) -> list[int]:
     """The non-empty chunks row r's tokens lie in, in order."""
-    s, bounds = int(lr.starts[r]), ds.chunk_bounds
+    s, bounds = int(lr.starts[r]), ds.store.chunk_starts.tolist()
     return [
         c
         for c in range(len(bounds) - 1)

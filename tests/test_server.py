@@ -578,7 +578,7 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
     for i, rows in enumerate(rnd.rows):
         cols = lr.cols[i]
         want = starts[i, :rows, None] + np.arange(cols)
-        loaded = assembly.gather(ds, cache, starts[i, :rows].tolist(), cols)
+        loaded = assembly.gather(ds, cache, lr.row_pieces(i))
         chunks = sorted(assembly.spans_chunks([(lr, i, i + 1)]))
         pinned = assembly.pin_views(ds, cache, chunks)
         assert pinned is not None  # gather loaded this batch's chunks

@@ -128,6 +128,10 @@ class LocatedRound:
         """Frame k is frames[frame_at[k]:frame_at[k + 1]]."""
         return [0, *np.cumsum(self._sizes).tolist()]
 
+    def row_pieces(self, i: int) -> np.ndarray:
+        """Batch i's rows as pieces of chunks: its part of `program` but head and tail."""
+        return self.program[self.piece_lo[i] + 1 : self.piece_lo[i + 1] - 1]
+
     def head(self, i: int) -> bytes:
         return self.frames[self.frame_at[2 * i] : self.frame_at[2 * i + 1]]
 
@@ -188,16 +192,6 @@ def chunk_uses(spans: list[Span]) -> tuple[list[int], dict[int, int]]:
     return order, dict(zip(order, batch.tolist(), strict=True))
 
 
-def _pieces(bounds: list[int], c: int, start: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """Where tokens [start, end) lie, from chunk c on: (chunk, a, b) for each non-empty
-    chunk they touch, [a, b) being the part of them in that chunk."""
-    while c + 1 < len(bounds) and bounds[c] < end:
-        a, b = max(start, bounds[c]), min(end, bounds[c + 1])
-        if a < b:
-            yield c, a, b
-        c += 1
-
-
 class Pinned:
     """Chunks pinned in the cache for a burst: their ids (ascending) and byte views."""
 
@@ -207,9 +201,8 @@ class Pinned:
         self.views = [e.view for e in entries]
 
     def rows(self, lr: LocatedRound, i: int) -> bytes:
-        """Batch i's rows of tokens (its pieces but the frames around them)."""
-        program = lr.program[lr.piece_lo[i] + 1 : lr.piece_lo[i + 1] - 1]
-        return splice.splice([(program, b"")], self.keys, self.views)
+        """Batch i's rows of tokens."""
+        return splice.splice([(lr.row_pieces(i), b"")], self.keys, self.views)
 
     def message(self, spans: list[Span]) -> bytes:
         """Batches [i, j) of each span's round, framed: a message."""
@@ -226,22 +219,24 @@ def pin_views(ds: Dataset, cache: ChunkCache, chunks: list[int]) -> Pinned | Non
     return Pinned(entries, chunks)
 
 
-def gather(ds: Dataset, cache: ChunkCache, starts: list[int], cols: int) -> bytes:
-    """Rows T[s : s + cols] for s in `starts`, row after row, loading chunks as needed:
-    chunk by chunk, one pinned at a time (the cache's no-deadlock rule)."""
-    store, bounds, size = ds.store, ds.chunk_bounds, ds.store.dtype.itemsize
-    out = bytearray(len(starts) * cols * size)
-    needed: dict[int, list[tuple[int, int, int]]] = {}  # chunk -> (row, a, b) in it
-    for r, s in enumerate(starts):
-        for c, a, b in _pieces(bounds, store.chunk_of(s), s, s + cols):
-            needed.setdefault(c, []).append((r * cols + a - s, a, b))
-    for c in sorted(needed):
+def gather(ds: Dataset, cache: ChunkCache, pieces: np.ndarray) -> bytes:
+    """A batch's rows from its pieces of the round's program (LocatedRound.row_pieces),
+    loading chunks as needed: chunk by chunk, one pinned at a time (the cache's
+    no-deadlock rule)."""
+    store = ds.store
+    rows = pieces.tolist()  # (chunk, byte offset, byte count) each
+    at = [0, *np.cumsum(pieces[:, 2]).tolist()]  # where each piece goes in the rows
+    out = bytearray(at[-1])
+    by_chunk: dict[int, list[int]] = {}
+    for k, (c, _, _) in enumerate(rows):
+        by_chunk.setdefault(c, []).append(k)
+    for c in sorted(by_chunk):
         load = partial(store.read_chunk, c)
         with cache.pinned(ds.chunk_key(c), store.chunk_nbytes(c), load) as chunk:
             view = chunk.data.cast("B")
-            for at, a, b in needed[c]:  # `at`: the piece's token position in `out`
-                src, n = (a - bounds[c]) * size, (b - a) * size
-                out[at * size : at * size + n] = view[src : src + n]
+            for k in by_chunk[c]:
+                _, src, n = rows[k]
+                out[at[k] : at[k] + n] = view[src : src + n]
     return bytes(out)
 
 
@@ -470,13 +465,12 @@ class MessageBuilder:
         loaded chunk by chunk (not all resident)."""
         lr, i, j = span
         for b in range(i, j):
-            lo, hi = lr.row_lo[b], lr.row_lo[b + 1]
             if pinned is not None:
                 rows = pinned.rows(lr, b)
             else:
-                rows = gather(self.ds, self.cache, lr.starts[lo:hi].tolist(), lr.cols[b])
+                rows = gather(self.ds, self.cache, lr.row_pieces(b))
             if self.documents is None:
                 yield from (lr.head(b), rows, lr.tail(b))
             else:
-                starts = lr.starts[lo:hi]
+                starts = lr.starts[lr.row_lo[b] : lr.row_lo[b + 1]]
                 yield from self.documents.parts(lr.head(b), [rows], lr.tail(b), starts, lr.cols[b])

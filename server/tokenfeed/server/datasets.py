@@ -61,11 +61,6 @@ class Dataset:
     generation: int  # changes when the store is rewritten: part of every cache key
 
     @cached_property
-    def chunk_bounds(self) -> list[int]:
-        """store.chunk_starts as Python ints (cheap indexing in per-row loops)."""
-        return [int(x) for x in self.store.chunk_starts]
-
-    @cached_property
     def chunk_keys(self) -> list[tuple[str, int, int]]:
         """The cache key of every chunk (made once: a stream pins chunks per message)."""
         return [(self.name, self.generation, c) for c in range(self.store.num_chunks)]
