@@ -446,12 +446,8 @@ class MessageBuilder:
         return burst
 
     def _message(self, spans: list[Span], pinned: Pinned | None) -> Message:
-        if len(spans) == 1:  # most messages lie in one round
-            lr, i, j = spans[0]
-            batches, tokens = j - i, lr.token_lo[j] - lr.token_lo[i]
-        else:
-            batches = sum(j - i for _, i, j in spans)
-            tokens = sum(lr.token_lo[j] - lr.token_lo[i] for lr, i, j in spans)
+        batches = sum(j - i for _, i, j in spans)
+        tokens = sum(lr.token_lo[j] - lr.token_lo[i] for lr, i, j in spans)
         if self.by_source is not None:  # counted by source when written (no numpy call here)
             self.by_source.append(spans)
         if pinned is not None and self.documents is None:
