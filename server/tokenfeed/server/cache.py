@@ -353,8 +353,8 @@ class ChunkCache:
     def _insert(self, key: Hashable, nbytes: int, ahead: bool = False) -> _Entry:
         if self.metrics is not None and isinstance(key, tuple) and isinstance(key[0], str):
             # a dataset's hit and miss series exist (at 0) from its first chunk load on
-            self.metrics.cache_dataset_hits.labels(dataset=key[0])
-            self.metrics.cache_dataset_misses.labels(dataset=key[0])
+            self._child(self.metrics.cache_dataset_hits, key[0])
+            self._child(self.metrics.cache_dataset_misses, key[0])
         held = nbytes + self._overhead(nbytes) if ahead else self._loading_cost(nbytes)
         entry = _Entry(nbytes, held, ahead=ahead, since=self._clock() if ahead else 0.0)
         self._entries[key] = entry
@@ -498,10 +498,15 @@ class ChunkCache:
             if isinstance(k, tuple) and isinstance(k[0], str):
                 names[k[0]] = names.get(k[0], 0) + 1
         for name, n in names.items():
-            child = self._children.get((counter, name))
-            if child is None:  # labels() validates and locks: once per dataset, not per burst
-                child = self._children[counter, name] = counter.labels(dataset=name)
-            child.inc(n)
+            self._child(counter, name).inc(n)
+
+    def _child(self, counter: Any, dataset: str) -> Any:
+        """`counter.labels(dataset=...)`, looked up once: labels() validates and locks,
+        and a burst counts its hits per dataset."""
+        child = self._children.get((counter, dataset))
+        if child is None:
+            child = self._children[counter, dataset] = counter.labels(dataset=dataset)
+        return child
 
     def _gauge(self) -> None:
         if self.metrics is not None:
