@@ -378,57 +378,53 @@ def main() -> int:
     print(
         f"{'store':<28} {'M tokens/s':>18} {'ratio':>17} {'first batch s':>17} {'RSS grew MiB':>15}"
     )
+
+    def label(row: str) -> str:
+        return LABELS[row].format(ms=round(args.latency * 1000))
+
+    def medians(title: str, keys: tuple[str, ...], cell: str, unit: float = 1.0) -> None:
+        """A table of each row's medians of `keys` (in `unit`s), each formatted by `cell`."""
+        print(title)
+        for row in rows:
+            rs = results[row]
+            cells = (cell.format(k=k, v=statistics.median(r[k] for r in rs) / unit) for k in keys)
+            print(f"{label(row):<28} " + "  ".join(cells))
+
     base = results["local"]
     for row in rows:
         rs = results[row]
-        label = LABELS[row].format(ms=round(args.latency * 1000))
         ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base, strict=True)]
         print(
-            f"{label:<28} {spread([r['tokens_per_s'] / 1e6 for r in rs], '.1f'):>18} "
+            f"{label(row):<28} {spread([r['tokens_per_s'] / 1e6 for r in rs], '.1f'):>18} "
             f"{spread(ratios, '.2f'):>17} {spread([r['first_batch_s'] for r in rs], '.2f'):>17} "
             f"{spread([r['grew'] / 2**20 for r in rs], '.0f'):>15}"
         )
-    print(
+    medians(
         "\nmemory, MiB (medians): RSS idle (serving, before the first request), and the peak"
         " growth from there of RSS and its parts: chunks (AnonHugePages: each chunk is a"
         " private map in huge pages), heap (the rest of RssAnon: malloc, stacks), files"
-        " (RssFile: mapped files)"
+        " (RssFile: mapped files)",
+        ("idle", "grew", "chunks_grew", "heap_grew", "files_grew"),
+        "{k} {v:4.0f}",
+        unit=2**20,
     )
-    for row in rows:
-        rs = results[row]
-        label = LABELS[row].format(ms=round(args.latency * 1000))
-        print(
-            f"{label:<28} "
-            + "  ".join(
-                f"{k} {statistics.median(r[k] for r in rs) / 2**20:4.0f}"
-                for k in ("idle", "grew", "chunks_grew", "heap_grew", "files_grew")
-            )
-        )
-    print(
+    medians(
         "\nsteady state (medians): CPU cores busy (feeder, client, S3 server + proxy); chunk"
         " loads/s and ms per load; waits/s (a stream asked for a chunk not loaded yet);"
         " loads and waits per epoch (rates over epochs/s: apart from how fast a neighbour"
-        " lets the row run)"
+        " lets the row run)",
+        (
+            "feeder_cpu",
+            "client_cpu",
+            "other_cpu",
+            "loads",
+            "load_ms",
+            "waits",
+            "loads_per_epoch",
+            "waits_per_epoch",
+        ),
+        "{v:5.2f}",
     )
-    for row in rows:
-        rs = results[row]
-        label = LABELS[row].format(ms=round(args.latency * 1000))
-        print(
-            f"{label:<28} "
-            + "  ".join(
-                f"{statistics.median(r[k] for r in rs):5.2f}"
-                for k in (
-                    "feeder_cpu",
-                    "client_cpu",
-                    "other_cpu",
-                    "loads",
-                    "load_ms",
-                    "waits",
-                    "loads_per_epoch",
-                    "waits_per_epoch",
-                )
-            )
-        )
     return 0
 
 
