@@ -91,6 +91,22 @@ def test_chunk_uses_counts_like_rows_one_by_one(
     assert assembly.chunk_uses(spans) == by_rows(small, spans)
 
 
+def benchmark_shaped(
+    root: str | Path, name: str, readahead_threads: int
+) -> tuple[Dataset, ChunkCache]:
+    """The shape of benchmarks/store_sources.py: store `name` of 24 chunks under `root`
+    (a local folder or an s3:// prefix), and a cache that holds 18 of them with a
+    read-ahead budget of 10."""
+    per = 16_384
+    make_positional_store(f"{root}/{name}", 24 * per, per)  # type: ignore[arg-type]
+    ds = Catalog(root).get(name)
+    nbytes = ds.store.chunk_nbytes(0)
+    cache = ChunkCache(
+        18 * nbytes, readahead_bytes=10 * nbytes, readahead_threads=readahead_threads
+    )
+    return ds, cache
+
+
 def drive(ds: Dataset, cache: ChunkCache, spec: SamplingSpec, epochs: int) -> list[int]:
     """Each epoch's bursts, every read-ahead landed before the next: the bursts that
     had to wait for a chunk anyway (their numbers, counted over all epochs)."""
@@ -119,13 +135,9 @@ def test_a_remote_stream_never_waits_once_its_read_aheads_land(tmp_path: Path) -
     (before: a first use at a group's start evicted the next group's chunks, a cooled
     chunk was a block of the next group, a chunk left out for want of room waited 8
     bursts to be asked again: 5 of the 1150 bursts of 3 epochs waited)."""
-    per = 16_384
-    make_positional_store(tmp_path / "s", 24 * per, per)
-    ds = Catalog(tmp_path).get("s")
+    ds, cache = benchmark_shaped(tmp_path, "s", readahead_threads=4)
     ds.store.files.remote = True  # taken for object storage's: the deep look is theirs
     assert ds.store.remote
-    nbytes = 4 * per
-    cache = ChunkCache(18 * nbytes, readahead_bytes=10 * nbytes, readahead_threads=4)
     try:
         spec = SamplingSpec(dataset="s", seq_len=64, batch_size=4, shuffle=True, seed=1)
         assert drive(ds, cache, spec, epochs=3) == []
@@ -142,12 +154,8 @@ def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
     first, the nearest last, a chunk asked for a few bursts ago (the stream asks less
     often than it looks) included (before: such a chunk kept its older place, colder
     than chunks needed after it, and was evicted and loaded again shortly before use)."""
-    per = 16_384
-    make_positional_store(tmp_path / "s", 24 * per, per)
-    ds = Catalog(tmp_path).get("s")
+    ds, cache = benchmark_shaped(tmp_path, "s", readahead_threads=4)
     ds.store.files.remote = True
-    nbytes = 4 * per
-    cache = ChunkCache(18 * nbytes, readahead_bytes=10 * nbytes, readahead_threads=4)
     spec = SamplingSpec(dataset="s", seq_len=64, batch_size=4, shuffle=True, seed=1)
     plan = plan_for(spec, ds)
     metrics = ServerMetrics(CollectorRegistry())

@@ -28,7 +28,6 @@ from tokenfeed.core.store.objects import ObjectStore, RetryPolicy
 from tokenfeed.prepare.output import PROGRESS_NAME
 from tokenfeed.prepare.pipeline import PrepareConfig, prepare
 from tokenfeed.prepare.sources import IterableSource
-from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.service import plan_for
 from tokenfeed.v1 import feeder_pb2 as pb
@@ -157,13 +156,10 @@ def test_a_stream_from_s3_never_waits_once_its_read_aheads_land(s3_root: str) ->
     """test_readahead.py's policy check over real object storage: every read-ahead of
     a stream is let land (GETs from SeaweedFS) before its next burst; then no burst waits
     for a chunk: each was asked for in time and none needed soon was evicted."""
-    from test_readahead import drive
+    from test_readahead import benchmark_shaped, drive
 
-    per = 16_384
-    make_positional_store(f"{s3_root}/groups", 24 * per, per)  # type: ignore[arg-type]
-    ds = Catalog(s3_root).get("groups")
+    ds, cache = benchmark_shaped(s3_root, "groups", readahead_threads=8)
     assert ds.store.remote
-    cache = ChunkCache(18 * 4 * per, readahead_bytes=10 * 4 * per, readahead_threads=8)
     try:
         spec = SamplingSpec(dataset="groups", seq_len=64, batch_size=4, shuffle=True, seed=2)
         assert drive(ds, cache, spec, epochs=2) == []
