@@ -23,7 +23,8 @@ keep-alive connections carry many requests and every fault hits one request:
 Faults apply only to requests whose method is in `methods` (default GET, HEAD, the
 reads; PUTs pass clean unless asked). Random faults use `random.Random(seed)`: the
 sequence of decisions is fixed, which requests get them depends on request order.
-Counters (`requests`, `faults[kind]`) let tests check the faults really happened.
+Counters (`requests`, `methods_seen[method]`, `faults[kind]`) let tests check the faults
+really happened, and count a client's requests.
 
 asyncio on its own thread, so it runs beside any client (sync or async) in a test.
 The signature is computed by the client over the Host header it sends; the proxy
@@ -95,6 +96,7 @@ class S3FaultProxy:
         self._queued: list[str] = []
         self._lock = threading.Lock()
         self.requests = 0
+        self.methods_seen: dict[str, int] = {}
         self.faults: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -135,6 +137,7 @@ class S3FaultProxy:
     def _decide(self, method: str) -> tuple[str | None, float]:
         with self._lock:
             self.requests += 1
+            self.methods_seen[method] = self.methods_seen.get(method, 0) + 1
             if method not in self.methods:
                 return None, self.latency
             if self._queued:

@@ -98,6 +98,7 @@ class SeaweedS3:
         start_timeout: float = 60.0,
         stop_grace: float = 1.0,
         weed: str | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.workdir = Path(workdir)
         self.bucket = bucket
@@ -107,6 +108,7 @@ class SeaweedS3:
         self.start_timeout = start_timeout
         self.stop_grace = stop_grace
         self.weed = weed or find_weed()
+        self.extra_args = extra_args  # more `weed server` flags (a benchmark's tuning)
         self.proc: subprocess.Popen[bytes] | None = None
         self.ports: Ports | None = None
         self.start_seconds: float | None = None  # launch -> S3 answers
@@ -206,6 +208,7 @@ class SeaweedS3:
             f"-s3.localSocket={self.workdir / 's3.sock'}",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            *self.extra_args,
         ]
         self._log = open(self.workdir / "weed.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(

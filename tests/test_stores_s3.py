@@ -135,6 +135,43 @@ class Interrupted(KeyboardInterrupt):
     pass
 
 
+def test_streams_opened_together_share_one_head_of_a_remote_store(
+    s3, s3_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A remote dataset's generation (meta.json's ETag) is probed by one HEAD per
+    PROBE_SECONDS, one at a time: ranks opening streams together pay one round trip; a
+    store rewritten in object storage is picked up once that time has passed."""
+    import threading
+    import time
+
+    from s3faultproxy import S3FaultProxy
+
+    from tokenfeed.server import datasets
+
+    monkeypatch.setattr(datasets, "PROBE_SECONDS", 2.0)
+    make_positional_store(f"{s3_root}/x", 2_000, 500)  # type: ignore[arg-type]
+    with S3FaultProxy(("127.0.0.1", s3.ports.s3), seed=1) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        catalog = Catalog(s3_root)
+        first = catalog.get("x")
+        time.sleep(2.1)  # the probe is out of date: the next get makes one
+        proxy.configure(latency=0.1)  # a slow HEAD, so the threads below arrive during it
+        heads = proxy.methods_seen.get("HEAD", 0)
+        got: list[datasets.Dataset] = []
+        threads = [threading.Thread(target=lambda: got.append(catalog.get("x"))) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == [first] * 8
+        assert proxy.methods_seen["HEAD"] - heads == 1
+        proxy.configure(latency=0.0)
+        make_positional_store(f"{s3_root}/x", 3_000, 500)  # type: ignore[arg-type]
+        assert catalog.get("x") is first  # probed under PROBE_SECONDS ago: taken as current
+        wait_until(lambda: catalog.get("x") is not first, 10, "the rewritten store")
+        assert catalog.get("x").store.total_tokens == 3_000
+
+
 def test_read_ahead_on_s3_reaches_into_the_next_epoch(s3_root: str) -> None:
     """As a stream over object storage ends, the next epoch's first chunks are read
     ahead (a trainer's next stream would otherwise wait for their GETs)."""

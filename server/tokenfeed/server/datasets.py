@@ -16,7 +16,11 @@ still be inside the root, and under s3:// such a name can only make keys below t
 root's prefix. Opened stores are kept and reopened when they change (meta.json's
 mtime or ETag; the .idx/.bin of a Megatron dataset; the chunk folders of a seed
 layout), and the cache key carries that generation, so a rewritten store never
-serves stale chunks.
+serves stale chunks. Locally that check is a stat per request. Under s3:// it is a HEAD
+of meta.json (a round trip, tens of ms), made at most once per PROBE_SECONDS per name,
+one at a time: the ranks of a job opening their streams together (every epoch start, a
+reconnect storm) cost one HEAD, not one each, and a store rewritten in object storage
+is picked up by streams opened a second after it.
 
 Opening an s3:// root lists it once (`check_access`): wrong credentials or no such
 bucket fail at start, not at the first request.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -50,6 +55,8 @@ from tokenfeed.core.store.objects import ObjectStore, etag_generation
 from tokenfeed.core.store.seed import chunk_dirs, is_seed_layout
 
 log = logging.getLogger(__name__)
+
+PROBE_SECONDS = 1.0  # how long an s3:// dataset's generation is taken as current
 
 MAX_NAME_LEN = 1024
 
@@ -101,6 +108,8 @@ class Catalog:
             self.root_text = str(self.root)
         self._open: dict[str, Dataset] = {}
         self._lock = threading.Lock()
+        self._probing: dict[str, threading.Lock] = {}  # remote: one HEAD per name at a time
+        self._checked: dict[str, float] = {}  # remote: when a name's generation was probed
 
     @property
     def remote(self) -> bool:
@@ -195,6 +204,20 @@ class Catalog:
         return f"no dataset {name!r} under the data root; available: {shown or 'none'}"
 
     def get(self, name: str) -> Dataset:
+        if self.objects is None:
+            return self._get(name)
+        with self._lock:
+            probing = self._probing.setdefault(name, threading.Lock())
+        with probing:
+            ds = self._open.get(name)
+            if ds is not None and time.monotonic() - self._checked[name] < PROBE_SECONDS:
+                return ds
+            checked = time.monotonic()
+            ds = self._get(name)
+            self._checked[name] = checked
+            return ds
+
+    def _get(self, name: str) -> Dataset:
         kind, where, generation = self._probe(name)
         with self._lock:
             ds = self._open.get(name)
