@@ -295,6 +295,9 @@ class MessageBuilder:
         self._asked: dict[int, int] = {}  # chunk -> burst when last read ahead
         self._near: tuple[Any, set[int]] = (None, set())  # the last read-ahead's batches
         self._waiting: list[int] = []  # chunks read-ahead left out for want of room
+        # the last read-ahead's chunks and the burst the first of them is due to be asked
+        # for again: until then, a read-ahead of the same chunks has nothing to ask
+        self._quiet: tuple[list[int], int] | None = None
         self._at = 0  # the batch (of this stream) the last read-ahead counted from
         self._needed: dict[int, int] = {}  # chunk -> last batch needing it (last deep look)
         self._look: list[int] = []  # the last deep look's chunks, in order of first use
@@ -365,26 +368,49 @@ class MessageBuilder:
             self.cache.cool([self.ds.chunk_key(c) for c in past])
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
             chunks.append(max(chunks) + 1)
-        asked = set(chunks)
-        chunks += [c for c in self._waiting if c not in asked]
+        if self._waiting:
+            asked = set(chunks)
+            chunks += [c for c in self._waiting if c not in asked]
         self._bursts += 1
         if len(self._asked) > 4096:
             self._asked.clear()
+            self._quiet = None
         again = near if self.cache.readahead_capacity else set()  # asked at every burst
+        # The same chunks as the last call, none asked for ASK_AGAIN bursts ago yet: the
+        # loop below would skip every one (a stream inside a shuffle group, the usual
+        # case; a mixture's bursts need every source's group: ~2.6x a dataset's chunks)
+        quiet = self._quiet
+        if (
+            warm is None
+            and not again
+            and quiet is not None
+            and self._bursts < quiet[1]
+            and chunks == quiet[0]
+        ):
+            return
+        due = self._bursts + ASK_AGAIN  # the burst the first of `chunks` falls due again
         wanted = []
         for c in chunks:
-            if c not in again and self._bursts - self._asked.get(c, -ASK_AGAIN) < ASK_AGAIN:
-                continue
+            if c not in again:
+                at = self._asked.get(c, -ASK_AGAIN)
+                if self._bursts - at < ASK_AGAIN:
+                    if at + ASK_AGAIN < due:
+                        due = at + ASK_AGAIN
+                    continue
             self._asked[c] = self._bursts
             if nbytes := store.chunk_nbytes(c):
                 wanted.append((c, (self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))))
         # in order of need: the nearest load first and end warmest (a deep look warms
         # every chunk it saw, those asked for in the last few bursts too)
         keys: list[Hashable] | None = None if warm is None else [self.ds.chunk_key(c) for c in warm]
-        left = set(self.cache.read_ahead_all([w for _, w in wanted], warm=keys))
+        left: set[Hashable] = set()
+        if wanted or keys is not None:  # (else the cache has nothing to do)
+            left = set(self.cache.read_ahead_all([w for _, w in wanted], warm=keys))
         self._waiting = [c for c, w in wanted if w[0] in left][:WAITING_CHUNKS]
         for c in self._waiting:
             del self._asked[c]
+        # a chunk left waiting was forgotten (asked again next time): no quiet calls then
+        self._quiet = (chunks, -1 if self._waiting else due)
 
     def _then_spans(self, n: int) -> list[Span]:
         """The next epoch's first n batches (as far as it has them), located once."""
