@@ -29,7 +29,7 @@ import numpy as np
 
 from tokenfeed.core import sampling
 from tokenfeed.server import splice, wire
-from tokenfeed.server.cache import ChunkCache
+from tokenfeed.server.cache import ChunkCache, count_by_dataset
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
@@ -195,7 +195,7 @@ def chunk_uses(spans: list[Span]) -> tuple[list[int], dict[int, int]]:
 class Pinned:
     """Chunks pinned in the cache for a burst: their ids (ascending) and byte views."""
 
-    def __init__(self, entries: list[Any], keys: list[int]) -> None:
+    def __init__(self, entries: list[Any], keys: list[int] | np.ndarray) -> None:
         self.entries = entries  # to release
         self.keys = np.asarray(keys, dtype=np.int64)
         self.views = [e.view for e in entries]
@@ -298,6 +298,8 @@ class MessageBuilder:
         # the last read-ahead's chunks and the burst the first of them is due to be asked
         # for again: until then, a read-ahead of the same chunks has nothing to ask
         self._quiet: tuple[list[int], int] | None = None
+        # the last burst's chunks, their keys and count by dataset, as an array (_pin)
+        self._pins: tuple[list[int], list[Hashable], dict[str, int], np.ndarray] | None = None
         self._at = 0  # the batch (of this stream) the last read-ahead counted from
         self._needed: dict[int, int] = {}  # chunk -> last batch needing it (last deep look)
         self._look: list[int] = []  # the last deep look's chunks, in order of first use
@@ -457,7 +459,7 @@ class MessageBuilder:
             return []
         spans = [span for spans in messages for span in spans]
         chunks = self._near[1] if self._near[0] == _reach(spans) else spans_chunks(spans)
-        pinned = pin_views(self.ds, self.cache, sorted(chunks))
+        pinned = self._pin(sorted(chunks))
         if pinned is None and inline:  # leave the burst to a worker thread
             return []
         try:
@@ -470,6 +472,18 @@ class MessageBuilder:
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
         return burst
+
+    def _pin(self, chunks: list[int]) -> Pinned | None:
+        """pin_views, with what only depends on the chunks (their keys, the keys' count by
+        dataset) made once for a run of bursts over the same chunks (a shuffle group's:
+        for a mixture, a group of every source)."""
+        memo = self._pins
+        if memo is None or memo[0] != chunks:
+            keys: list[Hashable] = [self.ds.chunk_keys[c] for c in chunks]
+            ids = np.asarray(chunks, dtype=np.int64)
+            memo = self._pins = (chunks, keys, count_by_dataset(keys), ids)
+        entries = self.cache.pin_resident(memo[1], memo[2])
+        return None if entries is None else Pinned(entries, memo[3])
 
     def _message(self, spans: list[Span], pinned: Pinned | None) -> Message:
         batches = sum(j - i for _, i, j in spans)
