@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from support import wait_until
 
 from tokenfeed.core.errors import ChecksumMismatch, DataLoss, FailedPrecondition
-from tokenfeed.server.cache import ChunkCache
+from tokenfeed.server.cache import ChunkCache, count_by_dataset
 from tokenfeed.server.metrics import ServerMetrics
 
 
@@ -450,3 +450,28 @@ def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int, overhea
     cache.close()
     assert not violations and not wrong
     assert cache.stats.evictions > 0  # the workload really was bigger than the cache
+
+
+def test_a_pin_counts_its_hits_by_dataset_given_or_counted() -> None:
+    """pin_resident counts each dataset's hits from the keys (count_by_dataset), or from
+    the counts a caller made once for the same keys (a stream's run of bursts over one
+    shuffle group); keys that are no dataset's count in the total only."""
+    metrics = ServerMetrics(CollectorRegistry())
+    cache = ChunkCache(10_000, metrics)
+    keys = [("a", 0, 1), ("b", 0, 0), ("a", 0, 2), 7]
+    for k in keys:
+        with cache.pinned(k, 100, lambda: chunk(1, 100)):
+            pass
+    assert count_by_dataset(keys) == {"a": 2, "b": 1}
+    for by_dataset in (None, count_by_dataset(keys)):
+        entries = cache.pin_resident(keys, by_dataset)
+        assert entries is not None
+        cache.release_all(entries)
+    reg = metrics.registry
+
+    def hits(name: str) -> float | None:
+        return reg.get_sample_value("tokenfeed_cache_dataset_hits_total", {"dataset": name})
+
+    assert hits("a") == 4 and hits("b") == 2
+    assert reg.get_sample_value("tokenfeed_cache_hits_total") == 8
+    cache.close()

@@ -9,7 +9,9 @@ whatever the machine's speed. The same over real S3 is in test_stores_s3.py.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -180,3 +182,50 @@ def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
         assert looks > 10
     finally:
         cache.close()
+
+
+class _Recording(ChunkCache):
+    """The real cache, recording the keys every read_ahead_all call asks for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asks: list[list[Hashable]] = []
+
+    def read_ahead_all(
+        self, wanted: list[tuple[Hashable, int, Any]], warm: list[Hashable] | None = None
+    ) -> list[Hashable]:
+        self.asks.append([w[0] for w in wanted])
+        return super().read_ahead_all(wanted, warm)
+
+
+@pytest.mark.parametrize("per_message", [1, 3])
+def test_a_quiet_read_ahead_asks_what_the_whole_loop_asks(small: Dataset, per_message: int) -> None:
+    """A read-ahead of the same chunks as the last one, before any of them is due to be
+    asked for again, returns early (MessageBuilder._quiet): every burst must ask the
+    cache for exactly what the whole per-chunk loop asks (forced by forgetting
+    `_quiet` before each burst), and the caches must end alike. The cache holds 14 of
+    the 29 chunks, so chunks are evicted and asked for again as the stream goes on."""
+    spec = SamplingSpec(dataset="s", seq_len=16, batch_size=8, shuffle=True, seed=3)
+    plan = plan_for(spec, small)
+    metrics = ServerMetrics(CollectorRegistry())
+    runs, quiet = [], 0
+    for forget in (False, True):
+        cache = _Recording(14 * small.store.chunk_nbytes(0))
+        mb = assembly.MessageBuilder(small, plan, plan.rounds(0, 0), per_message, cache, metrics)
+        per_burst = []
+        try:
+            while True:
+                wait_until(lambda: cache.loading == 0, 30, "read-aheads")  # noqa: B023
+                if forget:
+                    mb._quiet = None
+                before, last = len(cache.asks), mb._quiet
+                if not mb.next_burst():
+                    break
+                quiet += mb._quiet is last and not forget  # this burst's returned early
+                per_burst.append([k for ask in cache.asks[before:] for k in ask])
+        finally:
+            cache.close()
+        s = cache.stats
+        runs.append((per_burst, (s.hits, s.misses, s.loads, s.evictions, s.read_aheads)))
+    assert runs[0] == runs[1]
+    assert quiet > 0 and runs[0][1][3] > 0  # some returned early; chunks were evicted

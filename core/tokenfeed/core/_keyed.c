@@ -1,4 +1,5 @@
-/* tokenfeed.core._keyed: keyed.permute's loop in C (the keyed bijections of [0, n)).
+/* tokenfeed.core._keyed: keyed.permute's loop in C (the keyed bijections of [0, n)), and
+ * a mixture step's rows (mixture.rank_steps: the step order, each slot's source and item).
  *
  * keyed.py defines the bijection (its docstring) and holds the numpy reference; this
  * evaluates the same Feistel network and cycle walk element by element, so an element
@@ -169,9 +170,138 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------- step_rows */
+
+/* A C-contiguous int64 (or uint64, `unsigned_`) array of `ndim` dimensions. */
+static int
+array64(PyObject *obj, Py_buffer *view, int ndim, int writable, int unsigned_, const char *what)
+{
+    int flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        view->obj = NULL;
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    int ok = unsigned_ ? (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0)
+                       : (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
+    if (view->itemsize != 8 || view->ndim != ndim || !ok) {
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        PyErr_Format(PyExc_TypeError, "step_rows: %s must be a C-contiguous %s array of %d "
+                     "dimension(s)", what, unsigned_ ? "uint64" : "int64", ndim);
+        return -1;
+    }
+    return 0;
+}
+
+#define STEP_BLOCK 64 /* slots put through the rounds together (independent: overlapped) */
+
+/* step_rows(rk, gb, rank_slot, start, counts, src, item): a mixture step's rows for one
+ * rank (mixture.rank_steps, shuffle on, in one pass). Step s's slots rank_slot ..
+ * rank_slot + B - 1 of [0, gb) go through the step's bijection of [0, gb) (round keys
+ * rk[:, s], rk: uint64 [6, steps]; the same network and cycle walk as `permute`) to v;
+ * v's source is the last i with start[s, i] <= v (start: int64 [steps, k], ascending
+ * along i, start[s, 0] = 0) and its item counts[s, i] + v - start[s, i]. src, item:
+ * int64 [steps, B], written. */
+static PyObject *
+step_rows(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *rk_obj, *start_obj, *counts_obj, *src_obj, *item_obj;
+    long long gb, rank_slot;
+    if (!PyArg_ParseTuple(args, "OLLOOOO:step_rows", &rk_obj, &gb, &rank_slot, &start_obj,
+                          &counts_obj, &src_obj, &item_obj))
+        return NULL;
+    Py_buffer rk = {0}, start = {0}, counts = {0}, src = {0}, item = {0};
+    PyObject *result = NULL;
+    if (array64(rk_obj, &rk, 2, 0, 1, "rk") < 0 || array64(start_obj, &start, 2, 0, 0, "start") < 0 ||
+        array64(counts_obj, &counts, 2, 0, 0, "counts") < 0 ||
+        array64(src_obj, &src, 2, 1, 0, "src") < 0 || array64(item_obj, &item, 2, 1, 0, "item") < 0)
+        goto done;
+    Py_ssize_t steps = rk.shape[1], k = start.shape[1], B = src.shape[1];
+    if (rk.shape[0] != ROUNDS || start.shape[0] != steps || counts.shape[0] != steps ||
+        counts.shape[1] != k || src.shape[0] != steps || item.shape[0] != steps ||
+        item.shape[1] != B || k < 1) {
+        PyErr_SetString(PyExc_ValueError, "step_rows: rk [6, steps], start and counts "
+                        "[steps, k], src and item [steps, B]");
+        goto done;
+    }
+    if (gb < 2 || gb > (1LL << 62) || rank_slot < 0 || rank_slot + B > gb) {
+        PyErr_SetString(PyExc_ValueError, "step_rows: the slots must lie in [0, gb), gb >= 2");
+        goto done;
+    }
+    const uint64_t *keys = rk.buf;
+    const int64_t *st = start.buf, *cs = counts.buf;
+    int64_t *out_src = src.buf, *out_item = item.buf;
+    uint64_t limit = (uint64_t)gb;
+    unsigned bits = 1;
+    while (bits < 62 && ((uint64_t)1 << bits) < limit)
+        bits++;
+    Py_BEGIN_ALLOW_THREADS
+    unsigned wr0 = bits >> 1, wl0 = bits - wr0;
+    uint64_t left[STEP_BLOCK], right[STEP_BLOCK];
+    for (Py_ssize_t s = 0; s < steps; s++) {
+        const uint64_t *kr = keys + s; /* round r's key: kr[r * steps] */
+        const int64_t *st_s = st + s * k, *cs_s = cs + s * k;
+        for (Py_ssize_t b0 = 0; b0 < B; b0 += STEP_BLOCK) {
+            Py_ssize_t m = B - b0 < STEP_BLOCK ? B - b0 : STEP_BLOCK;
+            /* the network round-major over the block: its slots' rounds overlap */
+            for (Py_ssize_t j = 0; j < m; j++) {
+                uint64_t x = (uint64_t)(rank_slot + b0 + j);
+                left[j] = x >> wr0;
+                right[j] = x & ((1ULL << wr0) - 1);
+            }
+            unsigned wl = wl0, wr = wr0;
+            for (int r = 0; r < ROUNDS; r++) {
+                uint64_t key_r = kr[r * steps], mask = (1ULL << wl) - 1;
+                for (Py_ssize_t j = 0; j < m; j++) {
+                    uint64_t f = (mix(right[j] ^ key_r) & mask) ^ left[j];
+                    left[j] = right[j];
+                    right[j] = f;
+                }
+                unsigned w = wl;
+                wl = wr;
+                wr = w;
+            }
+            for (Py_ssize_t j = 0; j < m; j++) {
+                uint64_t v = (left[j] << wr) | right[j];
+                while (v >= limit) /* cycle walking, one slot at a time */
+                    v = encrypt(v, kr, steps, bits);
+                /* the last i with st_s[i] <= v: st_s[0] = 0 <= v, ascending */
+                Py_ssize_t lo = 0, n = k;
+                while (n > 1) {
+                    Py_ssize_t half = n / 2;
+                    lo = st_s[lo + half] <= (int64_t)v ? lo + half : lo;
+                    n -= half;
+                }
+                out_src[s * B + b0 + j] = lo;
+                out_item[s * B + b0 + j] = cs_s[lo] + ((int64_t)v - st_s[lo]);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    if (rk.obj)
+        PyBuffer_Release(&rk);
+    if (start.obj)
+        PyBuffer_Release(&start);
+    if (counts.obj)
+        PyBuffer_Release(&counts);
+    if (src.obj)
+        PyBuffer_Release(&src);
+    if (item.obj)
+        PyBuffer_Release(&item);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"permute", permute, METH_VARARGS,
      "permute(x, n, rk, bits, inverse, out): keyed.permute into `out`."},
+    {"step_rows", step_rows, METH_VARARGS,
+     "step_rows(rk, gb, rank_slot, start, counts, src, item): mixture.rank_steps' rows."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -10,3 +10,13 @@ def permute(
     out: np.ndarray,
     /,
 ) -> None: ...
+def step_rows(
+    rk: np.ndarray,
+    gb: int,
+    rank_slot: int,
+    start: np.ndarray,
+    counts: np.ndarray,
+    src: np.ndarray,
+    item: np.ndarray,
+    /,
+) -> None: ...

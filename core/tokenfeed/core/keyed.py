@@ -220,10 +220,17 @@ def permute_np(
 
 
 _permute_c: Callable[..., None] | None
+# mixture.rank_steps' rows in C (the step order, each slot's source and item; its numpy
+# code is the reference): step_rows(rk [6, steps], gb, rank_slot, start, counts, src, item)
+native_step_rows: Callable[..., None] | None
 try:
     from tokenfeed.core._keyed import permute as _permute_c
 except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1)
     _permute_c = None
+try:
+    from tokenfeed.core._keyed import step_rows as native_step_rows
+except ImportError:  # (or with one built before it had step_rows: numpy, permute in C)
+    native_step_rows = None
 
 NATIVE = _permute_c is not None
 

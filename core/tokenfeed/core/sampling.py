@@ -444,6 +444,10 @@ def _divmod(n: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, r
 
 
+# MixturePlan.starts maps up to this many sources' items one source at a time
+_SOURCES_ONE_BY_ONE = 8
+
+
 class PassOrders:
     """Many epoch orders at once: (source, pass, position) -> window index.
 
@@ -530,6 +534,13 @@ class PassOrders:
         block_start = j * wpb - deficit * (j > short)
         out = self._g_blocks[row, j] * wpb + (u - block_start)
         return out.reshape(shape)
+
+    def pass_windows(self, i: int, e: int, pos: np.ndarray) -> np.ndarray:
+        """Window indices of positions `pos` of pass e of source i (`windows` for
+        elements of one pass)."""
+        if not self.shuffle:
+            return np.asarray(pos, dtype=np.int64).copy()
+        return self._order(i, e).windows(pos)
 
     def _order(self, i: int, e: int) -> EpochOrder:
         """Pass e of source i's epoch order, made once (a few are kept)."""
@@ -717,9 +728,27 @@ class MixturePlan(_SpecView):
     def starts(self, sources: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Item `items[m]` of source `sources[m]` -> its window's start in that source's
         store (pass items // windows, position items % windows of that pass)."""
+        stride = self.spec.stride  # the train split begins at token 0
+        if self.spec.shuffle and len(self.windows) <= _SOURCES_ONE_BY_ONE:
+            # source by source: a round's items of one source are a few thousand
+            # consecutive ones, most often all in one pass, mapped by its order at once
+            flat, out = items.ravel(), np.empty(items.size, dtype=np.int64)
+            src = sources.ravel()
+            for i, n in enumerate(self.windows):
+                sel = np.flatnonzero(src == i)
+                if not len(sel):
+                    continue
+                mine = flat[sel]
+                e = int(mine.min()) // n
+                if int(mine.max()) // n == e:
+                    out[sel] = self.orders.pass_windows(i, e, mine - e * n)
+                else:
+                    passes, positions = _divmod(mine, self._windows_np[np.full(len(sel), i)])
+                    out[sel] = self.orders.windows(np.full(len(sel), i), passes, positions)
+            return (out * stride).reshape(items.shape)
         passes, positions = _divmod(items, self._windows_np[sources])
         window = self.orders.windows(sources, passes, positions)
-        return window * self.spec.stride  # the train split begins at token 0
+        return window * stride
 
     def check(self, rank: int, offset: int, step: int) -> None:
         """InvalidArgument (naming the field) unless `rank` can stream from (offset, step)."""

@@ -29,7 +29,7 @@ import numpy as np
 
 from tokenfeed.core import sampling
 from tokenfeed.server import splice, wire
-from tokenfeed.server.cache import ChunkCache
+from tokenfeed.server.cache import ChunkCache, count_by_dataset
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
@@ -195,7 +195,7 @@ def chunk_uses(spans: list[Span]) -> tuple[list[int], dict[int, int]]:
 class Pinned:
     """Chunks pinned in the cache for a burst: their ids (ascending) and byte views."""
 
-    def __init__(self, entries: list[Any], keys: list[int]) -> None:
+    def __init__(self, entries: list[Any], keys: list[int] | np.ndarray) -> None:
         self.entries = entries  # to release
         self.keys = np.asarray(keys, dtype=np.int64)
         self.views = [e.view for e in entries]
@@ -295,6 +295,11 @@ class MessageBuilder:
         self._asked: dict[int, int] = {}  # chunk -> burst when last read ahead
         self._near: tuple[Any, set[int]] = (None, set())  # the last read-ahead's batches
         self._waiting: list[int] = []  # chunks read-ahead left out for want of room
+        # the last read-ahead's chunks and the burst the first of them is due to be asked
+        # for again: until then, a read-ahead of the same chunks has nothing to ask
+        self._quiet: tuple[list[int], int] | None = None
+        # the last burst's chunks, their keys and count by dataset, as an array (_pin)
+        self._pins: tuple[list[int], list[Hashable], dict[str, int], np.ndarray] | None = None
         self._at = 0  # the batch (of this stream) the last read-ahead counted from
         self._needed: dict[int, int] = {}  # chunk -> last batch needing it (last deep look)
         self._look: list[int] = []  # the last deep look's chunks, in order of first use
@@ -365,26 +370,49 @@ class MessageBuilder:
             self.cache.cool([self.ds.chunk_key(c) for c in past])
         if not self.plan.shuffle and chunks and max(chunks) + 1 < store.num_chunks:
             chunks.append(max(chunks) + 1)
-        asked = set(chunks)
-        chunks += [c for c in self._waiting if c not in asked]
+        if self._waiting:
+            asked = set(chunks)
+            chunks += [c for c in self._waiting if c not in asked]
         self._bursts += 1
         if len(self._asked) > 4096:
             self._asked.clear()
+            self._quiet = None
         again = near if self.cache.readahead_capacity else set()  # asked at every burst
+        # The same chunks as the last call, none asked for ASK_AGAIN bursts ago yet: the
+        # loop below would skip every one (a stream inside a shuffle group, the usual
+        # case; a mixture's bursts need every source's group: ~2.6x a dataset's chunks)
+        quiet = self._quiet
+        if (
+            warm is None
+            and not again
+            and quiet is not None
+            and self._bursts < quiet[1]
+            and chunks == quiet[0]
+        ):
+            return
+        due = self._bursts + ASK_AGAIN  # the burst the first of `chunks` falls due again
         wanted = []
         for c in chunks:
-            if c not in again and self._bursts - self._asked.get(c, -ASK_AGAIN) < ASK_AGAIN:
-                continue
+            if c not in again:
+                at = self._asked.get(c, -ASK_AGAIN)
+                if self._bursts - at < ASK_AGAIN:
+                    if at + ASK_AGAIN < due:
+                        due = at + ASK_AGAIN
+                    continue
             self._asked[c] = self._bursts
             if nbytes := store.chunk_nbytes(c):
                 wanted.append((c, (self.ds.chunk_key(c), nbytes, partial(store.read_chunk, c))))
         # in order of need: the nearest load first and end warmest (a deep look warms
         # every chunk it saw, those asked for in the last few bursts too)
         keys: list[Hashable] | None = None if warm is None else [self.ds.chunk_key(c) for c in warm]
-        left = set(self.cache.read_ahead_all([w for _, w in wanted], warm=keys))
+        left: set[Hashable] = set()
+        if wanted or keys is not None:  # (else the cache has nothing to do)
+            left = set(self.cache.read_ahead_all([w for _, w in wanted], warm=keys))
         self._waiting = [c for c, w in wanted if w[0] in left][:WAITING_CHUNKS]
         for c in self._waiting:
             del self._asked[c]
+        # a chunk left waiting was forgotten (asked again next time): no quiet calls then
+        self._quiet = (chunks, -1 if self._waiting else due)
 
     def _then_spans(self, n: int) -> list[Span]:
         """The next epoch's first n batches (as far as it has them), located once."""
@@ -431,7 +459,7 @@ class MessageBuilder:
             return []
         spans = [span for spans in messages for span in spans]
         chunks = self._near[1] if self._near[0] == _reach(spans) else spans_chunks(spans)
-        pinned = pin_views(self.ds, self.cache, sorted(chunks))
+        pinned = self._pin(sorted(chunks))
         if pinned is None and inline:  # leave the burst to a worker thread
             return []
         try:
@@ -444,6 +472,18 @@ class MessageBuilder:
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
         return burst
+
+    def _pin(self, chunks: list[int]) -> Pinned | None:
+        """pin_views, with what only depends on the chunks (their keys, the keys' count by
+        dataset) made once for a run of bursts over the same chunks (a shuffle group's:
+        for a mixture, a group of every source)."""
+        memo = self._pins
+        if memo is None or memo[0] != chunks:
+            keys: list[Hashable] = [self.ds.chunk_keys[c] for c in chunks]
+            ids = np.asarray(chunks, dtype=np.int64)
+            memo = self._pins = (chunks, keys, count_by_dataset(keys), ids)
+        entries = self.cache.pin_resident(memo[1], memo[2])
+        return None if entries is None else Pinned(entries, memo[3])
 
     def _message(self, spans: list[Span], pinned: Pinned | None) -> Message:
         batches = sum(j - i for _, i, j in spans)

@@ -75,6 +75,16 @@ class _Entry:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+def count_by_dataset(keys: list[Hashable]) -> dict[str, int]:
+    """How many of `keys` each dataset has (a key's first part when it is a (name, ...)
+    tuple; other keys are no dataset's): what a pin counts in the per-dataset hits."""
+    names: dict[str, int] = {}
+    for k in keys:
+        if isinstance(k, tuple) and isinstance(k[0], str):
+            names[k[0]] = names.get(k[0], 0) + 1
+    return names
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -173,30 +183,38 @@ class ChunkCache:
         with self._cond:
             return sum(1 for e in self._entries.values() if e.pins)
 
-    def pin_resident(self, keys: list[Hashable]) -> list[_Entry] | None:
+    def pin_resident(
+        self, keys: list[Hashable], by_dataset: dict[str, int] | None = None
+    ) -> list[_Entry] | None:
         """Pin all of `keys` at once if every one is loaded, else pin nothing (None).
 
         The fast path for a batch whose chunks are all cached: one lock round trip
         instead of one per chunk. It never waits, so holding several pins is safe.
-        Release with `release_all`; the arrays are `entry.data`.
+        Release with `release_all`; the arrays are `entry.data`. `by_dataset`:
+        count_by_dataset(keys), when the caller has it (a stream pins the same chunks
+        burst after burst: a mixture's, several datasets' shuffle groups).
         """
         with self._cond:
             entries = []
+            ahead = []
             for key in keys:
                 e = self._entries.get(key)
                 if e is None or e.data is None:
                     return None
                 entries.append(e)
+                if e.ahead:
+                    ahead.append(e)
             for key, e in zip(keys, entries, strict=True):
                 e.pins += 1
                 self._entries.move_to_end(key)
-            for e in entries:  # after pinning all: a promotion evicts only unpinned chunks
-                if e.ahead:
-                    self._promote(e)
+            for e in ahead:  # after pinning all: a promotion evicts only unpinned chunks
+                self._promote(e)
             self.stats.hits += len(entries)
         if self.metrics is not None:
             self.metrics.cache_hits.inc(len(entries))
-            self._by_dataset(self.metrics.cache_dataset_hits, keys)
+            counts = count_by_dataset(keys) if by_dataset is None else by_dataset
+            for name, n in counts.items():
+                self._child(self.metrics.cache_dataset_hits, name).inc(n)
         return entries
 
     def release_all(self, entries: list[_Entry]) -> None:
@@ -492,12 +510,8 @@ class ChunkCache:
             self._used -= entry.held
 
     def _by_dataset(self, counter: Any, keys: list[Hashable]) -> None:
-        """Count keys by dataset (a key's first part when it is a (name, ...) tuple)."""
-        names: dict[str, int] = {}
-        for k in keys:
-            if isinstance(k, tuple) and isinstance(k[0], str):
-                names[k[0]] = names.get(k[0], 0) + 1
-        for name, n in names.items():
+        """Count keys by dataset (count_by_dataset)."""
+        for name, n in count_by_dataset(keys).items():
             self._child(counter, name).inc(n)
 
     def _child(self, counter: Any, dataset: str) -> Any:
