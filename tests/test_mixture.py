@@ -458,33 +458,6 @@ def test_shuffle_mixes_ranks_and_depends_on_seed_and_offset():
     assert len({tuple(np.argsort(row)) for row in a[1]}) > 1
 
 
-@SETTINGS
-@given(
-    st.lists(st.integers(0, 5), min_size=1, max_size=5),
-    st.sampled_from([(1, 1), (2, 1), (4, 2), (8, 4), (16, 1), (3, 2), (5, 3)]),
-    st.integers(1, 6),
-    st.integers(0, 2**64 - 1),
-    st.integers(0, 10**6),
-)
-def test_step_order_in_c_and_numpy_agree(weights, layout, steps, seed, offset):
-    """rank_steps' step order by the C permutation (where built) equals the numpy
-    Feistel it replaced for power-of-two B*W (one key per step, broadcast)."""
-    import tokenfeed.core.mixture as mixture_module
-
-    if not any(weights):
-        weights[0] = 1
-    mix = Mixture([(f"s{i}", w) for i, w in enumerate(weights)], seq_len=3)
-    B, W = layout
-    offset = offset // (B * W) * (B * W)
-    kw = dict(batch_size=B, world_size=W, seed=seed, shuffle=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mixture_module, "NATIVE", False)
-        numpy_path = [mix.rank_steps(r, offset, steps, **kw) for r in range(W)]
-    for r, (src, item) in enumerate(numpy_path):
-        got = mix.rank_steps(r, offset, steps, **kw)
-        assert np.array_equal(got[0], src) and np.array_equal(got[1], item)
-
-
 @pytest.mark.parametrize("n", [2, 3, 5, 8, 100, 1000, 1024, 4095])
 def test_step_permutation_is_a_bijection(n):
     rk = round_keys(step_keys(5, np.array([0, n, 7 * n])))
