@@ -96,7 +96,7 @@ class S3FaultProxy:
         self._queued: list[str] = []
         self._lock = threading.Lock()
         self.requests = 0
-        self.methods_seen: dict[str, int] = {}
+        self.methods_seen: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -137,7 +137,7 @@ class S3FaultProxy:
     def _decide(self, method: str) -> tuple[str | None, float]:
         with self._lock:
             self.requests += 1
-            self.methods_seen[method] = self.methods_seen.get(method, 0) + 1
+            self.methods_seen[method] += 1
             if method not in self.methods:
                 return None, self.latency
             if self._queued:
