@@ -58,6 +58,19 @@ decrypt(uint64_t x, const uint64_t *rk, Py_ssize_t step, unsigned bits)
     return (left << wr) | right;
 }
 
+/* Whether a buffer holds 8-byte ints (signed, or unsigned if `unsigned_`) in `ndim`
+ * dimensions. */
+static int
+is64(const Py_buffer *view, int ndim, int unsigned_)
+{
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    int ok = unsigned_ ? (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0)
+                       : (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
+    return ok && view->itemsize == 8 && view->ndim == ndim;
+}
+
 /* An int64 array of m elements (C-contiguous) or an int: `*scalar` set for an int. */
 static int
 int64s(PyObject *obj, Py_buffer *view, int64_t *scalar, Py_ssize_t m, const char *what)
@@ -69,11 +82,7 @@ int64s(PyObject *obj, Py_buffer *view, int64_t *scalar, Py_ssize_t m, const char
     }
     if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
         return -1;
-    const char *f = view->format ? view->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@')
-        f++;
-    if (view->itemsize != 8 || view->ndim != 1 || view->shape[0] != m ||
-        (strcmp(f, "q") != 0 && strcmp(f, "l") != 0)) {
+    if (!is64(view, 1, 0) || view->shape[0] != m) {
         PyBuffer_Release(view);
         view->obj = NULL;
         PyErr_Format(PyExc_TypeError, "permute: %s must be an int or an int64 array like x",
@@ -181,12 +190,7 @@ array64(PyObject *obj, Py_buffer *view, int ndim, int writable, int unsigned_, c
         view->obj = NULL;
         return -1;
     }
-    const char *f = view->format ? view->format : "B";
-    if (*f == '<' || *f == '=' || *f == '@')
-        f++;
-    int ok = unsigned_ ? (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0)
-                       : (strcmp(f, "q") == 0 || strcmp(f, "l") == 0);
-    if (view->itemsize != 8 || view->ndim != ndim || !ok) {
+    if (!is64(view, ndim, unsigned_)) {
         PyBuffer_Release(view);
         view->obj = NULL;
         PyErr_Format(PyExc_TypeError, "step_rows: %s must be a C-contiguous %s array of %d "
@@ -195,8 +199,6 @@ array64(PyObject *obj, Py_buffer *view, int ndim, int writable, int unsigned_, c
     }
     return 0;
 }
-
-#define STEP_BLOCK 64 /* slots put through the rounds together (independent: overlapped) */
 
 /* step_rows(rk, gb, rank_slot, start, counts, src, item): a mixture step's rows for one
  * rank (mixture.rank_steps, shuffle on, in one pass). Step s's slots rank_slot ..
@@ -240,45 +242,23 @@ step_rows(PyObject *self, PyObject *args)
     while (bits < 62 && ((uint64_t)1 << bits) < limit)
         bits++;
     Py_BEGIN_ALLOW_THREADS
-    unsigned wr0 = bits >> 1, wl0 = bits - wr0;
-    uint64_t left[STEP_BLOCK], right[STEP_BLOCK];
     for (Py_ssize_t s = 0; s < steps; s++) {
         const uint64_t *kr = keys + s; /* round r's key: kr[r * steps] */
         const int64_t *st_s = st + s * k, *cs_s = cs + s * k;
-        for (Py_ssize_t b0 = 0; b0 < B; b0 += STEP_BLOCK) {
-            Py_ssize_t m = B - b0 < STEP_BLOCK ? B - b0 : STEP_BLOCK;
-            /* the network round-major over the block: its slots' rounds overlap */
-            for (Py_ssize_t j = 0; j < m; j++) {
-                uint64_t x = (uint64_t)(rank_slot + b0 + j);
-                left[j] = x >> wr0;
-                right[j] = x & ((1ULL << wr0) - 1);
+        for (Py_ssize_t b = 0; b < B; b++) {
+            uint64_t v = (uint64_t)(rank_slot + b);
+            do /* cycle walking, as in permute */
+                v = encrypt(v, kr, steps, bits);
+            while (v >= limit);
+            /* the last i with st_s[i] <= v: st_s[0] = 0 <= v, ascending */
+            Py_ssize_t lo = 0, n = k;
+            while (n > 1) {
+                Py_ssize_t half = n / 2;
+                lo = st_s[lo + half] <= (int64_t)v ? lo + half : lo;
+                n -= half;
             }
-            unsigned wl = wl0, wr = wr0;
-            for (int r = 0; r < ROUNDS; r++) {
-                uint64_t key_r = kr[r * steps], mask = (1ULL << wl) - 1;
-                for (Py_ssize_t j = 0; j < m; j++) {
-                    uint64_t f = (mix(right[j] ^ key_r) & mask) ^ left[j];
-                    left[j] = right[j];
-                    right[j] = f;
-                }
-                unsigned w = wl;
-                wl = wr;
-                wr = w;
-            }
-            for (Py_ssize_t j = 0; j < m; j++) {
-                uint64_t v = (left[j] << wr) | right[j];
-                while (v >= limit) /* cycle walking, one slot at a time */
-                    v = encrypt(v, kr, steps, bits);
-                /* the last i with st_s[i] <= v: st_s[0] = 0 <= v, ascending */
-                Py_ssize_t lo = 0, n = k;
-                while (n > 1) {
-                    Py_ssize_t half = n / 2;
-                    lo = st_s[lo + half] <= (int64_t)v ? lo + half : lo;
-                    n -= half;
-                }
-                out_src[s * B + b0 + j] = lo;
-                out_item[s * B + b0 + j] = cs_s[lo] + ((int64_t)v - st_s[lo]);
-            }
+            out_src[s * B + b] = lo;
+            out_item[s * B + b] = cs_s[lo] + ((int64_t)v - st_s[lo]);
         }
     }
     Py_END_ALLOW_THREADS

@@ -225,12 +225,9 @@ _permute_c: Callable[..., None] | None
 native_step_rows: Callable[..., None] | None
 try:
     from tokenfeed.core._keyed import permute as _permute_c
-except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1)
-    _permute_c = None
-try:
     from tokenfeed.core._keyed import step_rows as native_step_rows
-except ImportError:  # (or with one built before it had step_rows: numpy, permute in C)
-    native_step_rows = None
+except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1)
+    _permute_c = native_step_rows = None
 
 NATIVE = _permute_c is not None
 
