@@ -213,8 +213,7 @@ class ChunkCache:
         if self.metrics is not None:
             self.metrics.cache_hits.inc(len(entries))
             counts = count_by_dataset(keys) if by_dataset is None else by_dataset
-            for name, n in counts.items():
-                self._child(self.metrics.cache_dataset_hits, name).inc(n)
+            self._by_dataset(self.metrics.cache_dataset_hits, counts)
         return entries
 
     def release_all(self, entries: list[_Entry]) -> None:
@@ -337,7 +336,7 @@ class ChunkCache:
                     self.stats.hits += 1
                     if self.metrics is not None:
                         self.metrics.cache_hits.inc()
-                        self._by_dataset(self.metrics.cache_dataset_hits, [key])
+                        self._by_dataset(self.metrics.cache_dataset_hits, count_by_dataset([key]))
                     return entry
             else:
                 self._make_room(self._loading_cost(nbytes), wait=True)
@@ -353,7 +352,7 @@ class ChunkCache:
             self.stats.misses += 1
             if self.metrics is not None:
                 self.metrics.cache_misses.inc()
-                self._by_dataset(self.metrics.cache_dataset_misses, [key])
+                self._by_dataset(self.metrics.cache_dataset_misses, count_by_dataset([key]))
         if leader:
             self._load(key, entry, load)
         entry.done.wait()
@@ -509,9 +508,9 @@ class ChunkCache:
         else:
             self._used -= entry.held
 
-    def _by_dataset(self, counter: Any, keys: list[Hashable]) -> None:
-        """Count keys by dataset (count_by_dataset)."""
-        for name, n in count_by_dataset(keys).items():
+    def _by_dataset(self, counter: Any, counts: dict[str, int]) -> None:
+        """Add `counts` (count_by_dataset's) to each dataset's child of `counter`."""
+        for name, n in counts.items():
             self._child(counter, name).inc(n)
 
     def _child(self, counter: Any, dataset: str) -> Any:
