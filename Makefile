@@ -31,7 +31,7 @@ test-slow: $(STAMP) $(GRPC_JS)
 test-all: $(STAMP) $(GRPC_JS)
 	$(BIN)/pytest -q
 
-# grpc-js for tests/test_grpc_js.py: a client built from feeder.proto alone (needs npm)
+# grpc-js for tests/e2e/test_grpc_js.py: a client built from feeder.proto alone (needs npm)
 $(GRPC_JS): tests/grpc_js/package.json tests/grpc_js/package-lock.json
 	npm ci --prefix tests/grpc_js --no-audit --no-fund
 	touch $(GRPC_JS)

@@ -13,7 +13,7 @@ has to hide that. The proxy models exactly that and nothing else:
   time per connection, so this is once per request;
 * every byte, both ways, moves with `os.splice` through a pipe: socket -> pipe ->
   socket inside the kernel, so the proxy costs a few system calls per MiB, not a
-  Python copy of every byte (the fault proxy in tests/s3faultproxy.py parses HTTP and
+  Python copy of every byte (the fault proxy in tests/support/s3faultproxy.py parses HTTP and
   copies in Python; it is for correctness tests, and on a 2-core machine it measured
   itself rather than the feeder: 0.41x with no latency at all).
 

@@ -83,7 +83,7 @@ done
 out="$(kubernetes-validate --strict "${manifests[@]}" 2>&1)" || { echo "$out"; exit 1; }
 echo "$out"
 # Only the Prometheus Operator's PodMonitor has no schema here (a CRD); it is
-# cross-checked against the Deployment by tests/test_deploy.py.
+# cross-checked against the Deployment by tests/deploy/test_deploy.py.
 if echo "$out" | grep "Couldn't find schema" | grep -v "kind PodMonitor " ; then
     echo "a manifest above was not validated (unknown kind)" >&2
     exit 1
@@ -93,7 +93,7 @@ step "deploy/grafana: committed dashboard JSON matches its generator"
 python deploy/grafana/dashboard.py --check
 echo "ok"
 
-step "consistency tests (tests/test_deploy.py)"
-python -m pytest -q -m "not slow" tests/test_deploy.py
+step "consistency tests (tests/deploy/test_deploy.py)"
+python -m pytest -q -m "not slow" tests/deploy/test_deploy.py
 
 printf '\ndeploy-check: all passed\n'

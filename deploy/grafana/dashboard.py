@@ -5,12 +5,12 @@
 
 Why code: about twenty panels share one data source, one rate window and one layout
 rule; written as grafanalib objects they stay short and reviewable, and the committed
-JSON is still what Grafana provisions (tests/test_deploy.py proves the two agree).
+JSON is still what Grafana provisions (tests/deploy/test_deploy.py proves the two agree).
 
 The panel queries use raw metrics with `$__rate_interval` rather than the recording
 rules, so the dashboard also works on a Prometheus that does not load our rules (a
 cluster's shared one). Metric names come from server/ and client/ metrics.py;
-tests/test_deploy_prometheus.py runs every query against a real feeder and client.
+tests/deploy/test_deploy_prometheus.py runs every query against a real feeder and client.
 """
 
 from __future__ import annotations
