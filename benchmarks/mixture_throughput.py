@@ -2,7 +2,7 @@
 
     python benchmarks/mixture_throughput.py [--seconds 3] [--repeat 3] [--tokens 32M]
 
-Issue 13's goal: a mixture streams at >= 0.9x the tokens/s of one dataset with the same
+Goal: a mixture streams at >= 0.9x the tokens/s of one dataset with the same
 parameters. Both requests are one SamplingSpec (batch 16 x 1024, stride 256, shift 1,
 block shuffle, seed 1), the second with `sources` instead of `dataset`:
 
@@ -14,10 +14,10 @@ block shuffle, seed 1), the second with `sources` instead of `dataset`:
 Each row starts `tokenfeed serve` over the same data root in its own process, warms it
 up (cache fill, connection) for 0.5 s, then one load-generator process drains 1 or 4
 streams of the request for `--seconds` on one asyncio event loop and decodes every
-response with protobuf to count its tokens (as benchmarks/serve_throughput.py's load
-generator does; kept separate from it on purpose, so that file's rows stay as they
-are). Rows run at 1 batch per message (the per-batch costs: sampling, assembly, one
-message each) and at the client's default message size (7 batches, ~256 KiB). The
+response with protobuf to count its tokens (benchmarks/serve_throughput.py's load
+generator, `stream_load`). Rows run at 1 batch per message (the per-batch costs:
+sampling, assembly, one message each) and at the client's default message size (7
+batches, ~256 KiB), with 1 stream and with 4. The
 plan runs `--repeat` times, rows interleaved; each row reports its median tokens/s
 and server CPU seconds per 10^9 tokens, and each mixture row its ratio to the dataset
 row beside it (median, and each run's) and its tokens per server CPU second as a ratio

@@ -7,8 +7,8 @@ Python memory while doing it, and the steady-state cost per batch while streamin
 through `Plan.rounds()` (what the server uses) and `Plan.batches()`; then, side by
 side, a mixture of 16 sources with 100 schedule segments through
 `MixturePlan.rounds()` (the mixture math and every source's passes mapped to windows,
-what the server uses), as a ratio to one dataset (issue 13's goal: <= 2x).
-Issue 3's goal: the per-batch cost is under 5% of the server's per-batch send cost;
+what the server uses), as a ratio to one dataset (goal: <= 2x).
+Goal: the per-batch cost is under 5% of the server's per-batch send cost;
 benchmarks/serve_throughput.py measures that send cost (its bare gRPC ceiling), and
 this script measures it too, side by side, with that module's bare server. Costs are
 CPU seconds of this process (the machine may be shared), best of interleaved repeats.

@@ -18,8 +18,8 @@ its own process and one load-generator process that drains 1 or 4 streams for
 
 `--cpu` runs the one-stream rows at 1 batch per message and at the client's default
 (7 batches, ~256 KiB) and prints each server's CPU seconds per 10^9 tokens against
-bare grpc.aio's, with the ratio in every repeat (issue 16's goal: at most 2x at the
-default size). CPU per token is the steadier figure here: tokens/s swings with what
+bare grpc.aio's, with the ratio in every repeat (goal: at most 2x at the default
+size). CPU per token is the steadier figure here: tokens/s swings with what
 else the two cores run, and both servers share them with the load generator.
 
 The load generator runs every stream on one asyncio event loop (one channel per

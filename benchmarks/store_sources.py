@@ -43,7 +43,7 @@ request) to its peak, against --cache-bytes plus the read-ahead budget, and the 
 growth of its parts: the chunks (AnonHugePages), the heap (the rest of RssAnon), mapped
 files (RssFile).
 
-Goals (issue 14): s3 >= 0.9x local, first batch from cold S3 < 2 s, memory within
+Goals: s3 >= 0.9x local, first batch from cold S3 < 2 s, memory within
 --cache-bytes plus the read-ahead budget; seed and megatron >= 0.9x local.
 """
 

@@ -25,9 +25,9 @@ next epoch streams ahead), and its stall counts every wait, first batches includ
 At 1-5 ms steps the ring almost always holds a batch, so p99 is the cost of next()
 itself right after a sleep (a bare generator's next() is ~8 us p50 / ~25 us p99 after
 a 5 ms sleep on this VM); the stall is that plus the rare empty ring (a reader or
-feeder descheduled on a busy machine: see the max column). 20 ms is the
-simulated-training case of issue 5. The numbers are from one run on a shared machine:
-read the ratios, not the digits.
+feeder descheduled on a busy machine: see the max column). 20 ms stands for an
+ordinary training step. The numbers are from one run on a shared machine: read the
+ratios, not the digits (benchmarks/README.md has the latest).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ from tokenfeed.core.store import TokenStore, write_store
 
 SEQ_LEN, BATCH, DATASET = 1024, 16, "bench"
 VARIANTS = ("feeder/numpy", "feeder/torch", "dataloader/w0", "dataloader/w2", "lru-chunks/w2")
-# Document variants (issue 15), e.g. --variants feeder/numpy+docs,feeder/torch+docs,dataloader/w0:
-# +documents documents=True (every document output: the issue's condition); +docs that
-# and masked labels; +varlen what FlashAttention's varlen functions take (cu_seqlens,
-# max_seqlen, position_ids); +mask masked labels only.
+# Document variants, e.g. --variants feeder/numpy+docs,feeder/torch+docs,dataloader/w0:
+# +documents documents=True (every document output); +docs that and masked labels;
+# +varlen what FlashAttention's varlen functions take (cu_seqlens, max_seqlen,
+# position_ids); +mask masked labels only.
 DOC_OPTIONS: dict[str, dict[str, Any]] = {
     "documents": {"documents": True},
     "docs": {"documents": True, "mask_cross_document_labels": True},

@@ -1,4 +1,4 @@
-"""What a trainer meets first (issue 12): a wrong address or a TLS mismatch fails fast
+"""What a trainer meets first: a wrong address or a TLS mismatch fails fast
 and says why, the log says what the client does, the dataset's metadata and the steps
 left are one attribute away, messages fit a stock gRPC client's 4 MiB limit, and a bad
 constructor argument is refused before any feeder is contacted. All against a real

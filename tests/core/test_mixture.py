@@ -1,7 +1,7 @@
 """Properties of the mixture math (core/mixture.py), checked against a slow sequential
 reference.
 
-The reference below is written from design.md's definition alone (walk positions
+The reference below is written from docs/mixtures.md's definition alone (walk positions
 one by one, queue items as they fall due), not from the closed form in mixture.py.
 """
 

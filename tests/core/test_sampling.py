@@ -1,4 +1,4 @@
-"""Property tests of the sampling engine (design.md "Sampling semantics")."""
+"""Property tests of the sampling engine (docs/sampling.md)."""
 
 from __future__ import annotations
 

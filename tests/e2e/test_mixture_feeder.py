@@ -1,4 +1,4 @@
-"""Mixtures end to end: a real feeder on loopback, real clients (design.md "Mixtures").
+"""Mixtures end to end: a real feeder on loopback, real clients (docs/mixtures.md).
 
 Sources are positional stores with distinct token ranges (`a`: token i is i; `b`: token
 i is i + 1,000,000), so every row names its source and start by its tokens alone.

@@ -1,8 +1,8 @@
 """The feeder under load: many streams, slow consumers, clients that vanish.
 
-Bounded in count and time; loopback only. Figures are printed (`pytest -s`) for the
-README's reliability table; assertions are about completeness, fairness and memory
-bounds, never about speed.
+Bounded in count and time; loopback only. Figures are printed (`pytest -s`);
+assertions are about completeness, fairness and memory bounds, never about speed
+(docs/README.md, "How the contract is tested").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Deliberately simple references for the document tests: Python loops straight from
-the definitions (ARCHITECTURE.md "Document boundaries"), sharing no code with
+the definitions (docs/documents.md, "What the client builds"), sharing no code with
 tokenfeed.core.documents. Two independent ones:
 
 - `from_tokens`: walks a batch buffer token by token, an end being `is_end(row, col)`;

@@ -22,7 +22,7 @@ that the rows of both ranks together hold every window of each full pass exactly
 and no window twice in the last, partial pass (the passes of one source may share a
 step, so this is a count per window: N or N+1 times, N+1 for exactly as many windows
 as the partial pass drew). With `--dataset` it checks that epoch 0 delivered every
-window exactly once, as before.
+window exactly once.
 """
 
 from __future__ import annotations

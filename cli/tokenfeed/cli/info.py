@@ -12,7 +12,7 @@ loader's chunk_NNNNNN/ save_to_disk datasets (info then prints the meta.json to 
 beside them, to give the EOS, vocabulary or a narrower dtype), or a Megatron indexed
 dataset (its PREFIX, or the .bin or .idx path).
 
-The plan of a mixture before a run (design.md "Mixtures"):
+The plan of a mixture before a run (docs/mixtures.md, "Before a run"):
 
     tokenfeed info --data-root ROOT --mixture web=0.7,code=0.2,math=0.1 (or FILE)
                    [--schedule FILE] --tokens 1e12 --seq-len L [--stride S] [--split-rate R]

@@ -11,13 +11,13 @@
 
 Keys are relative to the URL's prefix; every error names the full `s3://bucket/key`.
 
-Why obstore (measured against SeaweedFS, see the stores14 notes): one 16 MB wheel
-with no Python dependencies that imports in ~35 ms (boto3: ~36 MB, 0.8 s); the
-transfer runs in Rust with the GIL released, so the feeder's event loop and batch
-assembly keep the CPU, and a body arrives as buffers copied once into the cache's
-anonymous mmap; its connect, per-read and overall timeouts are all settable (boto3's
-backoff is fixed: 1 s base for SlowDown, with a quota that can stop retrying). Neither
-client retries everything design.md asks for (obstore does not retry a LIST body cut
+Why obstore (measured against SeaweedFS): one 16 MB wheel with no Python dependencies
+that imports in ~35 ms (boto3: ~36 MB, 0.8 s); the transfer runs in Rust with the GIL
+released, so the feeder's event loop and batch assembly keep the CPU, and a body
+arrives as buffers copied once into the cache's anonymous mmap; its connect, per-read
+and overall timeouts are all settable (boto3's backoff is fixed: 1 s base for
+SlowDown, with a quota that can stop retrying). Neither client retries everything
+docs/stores.md ("Where stores live") promises (obstore does not retry a LIST body cut
 short, boto3 not a GET body), so the retry loop is ours either way and obstore's own
 is off (`max_retries` 0): one policy, one count and one WARNING per retry.
 
