@@ -188,7 +188,7 @@ def test_read_ahead_on_s3_reaches_into_the_next_epoch(s3_root: str) -> None:
         wanted = {ds.store.chunk_of(s) for s in first}
         cache = f.server.cache
         wait_until(lambda: all(ds.chunk_key(c) in cache for c in wanted), 30, "read-ahead")
-        assert cache.stats.read_aheads > 0
+        assert cache.stats.readaheads > 0
 
 
 def test_a_stream_from_s3_never_waits_once_its_read_aheads_land(s3_root: str) -> None:

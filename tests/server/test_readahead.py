@@ -1,4 +1,4 @@
-"""A stream's read-ahead (assembly.MessageBuilder._read_ahead) against the real cache.
+"""A stream's read-ahead (readahead.ReadaheadPolicy) against the real cache.
 
 `chunk_uses` is checked against a row-by-row count; the policy by driving a stream's
 bursts over a local store whose files are marked remote (the deep look is a remote
@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenfeed.core import sampling
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.server import assembly
+from tokenfeed.server import assembly, readahead, rounds
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
@@ -40,7 +40,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
     return Catalog(root).get("s")
 
 
-def by_rows(ds: Dataset, spans: list[assembly.Span]) -> tuple[list[int], dict[int, int]]:
+def by_rows(ds: Dataset, spans: list[rounds.Span]) -> tuple[list[int], dict[int, int]]:
     """chunk_uses, counted row by row."""
     order: dict[int, None] = {}
     last: dict[int, int] = {}
@@ -55,7 +55,7 @@ def by_rows(ds: Dataset, spans: list[assembly.Span]) -> tuple[list[int], dict[in
     return list(order), last
 
 
-def row_chunks(ds: Dataset, lr: assembly.LocatedRound, r: int, cols: int) -> list[int]:
+def row_chunks(ds: Dataset, lr: rounds.LocatedRound, r: int, cols: int) -> list[int]:
     """The non-empty chunks row r's tokens lie in, in order."""
     s, bounds = int(lr.starts[r]), ds.store.chunk_starts.tolist()
     return [
@@ -74,7 +74,7 @@ def row_chunks(ds: Dataset, lr: assembly.LocatedRound, r: int, cols: int) -> lis
 def test_chunk_uses_counts_like_rows_one_by_one(
     small: Dataset, data: st.DataObject, seq_len: int, rows: int
 ) -> None:
-    spans: list[assembly.Span] = []
+    spans: list[rounds.Span] = []
     for _ in range(data.draw(st.integers(1, 3))):
         batches = data.draw(st.integers(1, 6))
         starts = np.array(
@@ -88,10 +88,10 @@ def test_chunk_uses_counts_like_rows_one_by_one(
             dtype=np.int64,
         )
         rnd = sampling.Round(0, 0, list(range(batches)), [1] * batches, [rows] * batches, starts)
-        lr = assembly.LocatedRound(small, rnd, seq_len)
+        lr = rounds.LocatedRound(small, rnd, seq_len)
         i = data.draw(st.integers(0, batches - 1))
         spans.append((lr, i, data.draw(st.integers(i + 1, batches))))
-    assert assembly.chunk_uses(spans) == by_rows(small, spans)
+    assert readahead.chunk_uses(spans) == by_rows(small, spans)
 
 
 def benchmark_shaped(
@@ -168,14 +168,14 @@ def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
             mb = assembly.MessageBuilder(
                 ds, plan, plan.rounds(epoch, 0), 1, cache, metrics, then=plan.rounds(epoch + 1, 0)
             )
-            look = mb._look
+            look = mb.readahead.look
             while True:
                 wait_until(lambda: cache.loading == 0, 30, "read-aheads")
                 if not mb.next_burst():
                     break
-                if mb._look is look:
+                if mb.readahead.look is look:
                     continue
-                look = mb._look
+                look = mb.readahead.look
                 rank = {ds.chunk_key(c): i for i, c in enumerate(look)}
                 cached = [k for k in cache.eviction_order() if k in rank]
                 assert cached == sorted(cached, key=lambda k: -rank[k])
@@ -186,23 +186,23 @@ def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
 
 
 class _Recording(ChunkCache):
-    """The real cache, recording the keys every read_ahead_all call asks for."""
+    """The real cache, recording the keys every readahead_all call asks for."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.asks: list[list[Hashable]] = []
 
-    def read_ahead_all(
+    def readahead_all(
         self, wanted: list[tuple[Hashable, int, Any]], warm: list[Hashable] | None = None
     ) -> list[Hashable]:
         self.asks.append([w[0] for w in wanted])
-        return super().read_ahead_all(wanted, warm)
+        return super().readahead_all(wanted, warm)
 
 
 @pytest.mark.parametrize("per_message", [1, 3])
-def test_a_quiet_read_ahead_asks_what_the_whole_loop_asks(small: Dataset, per_message: int) -> None:
+def test_a_quiet_readahead_asks_what_the_whole_loop_asks(small: Dataset, per_message: int) -> None:
     """A read-ahead of the same chunks as the last one, before any of them is due to be
-    asked for again, returns early (MessageBuilder._quiet): every burst must ask the
+    asked for again, returns early (ReadaheadPolicy._quiet): every burst must ask the
     cache for exactly what the whole per-chunk loop asks (forced by forgetting
     `_quiet` before each burst), and the caches must end alike. The cache holds 14 of
     the 29 chunks, so chunks are evicted and asked for again as the stream goes on."""
@@ -218,15 +218,15 @@ def test_a_quiet_read_ahead_asks_what_the_whole_loop_asks(small: Dataset, per_me
             while True:
                 wait_until(lambda: cache.loading == 0, 30, "read-aheads")  # noqa: B023
                 if forget:
-                    mb._quiet = None
-                before, last = len(cache.asks), mb._quiet
+                    mb.readahead._quiet = None
+                before, last = len(cache.asks), mb.readahead._quiet
                 if not mb.next_burst():
                     break
-                quiet += mb._quiet is last and not forget  # this burst's returned early
+                quiet += mb.readahead._quiet is last and not forget  # this burst's returned early
                 per_burst.append([k for ask in cache.asks[before:] for k in ask])
         finally:
             cache.close()
         s = cache.stats
-        runs.append((per_burst, (s.hits, s.misses, s.loads, s.evictions, s.read_aheads)))
+        runs.append((per_burst, (s.hits, s.misses, s.loads, s.evictions, s.readaheads)))
     assert runs[0] == runs[1]
     assert quiet > 0 and runs[0][1][3] > 0  # some returned early; chunks were evicted

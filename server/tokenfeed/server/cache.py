@@ -27,8 +27,8 @@ unused: a guess that did not come true (its stream went away) gives its room up.
 The eviction a first use calls for waits for the next load, read-ahead or `cool`: a
 burst crossing into a new shuffle group pins the old group's chunks and the new one's,
 so at that moment the only chunks left to evict are the ones the new group needs later
-(measured: most stalls on S3 were such chunks, loaded again at once); once the stream
-has cooled the old group's chunks, those go first.
+(evicted then, they would be loaded again at once, a stall each on object storage);
+once the stream has cooled the old group's chunks, those go first.
 Without a budget, a read-ahead chunk takes cache room, at the cold end of the LRU order.
 
 A load in flight counts its chunk plus `load_overhead` bytes (the feeder gives the object
@@ -92,7 +92,7 @@ class CacheStats:
     loads: int = 0  # chunk loads started (read-ahead included)
     evictions: int = 0
     failures: int = 0
-    read_aheads: int = 0  # loads started by read-ahead
+    readaheads: int = 0  # loads started by read-ahead
     ahead_used: int = 0  # chunks read ahead into the budget that a stream then used
     ahead_dropped: int = 0  # ... that were dropped unused (stale_seconds)
 
@@ -222,10 +222,10 @@ class ChunkCache:
                 e.pins -= 1
             self._cond.notify_all()
 
-    def read_ahead_all(
+    def readahead_all(
         self, wanted: list[tuple[Hashable, int, Loader]], warm: list[Hashable] | None = None
     ) -> list[Hashable]:
-        """`read_ahead` for chunks in the order a stream will first need them: loads
+        """`readahead` for chunks in the order a stream will first need them: loads
         start nearest first (the read-ahead room fills with what is needed first), and
         the chunks already cached are warmed farthest first, so the nearest ends warmest
         and the room a load needs is taken from the chunks needed last (or not at all).
@@ -235,7 +235,7 @@ class ChunkCache:
         first: once one is left out, so are the ones after it (none jumps the queue).
         """
         left: list[Hashable] = []
-        with self._cond:  # re-entrant: read_ahead takes it again
+        with self._cond:  # re-entrant: readahead takes it again
             for key in reversed([w[0] for w in wanted] if warm is None else warm):
                 e = self._entries.get(key)
                 if e is not None and not e.ahead:
@@ -243,11 +243,11 @@ class ChunkCache:
             for key, n, load in wanted:
                 if key in self._entries:
                     continue
-                if left or not self.read_ahead(key, n, load, warm=False):
+                if left or not self.readahead(key, n, load, warm=False):
                     left.append(key)
         return left
 
-    def read_ahead(self, key: Hashable, nbytes: int, load: Loader, *, warm: bool = True) -> bool:
+    def readahead(self, key: Hashable, nbytes: int, load: Loader, *, warm: bool = True) -> bool:
         """Start loading `key` in the background unless present, in flight or no room.
 
         Never blocks and never evicts a pinned chunk; returns whether a load started.
@@ -276,7 +276,7 @@ class ChunkCache:
                     return False
                 entry = self._insert(key, nbytes)
                 self._entries.move_to_end(key, last=False)
-            self.stats.read_aheads += 1
+            self.stats.readaheads += 1
         try:
             self._pool.submit(self._load, key, entry, load)
         except RuntimeError:  # pool shut down concurrently
