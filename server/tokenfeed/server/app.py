@@ -141,10 +141,10 @@ class FeederServer:
         if is_url(config.data_root):
             _fewer_malloc_arenas()  # before the object storage client's threads start
         # First: an s3:// root is listed here, so bad credentials fail before anything starts.
-        self.datasets = Catalog(config.data_root, open_store)
+        self.catalog = Catalog(config.data_root, open_store)
         # Object storage: more chunk loads in flight, each GET's buffers counted with its
         # chunk while it loads.
-        remote = self.datasets.remote
+        remote = self.catalog.remote
         self.cache = ChunkCache(
             config.cache_bytes,
             self.metrics,
@@ -156,7 +156,7 @@ class FeederServer:
             config.num_assembly_threads, thread_name_prefix="tokenfeed-batch"
         )
         self.service = FeederService(
-            self.datasets,
+            self.catalog,
             self.cache,
             self.metrics,
             self.executor,

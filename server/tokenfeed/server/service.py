@@ -157,7 +157,7 @@ class FeederService:
         max_streams: int,
         max_batch_bytes: int,
     ) -> None:
-        self.datasets = catalog
+        self.catalog = catalog
         self.cache = cache
         self.metrics = metrics
         self.executor = executor
@@ -190,7 +190,7 @@ class FeederService:
     async def _abort(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
         """The one place a call ends with an error status (counted by code)."""
         self.metrics.errors.labels(code=code).inc()
-        await context.abort(getattr(grpc.StatusCode, code), self.datasets.redact(message))
+        await context.abort(getattr(grpc.StatusCode, code), self.catalog.redact(message))
 
     async def _run_guarded(self, context: grpc.aio.ServicerContext, coro: Any) -> Any:
         try:
@@ -232,7 +232,7 @@ class FeederService:
         found = []
         for name in spec.source_names:
             try:
-                found.append(self.datasets.get(name))
+                found.append(self.catalog.get(name))
             except NotFound as e:
                 field = f"sources[{name!r}]"
                 raise NotFound(f"{field}: {e.message}", field=field) from None
@@ -246,9 +246,9 @@ class FeederService:
         if request.HasField("params") and len(request.params.sources):
             return self._mixture_info(request)
         if request.dataset:
-            found = [self.datasets.get(request.dataset)]
+            found = [self.catalog.get(request.dataset)]
         else:
-            found = self.datasets.all()
+            found = self.catalog.all()
         resp = pb.InfoResponse()
         for ds in found:
             info = _describe(resp, ds)
@@ -315,7 +315,7 @@ class FeederService:
             ds: Dataset = MixtureSpace.of(sources)
             plan = mixture_plan_for(spec, sources)
         else:
-            ds = self.datasets.get(spec.dataset)
+            ds = self.catalog.get(spec.dataset)
             plan = plan_for(spec, ds)
         if not 0 <= request.batches_per_message <= MAX_BATCHES_PER_MESSAGE:
             raise InvalidArgument(
