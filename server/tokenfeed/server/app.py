@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -167,7 +168,7 @@ class FeederServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
-        self._http: Any = None
+        self._http: WSGIServer | None = None
         self._stopped = False
 
     @property
@@ -207,9 +208,9 @@ class FeederServer:
             server,
         )
         bind = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
-        if cfg.tls:
+        if cfg.tls_cert is not None and cfg.tls_key is not None:  # given together (config.py)
             creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],  # type: ignore[arg-type]
+                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],
                 root_certificates=(
                     Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
                 ),
@@ -256,10 +257,14 @@ class FeederServer:
 
 
 def create_server(
-    config: ServerConfig, registry: CollectorRegistry | None = None, **options: Any
+    config: ServerConfig,
+    registry: CollectorRegistry | None = None,
+    *,
+    open_store: Callable[[Path], TokenStore] = TokenStore.open,
+    reuse_port: bool = False,
 ) -> FeederServer:
     """A feeder for `config`, not yet bound; `await server.start()` serves it."""
-    return FeederServer(config, registry, **options)
+    return FeederServer(config, registry, open_store=open_store, reuse_port=reuse_port)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

@@ -20,13 +20,12 @@ import time
 from collections import deque
 from collections.abc import Hashable, Iterator
 from functools import partial
-from typing import Any
 
 import numpy as np
 
 from tokenfeed.core import sampling
 from tokenfeed.server import splice
-from tokenfeed.server.cache import ChunkCache, count_by_dataset
+from tokenfeed.server.cache import ChunkCache, Entry, count_by_dataset
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
@@ -48,7 +47,7 @@ Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, 
 class Pinned:
     """Chunks pinned in the cache for a burst: their ids (ascending) and byte views."""
 
-    def __init__(self, entries: list[Any], keys: list[int] | np.ndarray) -> None:
+    def __init__(self, entries: list[Entry], keys: list[int] | np.ndarray) -> None:
         self.entries = entries  # to release
         self.keys = np.asarray(keys, dtype=np.int64)
         self.views = [e.view for e in entries]

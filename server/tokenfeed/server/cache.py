@@ -63,7 +63,7 @@ Loader = Callable[[], np.ndarray]
 
 
 @dataclass
-class _Entry:
+class Entry:
     nbytes: int
     held: int = 0  # bytes counted for it: nbytes, plus the load's overhead while it loads
     pins: int = 0
@@ -124,7 +124,7 @@ class ChunkCache:
         self.metrics = metrics
         self._children: dict[tuple[Any, str], Any] = {}  # (counter, dataset) -> child
         self.stats = CacheStats()
-        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[Hashable, Entry] = OrderedDict()  # LRU first
         self._used = 0  # bytes of the cache's entries (not read-ahead ones), ready or loading
         self._ahead = 0  # bytes of entries waiting in the read-ahead room, ready or loading
         self._cond = threading.Condition()
@@ -173,7 +173,8 @@ class ChunkCache:
         """The chunk `key`, loaded by `load()` if absent, held in the cache while in use."""
         entry = self._acquire(key, nbytes, load)
         try:
-            yield entry.data  # type: ignore[misc]
+            assert entry.data is not None  # loaded: _acquire raised otherwise
+            yield entry.data
         finally:
             self._release(entry)
 
@@ -185,7 +186,7 @@ class ChunkCache:
 
     def pin_resident(
         self, keys: list[Hashable], by_dataset: dict[str, int] | None = None
-    ) -> list[_Entry] | None:
+    ) -> list[Entry] | None:
         """Pin all of `keys` at once if every one is loaded, else pin nothing (None).
 
         The fast path for a batch whose chunks are all cached: one lock round trip
@@ -216,7 +217,7 @@ class ChunkCache:
             self._by_dataset(self.metrics.cache_dataset_hits, counts)
         return entries
 
-    def release_all(self, entries: list[_Entry]) -> None:
+    def release_all(self, entries: list[Entry]) -> None:
         with self._cond:
             for e in entries:
                 e.pins -= 1
@@ -322,7 +323,7 @@ class ChunkCache:
                 f"with a larger --cache-bytes (at least a few chunks)"
             )
 
-    def _acquire(self, key: Hashable, nbytes: int, load: Loader) -> _Entry:
+    def _acquire(self, key: Hashable, nbytes: int, load: Loader) -> Entry:
         self._check_fits(key, nbytes)
         with self._cond:
             entry = self._entries.get(key)
@@ -361,25 +362,25 @@ class ChunkCache:
             raise entry.error
         return entry
 
-    def _release(self, entry: _Entry) -> None:
+    def _release(self, entry: Entry) -> None:
         with self._cond:
             entry.pins -= 1
             if entry.pins == 0:
                 self._cond.notify_all()
 
-    def _insert(self, key: Hashable, nbytes: int, ahead: bool = False) -> _Entry:
+    def _insert(self, key: Hashable, nbytes: int, ahead: bool = False) -> Entry:
         if self.metrics is not None and isinstance(key, tuple) and isinstance(key[0], str):
             # a dataset's hit and miss series exist (at 0) from its first chunk load on
             self._child(self.metrics.cache_dataset_hits, key[0])
             self._child(self.metrics.cache_dataset_misses, key[0])
         held = nbytes + self._overhead(nbytes) if ahead else self._loading_cost(nbytes)
-        entry = _Entry(nbytes, held, ahead=ahead, since=self._clock() if ahead else 0.0)
+        entry = Entry(nbytes, held, ahead=ahead, since=self._clock() if ahead else 0.0)
         self._entries[key] = entry
         self._count(entry)
         self.stats.loads += 1
         return entry
 
-    def _promote(self, entry: _Entry) -> None:
+    def _promote(self, entry: Entry) -> None:
         """A read-ahead chunk's first use (lock held, `entry` pinned): it moves from the
         read-ahead room into the cache, which may be over its bound until the next load,
         read-ahead or `cool` evicts (the bytes only moved: the sum of both bounds holds).
@@ -438,7 +439,7 @@ class ChunkCache:
                 self._cond.wait()
         return True
 
-    def _evict(self, key: Hashable, entry: _Entry) -> None:
+    def _evict(self, key: Hashable, entry: Entry) -> None:
         del self._entries[key]
         self._uncount(entry)
         entry.data = entry.view = None
@@ -448,7 +449,7 @@ class ChunkCache:
         self._gauge()
         self._cond.notify_all()
 
-    def _load(self, key: Hashable, entry: _Entry, load: Loader) -> None:
+    def _load(self, key: Hashable, entry: Entry, load: Loader) -> None:
         t0 = time.perf_counter()
         try:
             data = load()
@@ -468,7 +469,7 @@ class ChunkCache:
             entry.done.set()
             self._cond.notify_all()
 
-    def _fail(self, key: Hashable, entry: _Entry, error: BaseException, log_it: bool) -> None:
+    def _fail(self, key: Hashable, entry: Entry, error: BaseException, log_it: bool) -> None:
         with self._cond:
             if self._entries.get(key) is entry:
                 del self._entries[key]
@@ -495,14 +496,14 @@ class ChunkCache:
         whole cache, so a chunk as large as the cache can still load."""
         return min(nbytes + self._overhead(nbytes), max(self.capacity, nbytes))
 
-    def _count(self, entry: _Entry) -> None:
+    def _count(self, entry: Entry) -> None:
         if entry.ahead:
             self._ahead += entry.held
         else:
             self._used += entry.held
         self._gauge()
 
-    def _uncount(self, entry: _Entry) -> None:
+    def _uncount(self, entry: Entry) -> None:
         if entry.ahead:
             self._ahead -= entry.held
         else:

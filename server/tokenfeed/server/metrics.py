@@ -21,7 +21,7 @@ capacities add up to --cache-bytes). The names are the same as for one process.
 
 from __future__ import annotations
 
-from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -148,7 +148,7 @@ class SupervisorMetrics:
         )
 
 
-def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
+def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, int]:
     """Export `registry` over HTTP (`/metrics`); returns (server, bound port).
 
     Port 0 picks a free port (tests); call `server.shutdown()` to stop.

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -33,7 +33,7 @@ from tokenfeed.core import sampling
 from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
 from tokenfeed.core.request import MAX_PARAM, SPLITS, SamplingSpec
 from tokenfeed.server import documents
-from tokenfeed.server.assembly import MessageBuilder
+from tokenfeed.server.assembly import Message, MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
@@ -41,6 +41,8 @@ from tokenfeed.server.mixtures import MixtureSpace
 from tokenfeed.v1 import feeder_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 try:  # what a write to a call that already ended (client gone, drain) raises
     from grpc._cython.cygrpc import ExecuteBatchError as _CallEnded
@@ -187,12 +189,16 @@ class FeederService:
 
     # ---------------------------------------------------------------- errors
 
-    async def _abort(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
-        """The one place a call ends with an error status (counted by code)."""
+    async def _abort(self, context: grpc.aio.ServicerContext, code: str, message: str) -> NoReturn:
+        """The one place a call ends with an error status (counted by code): grpc's
+        context.abort raises AbortError, which ends the call."""
         self.metrics.errors.labels(code=code).inc()
         await context.abort(getattr(grpc.StatusCode, code), self.catalog.redact(message))
+        raise AssertionError("context.abort returned instead of raising AbortError")
 
-    async def _run_guarded(self, context: grpc.aio.ServicerContext, coro: Any) -> Any:
+    async def _run_guarded(
+        self, context: grpc.aio.ServicerContext, coro: Awaitable[_T]
+    ) -> _T | None:
         try:
             return await coro
         except FeederError as e:
@@ -221,7 +227,7 @@ class FeederService:
 
     # ------------------------------------------------------------------ Info
 
-    async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+    async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> pb.InfoResponse | None:
         loop = asyncio.get_running_loop()
         return await self._run_guarded(
             context, loop.run_in_executor(self.executor, self._info, request)
@@ -394,7 +400,7 @@ class FeederService:
         bytes_sent = self.metrics.bytes_sent.labels(**labels)
         by_source = SourceCounters.of(self.metrics, pipe)
         small = pipe.message_bytes <= INLINE_MAX_BYTES
-        building: asyncio.Future[Any] | None = None
+        building: asyncio.Future[list[Message]] | None = None
         try:
             while True:
                 if building is not None:

@@ -57,6 +57,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
@@ -107,7 +108,7 @@ class NodeCollector(MultiProcessCollector):  # type: ignore[misc]  # prometheus_
     """The workers' metric files, summed; a scrape that meets a file a new worker is
     just creating (empty for a moment) reads again instead of failing with a 500."""
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> list[Any]:  # Metric families
         for attempt in range(10):
             try:
                 return list(super().collect())
