@@ -6,7 +6,7 @@ reflection, auth and TLS; `FeederServer.start()` binds and serves; `drain()` is 
 graceful stop (health NOT_SERVING, no new streams, open ones get `grace_seconds`).
 `serve(config)` runs one until SIGTERM/SIGINT, then drains: the single-process
 `tokenfeed serve` (main.py) and each worker process of `--workers N` (worker.py).
-Auth, TLS and limits: docs/serving.md.
+Auth and TLS, limits: docs/serving.md.
 """
 
 from __future__ import annotations

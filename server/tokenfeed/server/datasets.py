@@ -23,7 +23,8 @@ reconnect storm) cost one HEAD, not one each, and a store rewritten in object st
 is picked up by streams opened a second after it.
 
 Opening an s3:// root lists it once (`check_access`): wrong credentials or no such
-bucket fail at start, not at the first request.
+bucket fail at start, not at the first request. The formats and the object storage
+layout: docs/stores.md.
 """
 
 from __future__ import annotations

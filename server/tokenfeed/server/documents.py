@@ -13,7 +13,7 @@ both kinds of store:
   batch's tokens.
 
 A store with neither cannot be asked for documents (FAILED_PRECONDITION naming it);
-it is still served without them.
+it is still served without them. What the outputs mean: docs/documents.md.
 
 Hooks elsewhere are small on purpose: the servicer calls `for_dataset` when a request
 asks, and the message builder calls `BatchEnds.field` per batch and `grow` on the

@@ -4,7 +4,8 @@ Dashboards and alert rules (deploy/) are built on these names, so they change on
 together with those. A registry is passed in (never the process-global one, which
 tests would fight over). Labels carry dataset names (paths relative to the data
 root), split names and a mixture's source names (dataset names too) only: no
-filesystem paths, no tokens, no client addresses.
+filesystem paths, no tokens, no client addresses. What each one means:
+docs/serving.md, "Metrics".
 
 prometheus_client appends `_total` to counter names itself, so the counters below are
 declared without it and exported as `tokenfeed_server_batches_sent_total` and so on.

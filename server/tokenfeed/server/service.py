@@ -2,8 +2,10 @@
 
 The servicer is thin on purpose: it turns a request into a `sampling.Plan` and an
 `assembly.MessageBuilder`, and writes out the messages it builds. Domain errors
-(errors.py) become gRPC status codes in one place, `_abort`. The sample order, the
-store format, the caching and the message assembly live elsewhere.
+(errors.py) become gRPC status codes in one place, `_abort` (which code for which
+outcome: docs/request.md, "Status codes"). The sample order, the store format, the
+caching and the message assembly live elsewhere; the RPCs, messages and limits are
+specified in docs/serving.md.
 
 Where messages are built is a measured trade-off. Anything that may block or take
 long runs in the thread pool: opening a store, loading (or waiting for) a chunk, and
@@ -51,9 +53,9 @@ except ImportError:  # pragma: no cover - grpc's internals moved; fall back to t
 
 SERVICE_NAME = "tokenfeed.v1.Feeder"
 INLINE_MAX_BYTES = 1 << 20  # messages up to this size from cached chunks: built on the loop
-MAX_BATCHES_PER_MESSAGE = 1024
+MAX_BATCHES_PER_MESSAGE = 1024  # docs/serving.md, "Limits"
 # A client that does not say how large a message it accepts gets gRPC's default
-# receive limit (StreamBatchesRequest.max_message_bytes).
+# receive limit (StreamBatchesRequest.max_message_bytes; docs/serving.md, "Limits").
 DEFAULT_CLIENT_MESSAGE_BYTES = 4 << 20
 
 

@@ -37,6 +37,8 @@ FeederServer, and stays out of the data path:
   for open streams); exit 0 once all have stopped. A worker still running grace + 15
   seconds later is killed and the exit code is 1. If the supervisor itself dies, each
   worker sees its pipe close and drains.
+
+What an operator sees of this mode: docs/serving.md, "Workers".
 """
 
 from __future__ import annotations
