@@ -182,13 +182,13 @@ def test_read_ahead_on_s3_reaches_into_the_next_epoch(s3_root: str) -> None:
     with running_feeder(s3_root, cache_bytes=24_000, readahead_bytes=48_000) as f:  # type: ignore[arg-type]
         p = params("epochs", shuffle=True, shuffle_blocks=2, seed=3, split_rate=1.0)
         check_positional(stream(f.address, p), s3_root, p)
-        ds = f.server.datasets.get("epochs")
+        ds = f.server.catalog.get("epochs")
         spec = SamplingSpec.from_proto(p)
         first = next(plan_for(spec, ds).batches(1, 0)).starts.tolist()
         wanted = {ds.store.chunk_of(s) for s in first}
         cache = f.server.cache
         wait_until(lambda: all(ds.chunk_key(c) in cache for c in wanted), 30, "read-ahead")
-        assert cache.stats.read_aheads > 0
+        assert cache.stats.readaheads > 0
 
 
 def test_a_stream_from_s3_never_waits_once_its_read_aheads_land(s3_root: str) -> None:

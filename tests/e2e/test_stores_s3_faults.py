@@ -60,7 +60,7 @@ def test_every_epoch_exactly_once_through_s3_faults(
         for e in range(2):
             got, _ = _epoch(f.address, e, backoff=backoff)
             assert got == expected[e]  # the same order: nothing lost, nothing repeated
-        retries = f.server.datasets.objects.retries  # type: ignore[union-attr]
+        retries = f.server.catalog.objects.retries  # type: ignore[union-attr]
     assert proxy.faults["slowdown"] > 0 and proxy.faults["reset"] > 0
     assert retries >= proxy.faults["slowdown"]
 

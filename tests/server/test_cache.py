@@ -133,7 +133,7 @@ def test_pinned_chunk_is_not_evicted_a_loader_waits_for_it() -> None:
         t.start()
         assert not got_b.wait(0.2)  # no room while "a" is pinned
         assert "a" in cache and int(a[0]) == 1
-        assert not cache.read_ahead("c", 100, lambda: chunk(3, 100))  # read-ahead never waits
+        assert not cache.readahead("c", 100, lambda: chunk(3, 100))  # read-ahead never waits
     t.join(30)
     assert got_b.is_set() and "a" not in cache and "b" in cache
     cache.close()
@@ -141,33 +141,33 @@ def test_pinned_chunk_is_not_evicted_a_loader_waits_for_it() -> None:
 
 def test_prefetch_loads_in_background_and_counts_as_a_hit_later() -> None:
     cache = ChunkCache(1000)
-    assert cache.read_ahead("x", 10, lambda: chunk(5, 10))
-    assert not cache.read_ahead("x", 10, lambda: chunk(5, 10))  # already there / in flight
+    assert cache.readahead("x", 10, lambda: chunk(5, 10))
+    assert not cache.readahead("x", 10, lambda: chunk(5, 10))  # already there / in flight
     with cache.pinned("x", 10, lambda: chunk(99, 10)) as data:  # waits for the read-ahead
         assert int(data[0]) == 5
     assert cache.stats.loads == 1
     cache.close()
 
 
-def test_read_ahead_does_not_push_out_chunks_in_use() -> None:
+def test_readahead_does_not_push_out_chunks_in_use() -> None:
     """A prefetched chunk waits at the cold end of the LRU order until it is used, so
     a read-ahead guess is evicted before what streams are reading now."""
     cache = ChunkCache(300)
     for k in (1, 2):
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
-    assert cache.read_ahead(3, 100, lambda: chunk(3, 100))
+    assert cache.readahead(3, 100, lambda: chunk(3, 100))
     with cache.pinned(3, 100, lambda: chunk(3, 100)):  # waits for the load to finish
         pass
-    assert cache.read_ahead(4, 100, lambda: chunk(4, 100))  # full: evicts 1, the coldest used
+    assert cache.readahead(4, 100, lambda: chunk(4, 100))  # full: evicts 1, the coldest used
     with cache.pinned(4, 100, lambda: chunk(4, 100)):
         pass
     assert 1 not in cache and 2 in cache and 3 in cache and 4 in cache
-    assert cache.read_ahead(5, 100, lambda: chunk(5, 100))  # evicts 2
+    assert cache.readahead(5, 100, lambda: chunk(5, 100))  # evicts 2
     deadline = time.monotonic() + 30
     while 5 not in cache and time.monotonic() < deadline:  # loaded (a load in flight stays)
         time.sleep(0.01)
-    assert cache.read_ahead(6, 100, lambda: chunk(6, 100))  # evicts 5, never used, not 3 or 4
+    assert cache.readahead(6, 100, lambda: chunk(6, 100))  # evicts 5, never used, not 3 or 4
     with cache.pinned(6, 100, lambda: chunk(6, 100)):
         pass
     assert 3 in cache and 4 in cache and 6 in cache and 5 not in cache
@@ -181,7 +181,7 @@ def loaded(cache: ChunkCache, key: object) -> None:
     assert key in cache
 
 
-def test_read_ahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
+def test_readahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
     """With a budget, read-ahead chunks wait outside the cache until first used: they
     push out neither the chunks in use nor each other; a first use moves one into the
     cache, which evicts its least recent chunk at the next read-ahead, load or cool."""
@@ -190,9 +190,9 @@ def test_read_ahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
     for k in (1, 2, 3):
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
-    assert cache.read_ahead(4, 100, lambda: chunk(4, 100))
-    assert cache.read_ahead(5, 100, lambda: chunk(5, 100))
-    assert not cache.read_ahead(6, 100, lambda: chunk(6, 100))  # the budget is full: skipped
+    assert cache.readahead(4, 100, lambda: chunk(4, 100))
+    assert cache.readahead(5, 100, lambda: chunk(5, 100))
+    assert not cache.readahead(6, 100, lambda: chunk(6, 100))  # the budget is full: skipped
     loaded(cache, 4)
     loaded(cache, 5)
     assert all(k in cache for k in (1, 2, 3, 4, 5)) and 6 not in cache
@@ -204,7 +204,7 @@ def test_read_ahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
         assert int(data[0]) == 4
     assert all(k in cache for k in (1, 2, 3, 4, 5))  # the bytes only moved: 500 in all
     assert cache.resident_bytes == 400 and cache.readahead_bytes == 100
-    assert cache.read_ahead(6, 100, lambda: chunk(6, 100))  # room again; 1 goes first
+    assert cache.readahead(6, 100, lambda: chunk(6, 100))  # room again; 1 goes first
     loaded(cache, 6)
     assert 1 not in cache and all(k in cache for k in (2, 3, 4, 5, 6))
     assert cache.resident_bytes == 300 and cache.readahead_bytes == 200
@@ -218,12 +218,12 @@ def test_read_ahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
     cache.close()
 
 
-def test_read_ahead_waits_for_pins_nowhere_and_stays_within_both_bounds() -> None:
+def test_readahead_waits_for_pins_nowhere_and_stays_within_both_bounds() -> None:
     """A read-ahead chunk first used while every cached chunk is pinned joins the cache
     anyway (nothing waits); the cache is over its bound by what left the read-ahead
     room, and back within it at the next load."""
     cache = ChunkCache(200, readahead_bytes=100)
-    assert cache.read_ahead("r", 100, lambda: chunk(7, 100))
+    assert cache.readahead("r", 100, lambda: chunk(7, 100))
     loaded(cache, "r")
     with (
         cache.pinned("a", 100, lambda: chunk(1, 100)),
@@ -242,7 +242,7 @@ def test_pin_resident_moves_a_read_ahead_without_evicting_what_it_pins() -> None
     for k in ("a", "b"):
         with cache.pinned(k, 100, lambda: chunk(1, 100)):
             pass
-    assert cache.read_ahead("r", 100, lambda: chunk(7, 100))
+    assert cache.readahead("r", 100, lambda: chunk(7, 100))
     loaded(cache, "r")
     entries = cache.pin_resident(["r", "a"])  # "a" is the least recent, but pinned here
     assert entries is not None and [int(e.data[0]) for e in entries] == [7, 1]
@@ -260,7 +260,7 @@ def test_a_first_use_leaves_evicting_to_the_streams_cool() -> None:
     for k in ("x", "a", "b"):  # x least recent: the new group needs it only later
         with cache.pinned(k, 100, lambda: chunk(1, 100)):
             pass
-    assert cache.read_ahead("r", 100, lambda: chunk(2, 100))
+    assert cache.readahead("r", 100, lambda: chunk(2, 100))
     loaded(cache, "r")
     entries = cache.pin_resident(["a", "b", "r"])  # the burst at the boundary
     assert entries is not None
@@ -272,7 +272,7 @@ def test_a_first_use_leaves_evicting_to_the_streams_cool() -> None:
     cache.close()
 
 
-def test_read_ahead_all_loads_nearest_first_and_warms_nearest_last() -> None:
+def test_readahead_all_loads_nearest_first_and_warms_nearest_last() -> None:
     """Chunks asked for in the order a stream needs them: the budget takes the nearest
     ones not cached, the others are returned (and none after the first left out jumps
     the queue); the cached ones are warmed so that the nearest is evicted last."""
@@ -282,8 +282,8 @@ def test_read_ahead_all_loads_nearest_first_and_warms_nearest_last() -> None:
             pass
     want = [2, 8, 1, 9, 7, 10]  # 8 and 9 fill 200 of the 250; 10 would fit, 7 not
     sizes = {2: 100, 8: 100, 1: 100, 9: 100, 7: 100, 10: 50}
-    left = cache.read_ahead_all([(k, sizes[k], lambda k=k: chunk(k, sizes[k])) for k in want])
-    assert left == [7, 10] and cache.stats.read_aheads == 2
+    left = cache.readahead_all([(k, sizes[k], lambda k=k: chunk(k, sizes[k])) for k in want])
+    assert left == [7, 10] and cache.stats.readaheads == 2
     loaded(cache, 8)
     loaded(cache, 9)
     for k in (4, 5):  # two loads: the coldest go, 3 (not asked for) first, then 1
@@ -293,7 +293,7 @@ def test_read_ahead_all_loads_nearest_first_and_warms_nearest_last() -> None:
     cache.close()
 
 
-def test_read_ahead_all_warms_by_the_order_given_not_only_what_it_asks_for() -> None:
+def test_readahead_all_warms_by_the_order_given_not_only_what_it_asks_for() -> None:
     """A stream asks for a chunk again only every few bursts, but each look tells when
     every chunk is needed: `warm` ranks all the cached ones it names (the nearest ends
     warmest), those not asked for this time too, so a load evicts the farthest first."""
@@ -302,7 +302,7 @@ def test_read_ahead_all_warms_by_the_order_given_not_only_what_it_asks_for() -> 
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
     # the look: 4 first, then 1, then 3; 2 not at all. Only 5 is asked for (loaded ahead).
-    left = cache.read_ahead_all([(5, 100, lambda: chunk(5, 100))], warm=[4, 5, 1, 3])
+    left = cache.readahead_all([(5, 100, lambda: chunk(5, 100))], warm=[4, 5, 1, 3])
     assert left == []
     loaded(cache, 5)
     for k in (6, 7, 8):  # three loads: 2 (not needed) goes, then 3 and 1, the farthest
@@ -326,14 +326,14 @@ def test_a_load_in_flight_counts_its_overhead_until_it_lands() -> None:
         return chunk(k, 100)
 
     cache = ChunkCache(300, readahead_bytes=350, load_overhead=50)
-    assert cache.read_ahead(1, 100, lambda: slow(1))
-    assert cache.read_ahead(2, 100, lambda: slow(2))
+    assert cache.readahead(1, 100, lambda: slow(1))
+    assert cache.readahead(2, 100, lambda: slow(2))
     assert cache.readahead_bytes == 300 and cache.loading == 2
-    assert not cache.read_ahead(3, 100, lambda: chunk(3, 100))  # 450 > 350: no room
+    assert not cache.readahead(3, 100, lambda: chunk(3, 100))  # 450 > 350: no room
     gate.set()
     wait_until(lambda: cache.loading == 0, 30, "read-aheads")
     assert cache.readahead_bytes == 200
-    assert cache.read_ahead(3, 100, lambda: chunk(3, 100))  # 350: room again
+    assert cache.readahead(3, 100, lambda: chunk(3, 100))  # 350: room again
     for k in (4, 5, 6):  # 6 in flight (150) did not fit beside 4 and 5: 4 went
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
@@ -364,14 +364,14 @@ def test_cooled_chunks_go_first_and_warm_up_again_when_used() -> None:
     cache.close()
 
 
-def test_read_ahead_of_a_cached_chunk_warms_it() -> None:
+def test_readahead_of_a_cached_chunk_warms_it() -> None:
     """A stream about to need a cached chunk asks for it ahead: it moves to the warm
     end, so the room the next load needs is taken from chunks not needed soon."""
     cache = ChunkCache(300)
     for k in (1, 2, 3):
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
-    assert not cache.read_ahead(1, 100, lambda: chunk(1, 100))  # cached: no load, warmed
+    assert not cache.readahead(1, 100, lambda: chunk(1, 100))  # cached: no load, warmed
     with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 2, not 1
         pass
     assert 2 not in cache and all(k in cache for k in (1, 3, 4))
@@ -379,19 +379,19 @@ def test_read_ahead_of_a_cached_chunk_warms_it() -> None:
     cache.close()
 
 
-def test_read_ahead_nobody_used_gives_its_room_up_once_stale() -> None:
+def test_readahead_nobody_used_gives_its_room_up_once_stale() -> None:
     now = [0.0]
     cache = ChunkCache(1000, readahead_bytes=100, stale_seconds=60, clock=lambda: now[0])
-    assert cache.read_ahead("old", 100, lambda: chunk(1, 100))
+    assert cache.readahead("old", 100, lambda: chunk(1, 100))
     loaded(cache, "old")
     now[0] = 59.0
-    assert not cache.read_ahead("new", 100, lambda: chunk(2, 100))  # not stale yet: skipped
+    assert not cache.readahead("new", 100, lambda: chunk(2, 100))  # not stale yet: skipped
     now[0] = 60.0
-    assert cache.read_ahead("new", 100, lambda: chunk(2, 100))  # "old" dropped unused
+    assert cache.readahead("new", 100, lambda: chunk(2, 100))  # "old" dropped unused
     loaded(cache, "new")
     assert "old" not in cache and cache.stats.ahead_dropped == 1
     assert cache.readahead_bytes == 100 and cache.resident_bytes == 0
-    assert not cache.read_ahead("huge", 101, lambda: chunk(3, 101))  # never fits the budget
+    assert not cache.readahead("huge", 101, lambda: chunk(3, 101))  # never fits the budget
     cache.close()
 
 
@@ -428,11 +428,11 @@ def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int, overhea
             k = rng.randrange(40)
             p = rng.random()
             if p < 0.15:
-                cache.read_ahead(k, sizes[k], lambda k=k: load(k))
+                cache.readahead(k, sizes[k], lambda k=k: load(k))
                 continue
             if p < 0.2:
                 ks = rng.sample(range(40), 4)
-                cache.read_ahead_all([(j, sizes[j], lambda j=j: load(j)) for j in ks])
+                cache.readahead_all([(j, sizes[j], lambda j=j: load(j)) for j in ks])
                 continue
             if p < 0.25:
                 cache.cool(rng.sample(range(40), 3))

@@ -1,10 +1,11 @@
-"""A stream's read-ahead (assembly.MessageBuilder._read_ahead) against the real cache.
+"""A stream's read-ahead (readahead.ReadaheadPolicy) against the real cache.
 
-`chunk_uses` is checked against a row-by-row count; the policy by driving a stream's
-bursts over a local store whose files are marked remote (the deep look is a remote
-store's) and letting every read-ahead land after each burst: then a burst waits for
-a chunk (a cache miss) only when the policy asked too late or let a needed chunk go,
-whatever the machine's speed. The same over real S3 is in test_stores_s3.py.
+`chunk_uses` is checked against a row-by-row count; the policy on its own, one call
+at a time, against chunks counted row by row; and by driving a stream's bursts over a
+local store whose files are marked remote (the deep look is a remote store's) and
+letting every read-ahead land after each burst: then a burst waits for a chunk (a
+cache miss) only when the policy asked too late or let a needed chunk go, whatever
+the machine's speed. The same over real S3 is in test_stores_s3.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenfeed.core import sampling
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.server import assembly
+from tokenfeed.server import assembly, readahead, rounds
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
@@ -40,7 +41,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Dataset:
     return Catalog(root).get("s")
 
 
-def by_rows(ds: Dataset, spans: list[assembly.Span]) -> tuple[list[int], dict[int, int]]:
+def by_rows(ds: Dataset, spans: list[rounds.Span]) -> tuple[list[int], dict[int, int]]:
     """chunk_uses, counted row by row."""
     order: dict[int, None] = {}
     last: dict[int, int] = {}
@@ -55,7 +56,7 @@ def by_rows(ds: Dataset, spans: list[assembly.Span]) -> tuple[list[int], dict[in
     return list(order), last
 
 
-def row_chunks(ds: Dataset, lr: assembly.LocatedRound, r: int, cols: int) -> list[int]:
+def row_chunks(ds: Dataset, lr: rounds.LocatedRound, r: int, cols: int) -> list[int]:
     """The non-empty chunks row r's tokens lie in, in order."""
     s, bounds = int(lr.starts[r]), ds.store.chunk_starts.tolist()
     return [
@@ -74,7 +75,7 @@ def row_chunks(ds: Dataset, lr: assembly.LocatedRound, r: int, cols: int) -> lis
 def test_chunk_uses_counts_like_rows_one_by_one(
     small: Dataset, data: st.DataObject, seq_len: int, rows: int
 ) -> None:
-    spans: list[assembly.Span] = []
+    spans: list[rounds.Span] = []
     for _ in range(data.draw(st.integers(1, 3))):
         batches = data.draw(st.integers(1, 6))
         starts = np.array(
@@ -88,10 +89,10 @@ def test_chunk_uses_counts_like_rows_one_by_one(
             dtype=np.int64,
         )
         rnd = sampling.Round(0, 0, list(range(batches)), [1] * batches, [rows] * batches, starts)
-        lr = assembly.LocatedRound(small, rnd, seq_len)
+        lr = rounds.LocatedRound(small, rnd, seq_len)
         i = data.draw(st.integers(0, batches - 1))
         spans.append((lr, i, data.draw(st.integers(i + 1, batches))))
-    assert assembly.chunk_uses(spans) == by_rows(small, spans)
+    assert readahead.chunk_uses(spans) == by_rows(small, spans)
 
 
 def benchmark_shaped(
@@ -168,14 +169,14 @@ def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
             mb = assembly.MessageBuilder(
                 ds, plan, plan.rounds(epoch, 0), 1, cache, metrics, then=plan.rounds(epoch + 1, 0)
             )
-            look = mb._look
+            look = mb.readahead.look
             while True:
                 wait_until(lambda: cache.loading == 0, 30, "read-aheads")
                 if not mb.next_burst():
                     break
-                if mb._look is look:
+                if mb.readahead.look is look:
                     continue
-                look = mb._look
+                look = mb.readahead.look
                 rank = {ds.chunk_key(c): i for i, c in enumerate(look)}
                 cached = [k for k in cache.eviction_order() if k in rank]
                 assert cached == sorted(cached, key=lambda k: -rank[k])
@@ -186,23 +187,26 @@ def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
 
 
 class _Recording(ChunkCache):
-    """The real cache, recording the keys every read_ahead_all call asks for."""
+    """The real cache, recording the keys every readahead_all call asks for, and the
+    order it is asked to warm by."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.asks: list[list[Hashable]] = []
+        self.warms: list[list[Hashable] | None] = []
 
-    def read_ahead_all(
+    def readahead_all(
         self, wanted: list[tuple[Hashable, int, Any]], warm: list[Hashable] | None = None
     ) -> list[Hashable]:
         self.asks.append([w[0] for w in wanted])
-        return super().read_ahead_all(wanted, warm)
+        self.warms.append(warm)
+        return super().readahead_all(wanted, warm)
 
 
 @pytest.mark.parametrize("per_message", [1, 3])
-def test_a_quiet_read_ahead_asks_what_the_whole_loop_asks(small: Dataset, per_message: int) -> None:
+def test_a_quiet_readahead_asks_what_the_whole_loop_asks(small: Dataset, per_message: int) -> None:
     """A read-ahead of the same chunks as the last one, before any of them is due to be
-    asked for again, returns early (MessageBuilder._quiet): every burst must ask the
+    asked for again, returns early (ReadaheadPolicy._quiet): every burst must ask the
     cache for exactly what the whole per-chunk loop asks (forced by forgetting
     `_quiet` before each burst), and the caches must end alike. The cache holds 14 of
     the 29 chunks, so chunks are evicted and asked for again as the stream goes on."""
@@ -218,15 +222,161 @@ def test_a_quiet_read_ahead_asks_what_the_whole_loop_asks(small: Dataset, per_me
             while True:
                 wait_until(lambda: cache.loading == 0, 30, "read-aheads")  # noqa: B023
                 if forget:
-                    mb._quiet = None
-                before, last = len(cache.asks), mb._quiet
+                    mb.readahead._quiet = None
+                before, last = len(cache.asks), mb.readahead._quiet
                 if not mb.next_burst():
                     break
-                quiet += mb._quiet is last and not forget  # this burst's returned early
+                quiet += mb.readahead._quiet is last and not forget  # this burst's returned early
                 per_burst.append([k for ask in cache.asks[before:] for k in ask])
         finally:
             cache.close()
         s = cache.stats
-        runs.append((per_burst, (s.hits, s.misses, s.loads, s.evictions, s.read_aheads)))
+        runs.append((per_burst, (s.hits, s.misses, s.loads, s.evictions, s.readaheads)))
     assert runs[0] == runs[1]
     assert quiet > 0 and runs[0][1][3] > 0  # some returned early; chunks were evicted
+
+
+# ------------------------------------------------------------ the policy on its own
+
+
+def test_a_deep_look_covers_two_groups_past_the_near_batches_within_its_bounds() -> None:
+    assert readahead.deep_batches(0, 8) == readahead.DEEP_BATCHES  # a mixture: no groups
+    assert readahead.deep_batches(600, 8) == 2 * 600 + 8
+    assert readahead.deep_batches(10**6, 8) == readahead.MAX_DEEP_BATCHES
+
+
+def keys(ds: Dataset, chunks: list[int]) -> list[Hashable]:
+    return [ds.chunk_key(c) for c in chunks]
+
+
+def policy_over(
+    ds: Dataset, spec: SamplingSpec, cache: ChunkCache, then: bool = False
+) -> tuple[rounds.RoundQueue, readahead.ReadaheadPolicy]:
+    """A stream's round queue at the start of epoch 0 and its read-ahead policy (a
+    burst of 4 batches), no message builder around them."""
+    plan = plan_for(spec, ds)
+    queue = rounds.RoundQueue(ds, plan.rounds(0, 0), plan.seq_len)
+    policy = readahead.ReadaheadPolicy(
+        ds, plan, queue, cache, 4, plan.rounds(1, 0) if then else None
+    )
+    return queue, policy
+
+
+def load(cache: ChunkCache, ds: Dataset, chunks: list[int]) -> None:
+    """Load `chunks` into the cache, in this order (the last ends warmest)."""
+    for c in chunks:
+        nbytes = ds.store.chunk_nbytes(c)
+        with cache.pinned(ds.chunk_key(c), nbytes, lambda c=c: ds.store.read_chunk(c)):
+            pass
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_near_look_asks_for_the_next_batches_chunks(small: Dataset, shuffle: bool) -> None:
+    """At the start: the chunks of the first `batches` batches, nearest first; in
+    window order the chunk after them too (a stream reads the store front to back)."""
+    cache = _Recording(64 * small.store.chunk_nbytes(0))
+    spec = SamplingSpec(dataset="s", seq_len=300, batch_size=4, shuffle=shuffle, seed=2)
+    queue, policy = policy_over(small, spec, cache)
+    try:
+        policy.look_ahead()
+        near = sorted(set(by_rows(small, queue.spans(policy.batches, queue.start)[0])[0]))
+        want = near if shuffle else [*near, max(near) + 1]
+        assert cache.asks == [keys(small, want)] and cache.warms == [None]
+        assert policy.batches == readahead.READAHEAD_BATCHES
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("budget", [0, 16])
+def test_a_chunk_asked_for_is_asked_again_after_ask_again_calls_or_at_each_with_a_budget(
+    small: Dataset, budget: int
+) -> None:
+    """Without a read-ahead budget the same near chunks are asked for once per
+    ASK_AGAIN calls (in between, the cached or loading chunks are left alone); with
+    one, at every call (nothing is evicted for them, and a chunk evicted since loads)."""
+    nbytes = small.store.chunk_nbytes(0)
+    cache = _Recording(64 * nbytes, readahead_bytes=budget * nbytes)
+    spec = SamplingSpec(dataset="s", seq_len=16, batch_size=4, shuffle=True, seed=2)
+    _, policy = policy_over(small, spec, cache)
+    try:
+        for _ in range(readahead.ASK_AGAIN + 1):
+            policy.look_ahead()
+            wait_until(lambda: cache.loading == 0, 30, "read-aheads")
+        calls = readahead.ASK_AGAIN + 1 if budget else 2
+        assert len(cache.asks) == calls and cache.asks == [cache.asks[0]] * calls
+        assert cache.asks[0] and cache.stats.readaheads == len(cache.asks[0])  # one load each
+    finally:
+        cache.close()
+
+
+def test_chunks_left_out_for_want_of_room_are_asked_again_at_the_next_call(
+    small: Dataset,
+) -> None:
+    """A cache full of pinned chunks leaves every near chunk out; once the pins go, the
+    next call asks for them again (not ASK_AGAIN calls later) and they load."""
+    cache = _Recording(3 * small.store.chunk_nbytes(0))
+    spec = SamplingSpec(dataset="s", seq_len=16, batch_size=4, shuffle=False)
+    _, policy = policy_over(small, spec, cache)
+    far = [small.store.num_chunks - c for c in (1, 2, 3)]  # not the stream's first chunks
+    try:
+        load(cache, small, far)
+        entries = cache.pin_resident(keys(small, far))
+        assert entries is not None
+        policy.look_ahead()
+        assert cache.asks and cache.stats.readaheads == 0  # asked, none had room
+        cache.release_all(entries)
+        policy.look_ahead()
+        wait_until(lambda: cache.loading == 0, 30, "read-aheads")
+        assert cache.asks == [cache.asks[0]] * 2
+        assert all(k in cache for k in cache.asks[0])
+    finally:
+        cache.close()
+
+
+def test_a_used_chunk_the_next_batches_do_not_need_goes_to_the_cold_end(small: Dataset) -> None:
+    """Of the chunks a burst used, those the next batches need are warmed by the ask
+    and the others cooled: first in the eviction order (the chunks read ahead wait in
+    the budget, outside that order)."""
+    nbytes = small.store.chunk_nbytes(0)
+    cache = _Recording(64 * nbytes, readahead_bytes=16 * nbytes)
+    spec = SamplingSpec(dataset="s", seq_len=16, batch_size=4, shuffle=False)
+    queue, policy = policy_over(small, spec, cache)
+    try:
+        near = set(by_rows(small, queue.spans(policy.batches, queue.start)[0])[0])
+        first, past, other = min(near), small.store.num_chunks - 1, small.store.num_chunks - 2
+        assert past not in near and other not in near
+        load(cache, small, [first, other, past])  # coldest first: first, other, past
+        policy.look_ahead(0, used={first, past})
+        order = cache.eviction_order()
+        assert order[0] == small.chunk_key(past)
+        assert order.index(small.chunk_key(other)) < order.index(small.chunk_key(first))
+    finally:
+        cache.close()
+
+
+def test_a_deep_look_at_an_epochs_end_reaches_into_the_next_epoch(tmp_path: Path) -> None:
+    """A remote stream 5 batches before its epoch's end: the deep look sees those 5
+    batches' chunks and then the next epoch's first batches', in order of first use,
+    and the cache is asked to warm by that order."""
+    ds, shaped = benchmark_shaped(tmp_path, "s", readahead_threads=2)
+    shaped.close()
+    ds.store.files.remote = True
+    spec = SamplingSpec(dataset="s", seq_len=64, batch_size=4, shuffle=True, seed=1)
+    plan = plan_for(spec, ds)
+    cache = _Recording(shaped.capacity, readahead_bytes=shaped.readahead_capacity)
+    queue, policy = policy_over(ds, spec, cache, then=True)
+    try:
+        total = sum(j - i for _, i, j in queue.spans(10**9, queue.start)[0])
+        moved = queue.advance(queue.spans(total - 5, queue.start)[1])
+        assert moved == total - 5
+        policy.look_ahead(moved)  # the first call: a deep look
+        tail = queue.spans(policy.deep, queue.start)[0]
+        assert sum(j - i for _, i, j in tail) == 5
+        then = rounds.RoundQueue(ds, plan.rounds(1, 0), plan.seq_len)
+        head = then.spans(policy.deep - 5, then.start)[0]
+        want = by_rows(ds, tail + head)[0]
+        assert policy.look == want
+        assert cache.warms == [keys(ds, want)]
+        assert set(want) > set(by_rows(ds, tail)[0])  # the next epoch adds chunks
+    finally:
+        cache.close()

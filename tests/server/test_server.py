@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from tokenfeed.core import sampling
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.server import assembly, service, wire
+from tokenfeed.server import assembly, readahead, rounds, service, wire
 from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.metrics import serve_http
 from tokenfeed.server.service import plan_for
@@ -574,14 +574,14 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
     cache = ChunkCache(1 << 20)
     starts = np.array([[0, 650, 1390, 1400], [2000, 100, 0, 0]], dtype=np.int64)
     rnd = sampling.Round(0, 0, [0, 8], [1, 3], [4, 2], starts)  # the last batch is short
-    lr = assembly.LocatedRound(ds, rnd, seq_len=900)
-    assert sorted(assembly.spans_chunks([(lr, 0, 2)])) == [0, 1, 3, 4, 5]  # 2 is the empty one
-    assert assembly.chunk_uses([(lr, 0, 2)])[0] == [0, 1, 3, 4, 5]
+    lr = rounds.LocatedRound(ds, rnd, seq_len=900)
+    assert sorted(rounds.spans_chunks([(lr, 0, 2)])) == [0, 1, 3, 4, 5]  # 2 is the empty one
+    assert readahead.chunk_uses([(lr, 0, 2)])[0] == [0, 1, 3, 4, 5]
     for i, rows in enumerate(rnd.rows):
         cols = lr.cols[i]
         want = starts[i, :rows, None] + np.arange(cols)
         loaded = assembly.gather(ds, cache, lr.row_pieces(i))
-        chunks = sorted(assembly.spans_chunks([(lr, i, i + 1)]))
+        chunks = sorted(rounds.spans_chunks([(lr, i, i + 1)]))
         pinned = assembly.pin_views(ds, cache, chunks)
         assert pinned is not None  # gather loaded this batch's chunks
         try:

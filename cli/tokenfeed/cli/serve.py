@@ -80,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenfeed.server.app import run as run_server
     from tokenfeed.server.config import ServerConfig
+    from tokenfeed.server.main import run as run_server
 
     logging.basicConfig(
         level=str(args.log_level).upper(),

@@ -1,11 +1,12 @@
-"""Assemble and run the feeder: gRPC server, health, reflection, auth, TLS, metrics.
+"""One feeder in this process: a FeederServer assembled from its config, and served.
 
 `create_server(config)` builds everything without binding (tests pass `port=0` and
-their own registry); `FeederServer.start()` binds and serves; `drain()` is the
+their own registry): the catalog of stores, the chunk cache, the servicer, health,
+reflection, auth and TLS; `FeederServer.start()` binds and serves; `drain()` is the
 graceful stop (health NOT_SERVING, no new streams, open ones get `grace_seconds`).
-`run(config)` is `tokenfeed serve`: uvloop when installed, SIGTERM/SIGINT drain,
-exit code 0; with `--workers N` (N > 1) it hands over to the supervisor
-(supervisor.py), whose worker processes (worker.py) each run a FeederServer here.
+`serve(config)` runs one until SIGTERM/SIGINT, then drains: the single-process
+`tokenfeed serve` (main.py) and each worker process of `--workers N` (worker.py).
+Auth and TLS, limits: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,7 +31,6 @@ from prometheus_client import CollectorRegistry
 from tokenfeed.core.atomic import write_atomic
 from tokenfeed.core.store import TokenStore
 from tokenfeed.core.store.objects import GET_BUFFER_BYTES, is_url
-from tokenfeed.server import splice
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.config import ServerConfig
 from tokenfeed.server.datasets import Catalog
@@ -40,6 +41,11 @@ from tokenfeed.v1 import feeder_pb2
 log = logging.getLogger("tokenfeed.server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
+# Chunk loads in flight at once. From a local disk a load takes milliseconds of CPU
+# (reading, checksum): more threads would take cores from assembly. From object storage
+# a load mostly waits tens of ms for its GET, the GIL released: 8 keep a shuffle group's
+# chunks (8 blocks by default) loading together.
+READAHEAD_THREADS_LOCAL = 2
 READAHEAD_THREADS_REMOTE = 8
 MALLOC_ARENAS_REMOTE = 2
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
@@ -52,9 +58,10 @@ def _fewer_malloc_arenas() -> None:
     glibc gives each thread that allocates its own arena (up to 8 per core), and an
     arena keeps the pages of what was freed in it. A feeder on object storage has 8
     read-ahead threads and the S3 client's runtime threads, each allocating a GET's
-    buffers: measured with store_sources, the heap grew 19-20 MiB over S3 against 3 on
-    local disk, 14-15 with 2 arenas (no throughput change seen). Elsewhere (musl, macOS)
-    this does nothing.
+    buffers, so its heap would grow by an arena's leftovers per thread; with 2 arenas
+    they share, and since those threads mostly wait on the network, sharing costs no
+    throughput (benchmarks/store_sources.py shows both). Elsewhere (musl, macOS) this
+    does nothing.
     """
     if "MALLOC_ARENA_MAX" in os.environ:
         return
@@ -135,15 +142,14 @@ class FeederServer:
         if is_url(config.data_root):
             _fewer_malloc_arenas()  # before the object storage client's threads start
         # First: an s3:// root is listed here, so bad credentials fail before anything starts.
-        self.datasets = Catalog(config.data_root, open_store)
-        # Object storage answers in tens of ms per request: more chunk loads in flight (8:
-        # a shuffle group's chunks at once; the threads mostly wait, GIL released), each
-        # GET's buffers counted with its chunk while it loads.
-        remote = self.datasets.remote
+        self.catalog = Catalog(config.data_root, open_store)
+        # Object storage: more chunk loads in flight, each GET's buffers counted with its
+        # chunk while it loads.
+        remote = self.catalog.remote
         self.cache = ChunkCache(
             config.cache_bytes,
             self.metrics,
-            readahead_threads=READAHEAD_THREADS_REMOTE if remote else 2,
+            readahead_threads=READAHEAD_THREADS_REMOTE if remote else READAHEAD_THREADS_LOCAL,
             readahead_bytes=config.readahead_budget,
             load_overhead=GET_BUFFER_BYTES if remote else 0,
         )
@@ -151,7 +157,7 @@ class FeederServer:
             config.num_assembly_threads, thread_name_prefix="tokenfeed-batch"
         )
         self.service = FeederService(
-            self.datasets,
+            self.catalog,
             self.cache,
             self.metrics,
             self.executor,
@@ -162,7 +168,7 @@ class FeederServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
-        self._http: Any = None
+        self._http: WSGIServer | None = None
         self._stopped = False
 
     @property
@@ -202,9 +208,9 @@ class FeederServer:
             server,
         )
         bind = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
-        if cfg.tls:
+        if cfg.tls_cert is not None and cfg.tls_key is not None:  # given together (config.py)
             creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],  # type: ignore[arg-type]
+                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],
                 root_certificates=(
                     Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
                 ),
@@ -251,10 +257,14 @@ class FeederServer:
 
 
 def create_server(
-    config: ServerConfig, registry: CollectorRegistry | None = None, **options: Any
+    config: ServerConfig,
+    registry: CollectorRegistry | None = None,
+    *,
+    open_store: Callable[[Path], TokenStore] = TokenStore.open,
+    reuse_port: bool = False,
 ) -> FeederServer:
     """A feeder for `config`, not yet bound; `await server.start()` serves it."""
-    return FeederServer(config, registry, **options)
+    return FeederServer(config, registry, open_store=open_store, reuse_port=reuse_port)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -295,24 +305,6 @@ async def serve(
     await server.drain()
     log.info("stopped")
     return 0
-
-
-def run(config: ServerConfig) -> int:
-    """`tokenfeed serve`: one server process, or the supervisor of `config.workers`."""
-    warning = config.insecure_warning()
-    if warning:
-        log.warning("\n%s\n%s\n%s", "!" * 78, warning, "!" * 78)  # hard to miss
-    if not splice.NATIVE:
-        log.warning(
-            "built without the C extensions (TOKENFEED_PURE_PYTHON=1): messages are spliced "
-            "in Python and windows sampled in numpy, which costs about 30 % more server CPU "
-            "per token"
-        )
-    if config.workers > 1:
-        from tokenfeed.server.supervisor import Supervisor
-
-        return Supervisor(config).run()
-    return run_until_stopped(serve(config))
 
 
 def run_until_stopped(main: Coroutine[Any, Any, int]) -> int:

@@ -27,8 +27,8 @@ unused: a guess that did not come true (its stream went away) gives its room up.
 The eviction a first use calls for waits for the next load, read-ahead or `cool`: a
 burst crossing into a new shuffle group pins the old group's chunks and the new one's,
 so at that moment the only chunks left to evict are the ones the new group needs later
-(measured: most stalls on S3 were such chunks, loaded again at once); once the stream
-has cooled the old group's chunks, those go first.
+(evicted then, they would be loaded again at once, a stall each on object storage);
+once the stream has cooled the old group's chunks, those go first.
 Without a budget, a read-ahead chunk takes cache room, at the cold end of the LRU order.
 
 A load in flight counts its chunk plus `load_overhead` bytes (the feeder gives the object
@@ -63,7 +63,7 @@ Loader = Callable[[], np.ndarray]
 
 
 @dataclass
-class _Entry:
+class Entry:
     nbytes: int
     held: int = 0  # bytes counted for it: nbytes, plus the load's overhead while it loads
     pins: int = 0
@@ -92,7 +92,7 @@ class CacheStats:
     loads: int = 0  # chunk loads started (read-ahead included)
     evictions: int = 0
     failures: int = 0
-    read_aheads: int = 0  # loads started by read-ahead
+    readaheads: int = 0  # loads started by read-ahead
     ahead_used: int = 0  # chunks read ahead into the budget that a stream then used
     ahead_dropped: int = 0  # ... that were dropped unused (stale_seconds)
 
@@ -124,7 +124,7 @@ class ChunkCache:
         self.metrics = metrics
         self._children: dict[tuple[Any, str], Any] = {}  # (counter, dataset) -> child
         self.stats = CacheStats()
-        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[Hashable, Entry] = OrderedDict()  # LRU first
         self._used = 0  # bytes of the cache's entries (not read-ahead ones), ready or loading
         self._ahead = 0  # bytes of entries waiting in the read-ahead room, ready or loading
         self._cond = threading.Condition()
@@ -173,7 +173,8 @@ class ChunkCache:
         """The chunk `key`, loaded by `load()` if absent, held in the cache while in use."""
         entry = self._acquire(key, nbytes, load)
         try:
-            yield entry.data  # type: ignore[misc]
+            assert entry.data is not None  # loaded: _acquire raised otherwise
+            yield entry.data
         finally:
             self._release(entry)
 
@@ -185,7 +186,7 @@ class ChunkCache:
 
     def pin_resident(
         self, keys: list[Hashable], by_dataset: dict[str, int] | None = None
-    ) -> list[_Entry] | None:
+    ) -> list[Entry] | None:
         """Pin all of `keys` at once if every one is loaded, else pin nothing (None).
 
         The fast path for a batch whose chunks are all cached: one lock round trip
@@ -216,16 +217,16 @@ class ChunkCache:
             self._by_dataset(self.metrics.cache_dataset_hits, counts)
         return entries
 
-    def release_all(self, entries: list[_Entry]) -> None:
+    def release_all(self, entries: list[Entry]) -> None:
         with self._cond:
             for e in entries:
                 e.pins -= 1
             self._cond.notify_all()
 
-    def read_ahead_all(
+    def readahead_all(
         self, wanted: list[tuple[Hashable, int, Loader]], warm: list[Hashable] | None = None
     ) -> list[Hashable]:
-        """`read_ahead` for chunks in the order a stream will first need them: loads
+        """`readahead` for chunks in the order a stream will first need them: loads
         start nearest first (the read-ahead room fills with what is needed first), and
         the chunks already cached are warmed farthest first, so the nearest ends warmest
         and the room a load needs is taken from the chunks needed last (or not at all).
@@ -235,7 +236,7 @@ class ChunkCache:
         first: once one is left out, so are the ones after it (none jumps the queue).
         """
         left: list[Hashable] = []
-        with self._cond:  # re-entrant: read_ahead takes it again
+        with self._cond:  # re-entrant: readahead takes it again
             for key in reversed([w[0] for w in wanted] if warm is None else warm):
                 e = self._entries.get(key)
                 if e is not None and not e.ahead:
@@ -243,11 +244,11 @@ class ChunkCache:
             for key, n, load in wanted:
                 if key in self._entries:
                     continue
-                if left or not self.read_ahead(key, n, load, warm=False):
+                if left or not self.readahead(key, n, load, warm=False):
                     left.append(key)
         return left
 
-    def read_ahead(self, key: Hashable, nbytes: int, load: Loader, *, warm: bool = True) -> bool:
+    def readahead(self, key: Hashable, nbytes: int, load: Loader, *, warm: bool = True) -> bool:
         """Start loading `key` in the background unless present, in flight or no room.
 
         Never blocks and never evicts a pinned chunk; returns whether a load started.
@@ -276,7 +277,7 @@ class ChunkCache:
                     return False
                 entry = self._insert(key, nbytes)
                 self._entries.move_to_end(key, last=False)
-            self.stats.read_aheads += 1
+            self.stats.readaheads += 1
         try:
             self._pool.submit(self._load, key, entry, load)
         except RuntimeError:  # pool shut down concurrently
@@ -322,7 +323,7 @@ class ChunkCache:
                 f"with a larger --cache-bytes (at least a few chunks)"
             )
 
-    def _acquire(self, key: Hashable, nbytes: int, load: Loader) -> _Entry:
+    def _acquire(self, key: Hashable, nbytes: int, load: Loader) -> Entry:
         self._check_fits(key, nbytes)
         with self._cond:
             entry = self._entries.get(key)
@@ -361,25 +362,25 @@ class ChunkCache:
             raise entry.error
         return entry
 
-    def _release(self, entry: _Entry) -> None:
+    def _release(self, entry: Entry) -> None:
         with self._cond:
             entry.pins -= 1
             if entry.pins == 0:
                 self._cond.notify_all()
 
-    def _insert(self, key: Hashable, nbytes: int, ahead: bool = False) -> _Entry:
+    def _insert(self, key: Hashable, nbytes: int, ahead: bool = False) -> Entry:
         if self.metrics is not None and isinstance(key, tuple) and isinstance(key[0], str):
             # a dataset's hit and miss series exist (at 0) from its first chunk load on
             self._child(self.metrics.cache_dataset_hits, key[0])
             self._child(self.metrics.cache_dataset_misses, key[0])
         held = nbytes + self._overhead(nbytes) if ahead else self._loading_cost(nbytes)
-        entry = _Entry(nbytes, held, ahead=ahead, since=self._clock() if ahead else 0.0)
+        entry = Entry(nbytes, held, ahead=ahead, since=self._clock() if ahead else 0.0)
         self._entries[key] = entry
         self._count(entry)
         self.stats.loads += 1
         return entry
 
-    def _promote(self, entry: _Entry) -> None:
+    def _promote(self, entry: Entry) -> None:
         """A read-ahead chunk's first use (lock held, `entry` pinned): it moves from the
         read-ahead room into the cache, which may be over its bound until the next load,
         read-ahead or `cool` evicts (the bytes only moved: the sum of both bounds holds).
@@ -438,7 +439,7 @@ class ChunkCache:
                 self._cond.wait()
         return True
 
-    def _evict(self, key: Hashable, entry: _Entry) -> None:
+    def _evict(self, key: Hashable, entry: Entry) -> None:
         del self._entries[key]
         self._uncount(entry)
         entry.data = entry.view = None
@@ -448,7 +449,7 @@ class ChunkCache:
         self._gauge()
         self._cond.notify_all()
 
-    def _load(self, key: Hashable, entry: _Entry, load: Loader) -> None:
+    def _load(self, key: Hashable, entry: Entry, load: Loader) -> None:
         t0 = time.perf_counter()
         try:
             data = load()
@@ -468,7 +469,7 @@ class ChunkCache:
             entry.done.set()
             self._cond.notify_all()
 
-    def _fail(self, key: Hashable, entry: _Entry, error: BaseException, log_it: bool) -> None:
+    def _fail(self, key: Hashable, entry: Entry, error: BaseException, log_it: bool) -> None:
         with self._cond:
             if self._entries.get(key) is entry:
                 del self._entries[key]
@@ -495,14 +496,14 @@ class ChunkCache:
         whole cache, so a chunk as large as the cache can still load."""
         return min(nbytes + self._overhead(nbytes), max(self.capacity, nbytes))
 
-    def _count(self, entry: _Entry) -> None:
+    def _count(self, entry: Entry) -> None:
         if entry.ahead:
             self._ahead += entry.held
         else:
             self._used += entry.held
         self._gauge()
 
-    def _uncount(self, entry: _Entry) -> None:
+    def _uncount(self, entry: Entry) -> None:
         if entry.ahead:
             self._ahead -= entry.held
         else:

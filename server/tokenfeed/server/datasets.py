@@ -23,7 +23,8 @@ reconnect storm) cost one HEAD, not one each, and a store rewritten in object st
 is picked up by streams opened a second after it.
 
 Opening an s3:// root lists it once (`check_access`): wrong credentials or no such
-bucket fail at start, not at the first request.
+bucket fail at start, not at the first request. The formats and the object storage
+layout: docs/stores.md.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -168,7 +168,7 @@ class Catalog:
         """The local store of `name` (directory or Megatron prefix); NotFound if none."""
         return self.locate(name)[1]
 
-    def _probe(self, name: str) -> tuple[str, Any, int]:
+    def _probe(self, name: str) -> tuple[str, Path | ObjectFiles, int]:
         """(format, where, generation) of `name` now: cheap (stats, or one HEAD)."""
         if self.objects is not None:
             self.check_name(name)
@@ -224,12 +224,10 @@ class Catalog:
             if ds is not None and ds.generation == generation:
                 return ds
         store: StoreReader
-        if kind == "tokenfeed":
-            store = (
-                TokenStore.open_files(where)
-                if isinstance(where, ObjectFiles)
-                else self._open_store(where)
-            )
+        if isinstance(where, ObjectFiles):  # object storage serves native stores only
+            store = TokenStore.open_files(where)
+        elif kind == "tokenfeed":
+            store = self._open_store(where)
         elif kind == "seed":
             store = SeedStore.open(where)
         else:

@@ -13,7 +13,7 @@ both kinds of store:
   batch's tokens.
 
 A store with neither cannot be asked for documents (FAILED_PRECONDITION naming it);
-it is still served without them.
+it is still served without them. What the outputs mean: docs/documents.md.
 
 Hooks elsewhere are small on purpose: the servicer calls `for_dataset` when a request
 asks, and the message builder calls `BatchEnds.field` per batch and `grow` on the
@@ -25,7 +25,6 @@ the field's size.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import numpy as np
 
@@ -54,27 +53,27 @@ class BatchEnds:
         self.eos = eos
         self.recorded = recorded  # strictly ascending exclusive end offsets, or None
 
-    def ends(self, tokens: Any, starts: np.ndarray, cols: int) -> np.ndarray:
+    def ends(self, tokens: bytes | None, starts: np.ndarray, cols: int) -> np.ndarray:
         """Flat end indices of a batch: `tokens` its rows x cols token bytes (read only
         for EOS stores), `starts` its windows' store offsets."""
         if self.recorded is not None:
             return documents.offset_ends(starts, cols, self.recorded)
-        assert self.eos is not None
+        assert self.eos is not None and tokens is not None
         return documents.eos_ends(np.frombuffer(tokens, dtype=self.dtype), self.eos)
 
-    def field(self, tokens: Any, starts: np.ndarray, cols: int) -> bytes:
+    def field(self, tokens: bytes | None, starts: np.ndarray, cols: int) -> bytes:
         """The batch's encoded `document_ends` field (empty when no document ends in it,
         as protobuf leaves out an empty bytes field)."""
         data = documents.ends_to_bytes(self.ends(tokens, starts, cols))
         return _FIELD + wire.varint(len(data)) + data if data else b""
 
     def parts(
-        self, head: bytes, rows: list[Any], tail: bytes, starts: np.ndarray, cols: int
-    ) -> list[Any]:
+        self, head: bytes, rows: list[bytes], tail: bytes, starts: np.ndarray, cols: int
+    ) -> list[bytes]:
         """A batch's pieces for the message's join (wire.frames' head, its rows' token
         bytes, its tail) with its document ends added. EOS stores join the rows first
         to scan them: one more copy of a batch's tokens, a few microseconds."""
-        tokens: Any = None
+        tokens: bytes | None = None
         if self.recorded is None:
             tokens = rows[0] if len(rows) == 1 else b"".join(rows)
             rows = [tokens]

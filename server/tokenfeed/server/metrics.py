@@ -4,7 +4,8 @@ Dashboards and alert rules (deploy/) are built on these names, so they change on
 together with those. A registry is passed in (never the process-global one, which
 tests would fight over). Labels carry dataset names (paths relative to the data
 root), split names and a mixture's source names (dataset names too) only: no
-filesystem paths, no tokens, no client addresses.
+filesystem paths, no tokens, no client addresses. What each one means:
+docs/serving.md, "Metrics".
 
 prometheus_client appends `_total` to counter names itself, so the counters below are
 declared without it and exported as `tokenfeed_server_batches_sent_total` and so on.
@@ -21,7 +22,7 @@ capacities add up to --cache-bytes). The names are the same as for one process.
 
 from __future__ import annotations
 
-from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -148,7 +149,7 @@ class SupervisorMetrics:
         )
 
 
-def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
+def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, int]:
     """Export `registry` over HTTP (`/metrics`); returns (server, bound port).
 
     Port 0 picks a free port (tests); call `server.shutdown()` to stop.

@@ -8,7 +8,7 @@ by virtual start (`MixtureSpace.virtual`) and puts on the wire each row's start 
 own store and its source index (Batch.starts, Batch.sources).
 
 All sources must share a token dtype (rows of one batch are one array);
-FailedPrecondition names the source that differs.
+FailedPrecondition names the source that differs. A mixture's order: docs/mixtures.md.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 The servicer is thin on purpose: it turns a request into a `sampling.Plan` and an
 `assembly.MessageBuilder`, and writes out the messages it builds. Domain errors
-(errors.py) become gRPC status codes in one place, `_abort`. The sample order, the
-store format, the caching and the message assembly live elsewhere.
+(errors.py) become gRPC status codes in one place, `_abort` (which code for which
+outcome: docs/request.md, "Status codes"). The sample order, the store format, the
+caching and the message assembly live elsewhere; the RPCs, messages and limits are
+specified in docs/serving.md.
 
 Where messages are built is a measured trade-off. Anything that may block or take
 long runs in the thread pool: opening a store, loading (or waiting for) a chunk, and
@@ -22,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -33,7 +35,7 @@ from tokenfeed.core import sampling
 from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
 from tokenfeed.core.request import MAX_PARAM, SPLITS, SamplingSpec
 from tokenfeed.server import documents
-from tokenfeed.server.assembly import MessageBuilder
+from tokenfeed.server.assembly import Message, MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
@@ -42,6 +44,8 @@ from tokenfeed.v1 import feeder_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 try:  # what a write to a call that already ended (client gone, drain) raises
     from grpc._cython.cygrpc import ExecuteBatchError as _CallEnded
 except ImportError:  # pragma: no cover - grpc's internals moved; fall back to the checks
@@ -49,9 +53,9 @@ except ImportError:  # pragma: no cover - grpc's internals moved; fall back to t
 
 SERVICE_NAME = "tokenfeed.v1.Feeder"
 INLINE_MAX_BYTES = 1 << 20  # messages up to this size from cached chunks: built on the loop
-MAX_BATCHES_PER_MESSAGE = 1024
+MAX_BATCHES_PER_MESSAGE = 1024  # docs/serving.md, "Limits"
 # A client that does not say how large a message it accepts gets gRPC's default
-# receive limit (StreamBatchesRequest.max_message_bytes).
+# receive limit (StreamBatchesRequest.max_message_bytes; docs/serving.md, "Limits").
 DEFAULT_CLIENT_MESSAGE_BYTES = 4 << 20
 
 
@@ -157,7 +161,7 @@ class FeederService:
         max_streams: int,
         max_batch_bytes: int,
     ) -> None:
-        self.datasets = catalog
+        self.catalog = catalog
         self.cache = cache
         self.metrics = metrics
         self.executor = executor
@@ -187,12 +191,16 @@ class FeederService:
 
     # ---------------------------------------------------------------- errors
 
-    async def _abort(self, context: grpc.aio.ServicerContext, code: str, message: str) -> None:
-        """The one place a call ends with an error status (counted by code)."""
+    async def _abort(self, context: grpc.aio.ServicerContext, code: str, message: str) -> NoReturn:
+        """The one place a call ends with an error status (counted by code): grpc's
+        context.abort raises AbortError, which ends the call."""
         self.metrics.errors.labels(code=code).inc()
-        await context.abort(getattr(grpc.StatusCode, code), self.datasets.redact(message))
+        await context.abort(getattr(grpc.StatusCode, code), self.catalog.redact(message))
+        raise AssertionError("context.abort returned instead of raising AbortError")
 
-    async def _run_guarded(self, context: grpc.aio.ServicerContext, coro: Any) -> Any:
+    async def _run_guarded(
+        self, context: grpc.aio.ServicerContext, coro: Awaitable[_T]
+    ) -> _T | None:
         try:
             return await coro
         except FeederError as e:
@@ -221,7 +229,7 @@ class FeederService:
 
     # ------------------------------------------------------------------ Info
 
-    async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+    async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> pb.InfoResponse | None:
         loop = asyncio.get_running_loop()
         return await self._run_guarded(
             context, loop.run_in_executor(self.executor, self._info, request)
@@ -232,7 +240,7 @@ class FeederService:
         found = []
         for name in spec.source_names:
             try:
-                found.append(self.datasets.get(name))
+                found.append(self.catalog.get(name))
             except NotFound as e:
                 field = f"sources[{name!r}]"
                 raise NotFound(f"{field}: {e.message}", field=field) from None
@@ -246,9 +254,9 @@ class FeederService:
         if request.HasField("params") and len(request.params.sources):
             return self._mixture_info(request)
         if request.dataset:
-            found = [self.datasets.get(request.dataset)]
+            found = [self.catalog.get(request.dataset)]
         else:
-            found = self.datasets.all()
+            found = self.catalog.all()
         resp = pb.InfoResponse()
         for ds in found:
             info = _describe(resp, ds)
@@ -315,7 +323,7 @@ class FeederService:
             ds: Dataset = MixtureSpace.of(sources)
             plan = mixture_plan_for(spec, sources)
         else:
-            ds = self.datasets.get(spec.dataset)
+            ds = self.catalog.get(spec.dataset)
             plan = plan_for(spec, ds)
         if not 0 <= request.batches_per_message <= MAX_BATCHES_PER_MESSAGE:
             raise InvalidArgument(
@@ -394,7 +402,7 @@ class FeederService:
         bytes_sent = self.metrics.bytes_sent.labels(**labels)
         by_source = SourceCounters.of(self.metrics, pipe)
         small = pipe.message_bytes <= INLINE_MAX_BYTES
-        building: asyncio.Future[Any] | None = None
+        building: asyncio.Future[list[Message]] | None = None
         try:
             while True:
                 if building is not None:

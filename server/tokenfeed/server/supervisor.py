@@ -37,6 +37,8 @@ FeederServer, and stays out of the data path:
   for open streams); exit 0 once all have stopped. A worker still running grace + 15
   seconds later is killed and the exit code is 1. If the supervisor itself dies, each
   worker sees its pipe close and drains.
+
+What an operator sees of this mode: docs/serving.md, "Workers".
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
@@ -107,7 +110,7 @@ class NodeCollector(MultiProcessCollector):  # type: ignore[misc]  # prometheus_
     """The workers' metric files, summed; a scrape that meets a file a new worker is
     just creating (empty for a moment) reads again instead of failing with a 500."""
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> list[Any]:  # Metric families
         for attempt in range(10):
             try:
                 return list(super().collect())

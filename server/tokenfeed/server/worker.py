@@ -25,6 +25,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from tokenfeed.server.app import FeederServer, create_server, run_until_stopped, serve
+from tokenfeed.server.chunks import MappedStore, VerifiedChunks, raise_open_files_limit
 from tokenfeed.server.config import ServerConfig
 
 log = logging.getLogger("tokenfeed.server.worker")
@@ -83,16 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("PROMETHEUS_MULTIPROC_DIR is not set: workers are started by the supervisor")
         return 2
 
-    from tokenfeed.server.app import create_server, run_until_stopped, serve
-    from tokenfeed.server.chunks import MappedStore, VerifiedChunks, raise_open_files_limit
-
     config = decode_config(args.config)
     raise_open_files_limit()
     verified = VerifiedChunks(args.state_dir / "verified")
     server = create_server(config, open_store=MappedStore.opener(verified), reuse_port=True)
     ready = os.fdopen(args.ready_fd, "wb", buffering=0)
 
-    def on_serving(s: Any) -> None:
+    def on_serving(s: FeederServer) -> None:
         ready.write(f"{os.getpid()} {s.port}\n".encode())
         ready.close()
 

@@ -1,0 +1,36 @@
+"""`tokenfeed serve`'s entry point: one server process, or the supervisor of N workers.
+
+The server's modules form layers (an import contract in pyproject.toml): process
+management (this module, supervisor.py, worker.py) over the app (app.py: one
+FeederServer assembled from its config and served until SIGTERM) over the service
+(service.py) over assembly and read-ahead over the cache, splice and wire. Workers
+and replicas: docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tokenfeed.server import splice
+from tokenfeed.server.app import run_until_stopped, serve
+from tokenfeed.server.config import ServerConfig
+from tokenfeed.server.supervisor import Supervisor
+
+log = logging.getLogger("tokenfeed.server")
+
+
+def run(config: ServerConfig) -> int:
+    """`tokenfeed serve`: one server process, or the supervisor of `config.workers`;
+    the exit code (0 after a clean drain)."""
+    warning = config.insecure_warning()
+    if warning:
+        log.warning("\n%s\n%s\n%s", "!" * 78, warning, "!" * 78)  # hard to miss
+    if not splice.NATIVE:
+        log.warning(
+            "built without the C extensions (TOKENFEED_PURE_PYTHON=1): messages are spliced "
+            "in Python and windows sampled in numpy, which costs about 30 % more server CPU "
+            "per token"
+        )
+    if config.workers > 1:
+        return Supervisor(config).run()
+    return run_until_stopped(serve(config))
