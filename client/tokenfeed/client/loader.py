@@ -49,13 +49,12 @@ after its position; any other change is refused with an error naming what differ
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -71,17 +70,11 @@ from tokenfeed.client.buffers import (
     document_arrays,
     views,
 )
+from tokenfeed.client.connection import Backoff, Connection, Pem, Timeouts, connection_of
 from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.metrics import ClientMetrics
-from tokenfeed.client.stream import (
-    END,
-    Backoff,
-    Failure,
-    StreamReader,
-    StreamRequest,
-    call_with_retry,
-)
-from tokenfeed.client.transport import Channels, Security, Timeouts, split_addresses
+from tokenfeed.client.stream import END, Failure, StreamReader, StreamRequest, call_with_retry
+from tokenfeed.client.transport import Channels
 from tokenfeed.core.dtypes import itemsize
 from tokenfeed.core.errors import InvalidArgument, NotFound
 from tokenfeed.core.mixture import load_mixture
@@ -152,19 +145,9 @@ def _check_type(name: str, value: Any, types: type | tuple[type, ...], what: str
         raise TypeError(f"FeederClient {name} must be {what}, got {value!r}")
 
 
-_PEM = (bytes, str, os.PathLike, type(None))
-
-
 def _check_arguments(args: dict[str, Any]) -> None:
-    """Type and range of every argument that is not SamplingSpec's (see __init__)."""
-    address = args["address"]
-    if not isinstance(address, str):
-        if not isinstance(address, Sequence) or not all(isinstance(a, str) for a in address):
-            raise TypeError(
-                "FeederClient address must be 'host:port', a comma-separated string or a "
-                f"list of them, got {address!r}"
-            )
-    split_addresses(address)  # ValueError naming a malformed one
+    """Type and range of every argument that is not SamplingSpec's or the
+    connection's (see __init__)."""
     _check_int("rank", args["rank"], 0, 1 << 31, none_ok=True)
     spec = args["spec"]
     if spec is not None and not isinstance(spec, SamplingSpec):
@@ -191,27 +174,8 @@ def _check_arguments(args: dict[str, Any]) -> None:
             f"FeederClient documents must be True, False or a non-empty list of some of "
             f"{list(DOCUMENT_OUTPUTS)}, got {docs!r}"
         )
-    for name in ("tls", "lookahead", "mask_cross_document_labels"):
+    for name in ("lookahead", "mask_cross_document_labels"):
         _check_type(name, args[name], bool, "True or False")
-    for name in ("root_certificates", "certificate_chain", "private_key"):
-        value = args[name]
-        _check_type(name, value, _PEM, "PEM bytes or a path to a PEM file")
-        if value is not None and not isinstance(value, bytes) and not os.path.isfile(value):
-            raise ValueError(f"FeederClient {name}: no such file: {os.fspath(value)!r}")
-    token = args["token"]
-    if token is not None and (not isinstance(token, str) or not token.strip()):
-        raise TypeError(f"FeederClient token must be a non-empty string or None, got {token!r}")
-    if args["backoff"] is not None and not isinstance(args["backoff"], Backoff):
-        raise TypeError(f"FeederClient backoff must be a Backoff, got {args['backoff']!r}")
-    if args["timeouts"] is not None and not isinstance(args["timeouts"], Timeouts):
-        raise TypeError(f"FeederClient timeouts must be a Timeouts, got {args['timeouts']!r}")
-    ct = args["connect_timeout"]
-    if ct is not None and (
-        isinstance(ct, bool) or not isinstance(ct, (int, float)) or not math.isfinite(ct) or ct <= 0
-    ):
-        raise ValueError(
-            f"FeederClient connect_timeout must be a positive number of seconds, got {ct!r}"
-        )
 
 
 class FeederClient:
@@ -233,20 +197,24 @@ class FeederClient:
     the next epoch's stream `LOOKAHEAD_STEPS` steps before this one ends, adopted by
     `set_epoch(epoch + 1)`. `first_batch_seconds` and `metrics` report the wait for
     each stream's first batch apart from the steady-state wait and stall.
-    `registry`/`metrics_port` (bound to `metrics_addr`): see `metrics`. `tls`,
-    `root_certificates`, `certificate_chain`/`private_key` (mutual TLS; PEM bytes or
-    paths) and `token` (sent as `authorization: Bearer <token>`) match the server's
-    options. `connect_timeout` (seconds, default 30; also `Timeouts.connect_timeout`)
-    bounds how long a client that has never reached a feeder tries before it raises
-    FeederUnavailable; `backoff` bounds reconnects after that, `timeouts` the
-    keepalive that detects a black-holed connection, one connection attempt, and
-    unary calls. Every argument is checked here (TypeError, ValueError), the device
-    too, before any feeder is contacted.
+    `registry`/`metrics_port` (bound to `metrics_addr`): see `metrics`.
+
+    Where the feeder is and how to reach it is one `Connection` (`connection=`), or
+    the address and the flat keywords that build it (`Connection.from_keywords`):
+    `tls`, `root_certificates`, `certificate_chain`/`private_key` (mutual TLS; PEM
+    bytes or paths) and `token` (sent as `authorization: Bearer <token>`) match the
+    server's options; `timeouts` (`Timeouts`) bound how long a client that has never
+    reached a feeder tries before it raises FeederUnavailable, the keepalive that
+    detects a black-holed connection, one connection attempt, and unary calls;
+    `connect_timeout` (seconds, default 30) is a shorthand for
+    `Timeouts.connect_timeout`; `backoff` bounds reconnects once a feeder answered.
+    Every argument is checked here (TypeError, ValueError), the device too, before
+    any feeder is contacted.
     """
 
     def __init__(
         self,
-        address: str | Sequence[str],
+        address: str | Sequence[str] | None = None,
         *,
         dataset: str | None = None,
         mixture: Any = None,
@@ -271,9 +239,9 @@ class FeederClient:
         metrics_addr: str = "127.0.0.1",
         registry: CollectorRegistry | None = None,
         tls: bool = False,
-        root_certificates: bytes | str | os.PathLike[str] | None = None,
-        certificate_chain: bytes | str | os.PathLike[str] | None = None,
-        private_key: bytes | str | os.PathLike[str] | None = None,
+        root_certificates: Pem | None = None,
+        certificate_chain: Pem | None = None,
+        private_key: Pem | None = None,
         token: str | None = None,
         backoff: Backoff | None = None,
         timeouts: Timeouts | None = None,
@@ -281,9 +249,22 @@ class FeederClient:
         connect_timeout: float | None = None,
         documents: bool | Sequence[str] = False,
         mask_cross_document_labels: bool = False,
+        connection: Connection | None = None,
     ) -> None:
         from tokenfeed.client.device import check_device, resolve_device
 
+        self.connection = connection_of(
+            address,
+            connection,
+            tls=tls,
+            root_certificates=root_certificates,
+            certificate_chain=certificate_chain,
+            private_key=private_key,
+            token=token,
+            timeouts=timeouts,
+            backoff=backoff,
+            connect_timeout=connect_timeout,
+        )
         _check_arguments(locals())
         self.rank = _env_int("RANK", 0) if rank is None else rank
         if spec is None:
@@ -337,14 +318,8 @@ class FeederClient:
         self.device = resolve_device(device)
         if self.device is not None:
             check_device(self.device)  # imports torch
-        self.backoff = backoff or Backoff()
         self.lookahead = lookahead
-        security = Security.build(tls, root_certificates, certificate_chain, private_key, token)
-        self._metadata = security.metadata
-        self._timeouts = timeouts or Timeouts()
-        if connect_timeout is not None:
-            self._timeouts = replace(self._timeouts, connect_timeout=float(connect_timeout))
-        self._channels = Channels(address, security, self._timeouts, start=self.rank)
+        self._channels = Channels(self.connection, start=self.rank)
         self.metrics = ClientMetrics(self.rank, registry)
         if metrics_port is not None:
             self.metrics.serve(metrics_port, metrics_addr)
@@ -374,6 +349,11 @@ class FeederClient:
 
     # ------------------------------------------------------------------ request
     @property
+    def backoff(self) -> Backoff:
+        """The reconnect backoff (`connection.backoff`)."""
+        return self.connection.backoff
+
+    @property
     def fingerprint(self) -> str:
         """Hash of what defines the epoch order (SamplingSpec.fingerprint): world size,
         rank and batch size are left out, so a resume may change them."""
@@ -387,10 +367,10 @@ class FeederClient:
             request = feeder_pb2.InfoRequest(
                 dataset=self.dataset, params=self.spec.to_proto(), rank=self.rank
             )
+            metadata = self.connection.metadata
             response = call_with_retry(
                 self._channels,
-                lambda stub, timeout: stub.Info(request, metadata=self._metadata, timeout=timeout),
-                self.backoff,
+                lambda stub, timeout: stub.Info(request, metadata=metadata, timeout=timeout),
                 self._on_reconnect,
                 f"rank {self.rank}: Info",
             )
@@ -557,9 +537,7 @@ class FeederClient:
             step,
             q,
             partial(self._stage, request.num_windows, self._ahead_step(request, offset, step)),
-            self.backoff,
             self._on_reconnect,
-            self._metadata,
         )
         reader.start()
         return reader, q
