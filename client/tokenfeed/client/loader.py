@@ -73,17 +73,15 @@ from tokenfeed.client.buffers import (
 from tokenfeed.client.connection import Backoff, Connection, Pem, Timeouts, connection_of
 from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.metrics import ClientMetrics
+from tokenfeed.client.position import Position, no_epochs
 from tokenfeed.client.stream import END, Failure, StreamReader, StreamRequest, call_with_retry
 from tokenfeed.client.transport import Channels
 from tokenfeed.core.dtypes import itemsize
 from tokenfeed.core.errors import InvalidArgument, NotFound
 from tokenfeed.core.mixture import load_mixture
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import MAX_TOKENS, steps_per_epoch
+from tokenfeed.core.sampling import MAX_TOKENS
 from tokenfeed.v1 import feeder_pb2
-
-STATE_KEYS = ("epoch", "offset", "step", "fingerprint", "world_size")
-
 
 # Auto batches_per_message packs this many bytes per message: gRPC's cost is per
 # message, so small batches travel several to a message.
@@ -334,9 +332,7 @@ class FeederClient:
         self._info: DatasetInfo | None = None
         self._reader: StreamReader | None = None
         self._queue: Handoff | None = None
-        self._epoch, self._offset, self._step = 0, 0, 0
-        self._resume = False  # a loaded position not yet streamed
-        self._done = False  # the current epoch ran to its end in the loop
+        self._position = Position(spec, self.rank)
         self._closed = False
         self._reconnects = 0
         # Streams of the next epoch opened at the end of this one (see _next).
@@ -384,17 +380,11 @@ class FeederClient:
     def is_mixture(self) -> bool:
         return self.spec.is_mixture
 
-    def _no_epochs(self) -> TypeError:
-        return TypeError(
-            "a mixture stream is endless and has no len() or steps_left; stop at your own "
-            "step or token budget"
-        )
-
     def __len__(self) -> int:
         """Steps of a full epoch for this rank at the current world size (see
         `steps_left` for what remains of the current epoch)."""
         if self.is_mixture:
-            raise self._no_epochs()
+            raise no_epochs()
         return self.dataset_info.steps
 
     @property
@@ -402,30 +392,20 @@ class FeederClient:
         """Steps this rank will still receive in the current epoch from the current
         position (right after `load_state_dict`, counted at this client's world size)."""
         if self.is_mixture:
-            raise self._no_epochs()
-        info = self.dataset_info
-        return steps_per_epoch(
-            info.windows, self.batch_size, self.world_size, self.rank, self.split, self._offset
-        )
+            raise no_epochs()  # before the Info call
+        return self._position.steps_left(self.dataset_info.windows)
 
     # ---------------------------------------------------------------- position
     def set_epoch(self, epoch: int) -> None:
-        if epoch < 0:
-            raise ValueError(f"epoch must be non-negative, got {epoch}")
-        if epoch > 0 and self.is_mixture:
-            raise ValueError(
-                f"a mixture stream is endless and has no epochs: set_epoch({epoch}) is not "
-                "allowed (set_epoch(0) is)"
-            )
+        """Start `epoch` from its start, except right after `load_state_dict` of that
+        same epoch (see `Position.set_epoch`); a stream of it opened ahead is adopted."""
         with self._lock:
-            if self._resume and epoch == self._epoch:
+            if not self._position.set_epoch(epoch):
                 return  # keep the position load_state_dict gave
             ahead, self._ahead = self._ahead, None
             self._stop_reader()
             if ahead is None and self._adopted is not None:
                 ahead, self._adopted = self._adopted, None  # set_epoch twice
-            self._epoch, self._offset, self._step = int(epoch), 0, 0
-            self._resume = self._done = False
             if ahead is not None and ahead[0].request.epoch == epoch:
                 self._adopted = ahead  # already streaming this epoch from its start
             elif ahead is not None:
@@ -434,49 +414,15 @@ class FeederClient:
     def state_dict(self) -> dict[str, Any]:
         """Position of the first batch the training loop has not received (and, for a
         mixture, the mixture itself: a resume checks its sources and schedule)."""
-        state: dict[str, Any] = {
-            "epoch": self._epoch,
-            "offset": self._offset,
-            "step": self._step,
-            "fingerprint": self.fingerprint,
-            "world_size": self.world_size,
-        }
-        if self.is_mixture:
-            state["mixture"] = self.spec.mixture_state()
-        return state
+        return self._position.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = [k for k in STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"not a FeederClient state: missing {missing}")
-        if ("mixture" in state) != self.is_mixture:
-            raise ValueError(
-                "the state was saved by a "
-                + ("mixture" if "mixture" in state else "single-dataset")
-                + " loader and this one streams "
-                + ("a mixture" if self.is_mixture else f"dataset {self.dataset!r}")
-            )
-        if self.is_mixture:
-            problem = self.spec.resume_problem(state["mixture"], int(state["offset"]))
-            if problem:
-                raise ValueError(f"cannot resume this mixture checkpoint: {problem}")
-            if int(state["epoch"]) != 0:
-                raise ValueError(f"a mixture state has epoch 0, got {state['epoch']}")
-        if state["fingerprint"] != self.fingerprint:
-            raise ValueError(
-                f"the state was saved with different sampling parameters (fingerprint "
-                f"{state['fingerprint']} != {self.fingerprint}): dataset, split, split_rate, "
-                f"seq_len, stride, shift, seed, shuffle and shuffle_blocks must match to "
-                f"resume the same epoch order"
-            )
-        epoch, offset, step = (int(state[k]) for k in ("epoch", "offset", "step"))
-        if min(epoch, offset, step) < 0:
-            raise ValueError(f"negative epoch/offset/step in state {state}")
+        """Continue from a `state_dict()`, also at another world size (ValueError,
+        changing nothing, if it was saved for another order)."""
         with self._lock:
+            self._position.load_state_dict(state)
             self._stop_reader()
             self._drop_adopted()
-            self._epoch, self._offset, self._step = epoch, offset, step
-            self._resume, self._done = True, False
 
     # --------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -496,10 +442,9 @@ class FeederClient:
             self._reader, self._queue = adopted
             self.metrics.track_occupancy(adopted[1].qsize)
             return
-        if self._done and not self._resume:
-            self._offset, self._step = 0, 0  # iterate the same epoch again
-        self._resume = self._done = False
-        self._reader, self._queue = self._open(self._epoch, self._offset, self._step)
+        position = self._position
+        position.start()
+        self._reader, self._queue = self._open(position.epoch, position.offset, position.step)
         self.metrics.track_occupancy(self._queue.qsize)
 
     def _open(self, epoch: int, offset: int, step: int) -> tuple[StreamReader, Handoff]:
@@ -520,11 +465,7 @@ class FeederClient:
             batches_per_message=per_message,
             global_batch=B * W,
             num_windows=size.windows,
-            remaining=(
-                _endless
-                if self.is_mixture
-                else partial(steps_per_epoch, size.windows, B, W, self.rank, self.split)
-            ),
+            remaining=self._position.remaining(size.windows),
             document_ends=bool(self.documents) or self.mask_cross_document_labels,
         )
         # A message's batches are in memory once it arrives: let them all wait in the
@@ -604,13 +545,13 @@ class FeederClient:
         first next(), whose wait is the stream's time to first batch, counted apart.
         """
         if reader is not self._reader:
-            if self._done or self._closed:
+            if self._position.ended or self._closed:
                 raise StopIteration
             raise RuntimeError(
                 "this iteration was ended by a newer one (iter, set_epoch, "
                 "load_state_dict or close)"
             )
-        q = self._queue
+        q, position = self._queue, self._position
         t0 = perf_counter()
         try:
             item = q.get_nowait()  # type: ignore[union-attr]
@@ -618,7 +559,7 @@ class FeederClient:
             item = self._wait(q, reader, None if first else t0)  # type: ignore[arg-type]
         t1 = perf_counter()
         if type(item) is tuple:
-            batch, self._offset, self._step, pending, ahead = item
+            batch, position.offset, position.step, pending, ahead = item  # received
             if first:
                 self.metrics.first_batch_waited(t1 - t0, t1)
             else:
@@ -637,7 +578,7 @@ class FeederClient:
         self.metrics.waited(t1 - t0)
         with self._lock:
             if item is END:
-                self._done = True
+                position.end()
                 self._reader, self._queue = None, None
                 reader.stop()
                 self._open_ahead(reader, locked=True)  # if not open yet
@@ -658,10 +599,10 @@ class FeederClient:
             self.lookahead
             and self._ahead is None
             and not self._closed
-            and reader.request.epoch == self._epoch
-            and (reader is self._reader or self._done)
+            and reader.request.epoch == self._position.epoch
+            and (reader is self._reader or self._position.ended)
         ):
-            self._ahead = self._open(self._epoch + 1, 0, 0)
+            self._ahead = self._open(self._position.epoch + 1, 0, 0)
 
     def _wait(self, q: Handoff, reader: StreamReader, since: float | None) -> Any:
         """The ring was empty: block for the next item. `since`: when this wait began,
@@ -755,11 +696,6 @@ class _Epoch:
 
     def __len__(self) -> int:
         return len(self._client)
-
-
-def _endless(offset: int) -> int:
-    """Steps a mixture stream has left: always some (it is endless)."""
-    return 1
 
 
 def _mixture_info(response: feeder_pb2.InfoResponse, seq_len: int) -> DatasetInfo:
