@@ -769,7 +769,7 @@ def test_first_batch_is_reported_apart_from_the_steady_state(feeder_root: Path) 
 
 
 def test_lookahead_opens_the_next_epoch_before_this_one_ends(feeder) -> None:  # type: ignore[no-untyped-def]
-    from tokenfeed.client.loader import LOOKAHEAD_STEPS
+    from tokenfeed.client.epochs import LOOKAHEAD_STEPS
 
     with _client(feeder.address, shuffle=True) as ref:
         ref.set_epoch(1)
@@ -779,14 +779,14 @@ def test_lookahead_opens_the_next_epoch_before_this_one_ends(feeder) -> None:  #
         assert steps > LOOKAHEAD_STEPS + 1
         it = iter(c)
         for step in range(steps):
-            assert (c._ahead is None) == (step < steps - LOOKAHEAD_STEPS), step
+            assert (c._epochs._ahead is None) == (step < steps - LOOKAHEAD_STEPS), step
             next(it)
-        assert c._ahead is not None and c._ahead[0].request.epoch == 1
+        assert c._epochs._ahead is not None and c._epochs._ahead[0].request.epoch == 1
         with pytest.raises(StopIteration):
             next(it)
-        ahead = c._ahead
+        ahead = c._epochs._ahead
         c.set_epoch(1)
-        assert c._adopted is ahead  # the same stream, not a new one
+        assert c._epochs._adopted is ahead  # the same stream, not a new one
         assert _starts(c) == epoch1  # and exactly once
 
 
@@ -807,7 +807,7 @@ def test_batches_the_loop_dropped_are_freed_by_the_reader_thread(feeder) -> None
         next(it)
         wait_until(lambda: gone() is None, 30, "the previous batch to be freed")
         assert gone() is None and freed_in and freed_in[0].startswith("tokenfeed-reader")
-        assert len(c._spent) <= 2
+        assert len(c._epochs._spent) <= 2
 
 
 def test_a_whole_message_of_batches_may_wait_in_the_buffer(feeder) -> None:  # type: ignore[no-untyped-def]
@@ -815,8 +815,8 @@ def test_a_whole_message_of_batches_may_wait_in_the_buffer(feeder) -> None:  # t
     with _client(feeder.address, prefetch=1, batches_per_message=4, registry=reg) as c:
         it = iter(c)
         next(it)
-        wait_until(lambda: c._queue.qsize() >= 4, 30, "a full buffer")
-        assert c._queue.qsize() == 4 == c._queue.maxsize
+        wait_until(lambda: c._epochs._queue.qsize() >= 4, 30, "a full buffer")
+        assert c._epochs._queue.qsize() == 4 == c._epochs._queue.maxsize
         # A new iteration from the loop's position: the buffered batches come again.
         assert len(_starts(c)) == (len(c) - 1) * 4
 

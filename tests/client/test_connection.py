@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tokenfeed.client import Backoff, Connection, FeederClient, Security, Timeouts
-from tokenfeed.client.connection import connection_of, split_addresses
+from tokenfeed.client.connection import alone, split_addresses, with_connect_timeout
 
 from support.feeders import FEEDER_DATASET, running_feeder
 
@@ -125,45 +125,49 @@ def test_the_flat_keywords_build_the_same_connection(tmp_path: Path) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_bytes(b"CA PEM")
     backoff = Backoff(deadline=600)
-    flat = Connection.from_keywords(
-        "a:1,b:2", root_certificates=ca, token="t", backoff=backoff, connect_timeout=5
-    )
-    assert flat == Connection(
-        ["a:1", "b:2"],
-        security=Security(tls=True, root_certificates=b"CA PEM"),
-        token="t",
-        timeouts=Timeouts(connect_timeout=5.0),
-        backoff=backoff,
-    )
-    assert Connection.from_keywords("a:1") == Connection("a:1")
+    with FeederClient(
+        "a:1,b:2", root_certificates=ca, token="t", backoff=backoff, connect_timeout=5, **KW
+    ) as flat:
+        assert flat.connection == Connection(
+            ["a:1", "b:2"],
+            security=Security(tls=True, root_certificates=b"CA PEM"),
+            token="t",
+            timeouts=Timeouts(connect_timeout=5.0),
+            backoff=backoff,
+        )
+    with FeederClient("a:1", **KW) as plain:
+        assert plain.connection == Connection("a:1")
 
 
 def test_connect_timeout_is_a_shorthand_that_must_agree_with_timeouts() -> None:
     quick = Timeouts(keepalive_time=1.0)
     # fills in a Timeouts that leaves connect_timeout at its default
-    got = Connection.from_keywords("a:1", timeouts=quick, connect_timeout=5).timeouts
-    assert got == Timeouts(keepalive_time=1.0, connect_timeout=5.0)
+    assert with_connect_timeout(quick, 5) == Timeouts(keepalive_time=1.0, connect_timeout=5.0)
+    assert with_connect_timeout(None, 5) == Timeouts(connect_timeout=5.0)
+    assert (
+        with_connect_timeout(quick, None) is quick
+        and with_connect_timeout(None, None) == Timeouts()
+    )
     same = Timeouts(connect_timeout=5.0)
-    assert Connection.from_keywords("a:1", timeouts=same, connect_timeout=5).timeouts == same
+    assert with_connect_timeout(same, 5) == same
     with pytest.raises(ValueError, match=r"connect_timeout=5 disagrees with .*connect_timeout=2"):
-        Connection.from_keywords("a:1", timeouts=Timeouts(connect_timeout=2), connect_timeout=5)
+        with_connect_timeout(Timeouts(connect_timeout=2), 5)
     for bad in (0, -1.0, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match="connect_timeout"):
-            Connection.from_keywords("a:1", connect_timeout=bad)
+            with_connect_timeout(None, bad)
+    with pytest.raises(TypeError, match="timeouts"):
+        with_connect_timeout(5, None)  # type: ignore[arg-type]
 
 
 def test_a_client_takes_a_connection_or_the_flat_keywords_not_both() -> None:
     c = Connection("a:1")
-    assert connection_of(None, c) is c
-    assert connection_of("a:1", None, token=None, tls=False) == c
-    with pytest.raises(TypeError, match="not both"):
-        connection_of("a:1", c)
-    with pytest.raises(TypeError, match=r"token.*not both"):
-        connection_of(None, c, token="t", tls=False)
-    with pytest.raises(TypeError, match="address"):
-        connection_of(None, None)
+    assert alone(c, address=None, token=None, tls=False) is c
+    with pytest.raises(TypeError, match=r"\(address\), not both"):
+        alone(c, address="a:1")
+    with pytest.raises(TypeError, match=r"\(tls, token\), not both"):
+        alone(c, tls=True, token="t", backoff=None)
     with pytest.raises(TypeError, match="a Connection"):
-        connection_of(None, "a:1")  # type: ignore[arg-type]
+        alone("a:1")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------- against a real feeder
@@ -198,6 +202,8 @@ def test_connection_conflicts_are_refused_before_any_contact() -> None:
             FeederClient(address, connection=conn, **KW)
         with pytest.raises(TypeError, match="address"):
             FeederClient(**KW)
+        with pytest.raises(TypeError, match="a Connection"):
+            FeederClient(connection=address, **KW)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="disagrees"):
             FeederClient(address, timeouts=Timeouts(connect_timeout=1), connect_timeout=2, **KW)
         with pytest.raises(BlockingIOError):

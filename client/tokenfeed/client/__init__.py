@@ -12,7 +12,8 @@ tree (tokenfeed.core.errors) is re-exported here, so a trainer catches
 """
 
 from tokenfeed.client.connection import Backoff, Connection, Security, Timeouts
-from tokenfeed.client.loader import DatasetInfo, FeederClient
+from tokenfeed.client.info import DatasetInfo
+from tokenfeed.client.loader import FeederClient
 from tokenfeed.core.errors import (
     DataLoss,
     FailedPrecondition,

@@ -15,8 +15,8 @@ a bad one fails before any feeder is contacted:
     loader = FeederClient(connection=feeders, dataset="web", seq_len=2048, batch_size=8)
 
 FeederClient's flat keywords (`tls=`, `root_certificates=`, `certificate_chain=`,
-`private_key=`, `token=`, `timeouts=`, `backoff=`, `connect_timeout=`) build the
-same value (`Connection.from_keywords`). An address is "host:port", a
+`private_key=`, `token=`, `timeouts=`, `backoff=`, and `connect_timeout=`, a
+shorthand: `with_connect_timeout`) build the same value. An address is "host:port", a
 comma-separated list of them, or a list; a name with several records stands for all
 of them (`transport.expand`). What the settings mean on the wire: docs/serving.md
 (auth, TLS, replicas); how the client reconnects: docs/client.md, "Reconnects".
@@ -212,59 +212,33 @@ class Connection:
         """What every call sends: the bearer token, if any."""
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
-    @classmethod
-    def from_keywords(
-        cls,
-        address: str | Sequence[str],
-        *,
-        tls: bool = False,
-        root_certificates: Pem | None = None,
-        certificate_chain: Pem | None = None,
-        private_key: Pem | None = None,
-        token: str | None = None,
-        timeouts: Timeouts | None = None,
-        backoff: Backoff | None = None,
-        connect_timeout: float | None = None,
-    ) -> Connection:
-        """The Connection FeederClient's flat keywords describe.
 
-        `connect_timeout` is a shorthand for `Timeouts.connect_timeout`: it fills in
-        `timeouts` when that is None or leaves connect_timeout at its default (30 s),
-        and must agree with a `timeouts` that sets another one.
-        """
-        timeouts = instance_or_default("timeouts", timeouts, Timeouts)
-        if connect_timeout is not None:
-            check_seconds("connect_timeout", connect_timeout)
-            if timeouts.connect_timeout not in (CONNECT_TIMEOUT, connect_timeout):
-                raise ValueError(
-                    f"connect_timeout={connect_timeout!r} disagrees with timeouts="
-                    f"Timeouts(connect_timeout={timeouts.connect_timeout!r}): give it once "
-                    "(connect_timeout= is a shorthand for Timeouts.connect_timeout)"
-                )
-            timeouts = replace(timeouts, connect_timeout=float(connect_timeout))
-        return cls(
-            address,
-            security=Security(tls, root_certificates, certificate_chain, private_key),
-            token=token,
-            timeouts=timeouts,
-            backoff=backoff,
+def with_connect_timeout(timeouts: Timeouts | None, connect_timeout: float | None) -> Timeouts:
+    """`timeouts` with FeederClient's `connect_timeout=`, a shorthand for
+    `Timeouts.connect_timeout`: it fills in a `timeouts` that is None or leaves
+    connect_timeout at its default (30 s), and must agree with one that sets another."""
+    timeouts = instance_or_default("timeouts", timeouts, Timeouts)
+    if connect_timeout is None:
+        return timeouts
+    check_seconds("connect_timeout", connect_timeout)
+    if timeouts.connect_timeout not in (CONNECT_TIMEOUT, connect_timeout):
+        raise ValueError(
+            f"connect_timeout={connect_timeout!r} disagrees with timeouts="
+            f"Timeouts(connect_timeout={timeouts.connect_timeout!r}): give it once "
+            "(connect_timeout= is a shorthand for Timeouts.connect_timeout)"
         )
+    return replace(timeouts, connect_timeout=float(connect_timeout))
 
 
-def connection_of(
-    address: str | Sequence[str] | None, connection: Connection | None, **keywords: Any
-) -> Connection:
-    """FeederClient's Connection: `connection=`, or the one `address` and the flat
-    `keywords` (`Connection.from_keywords`) describe; giving both is an error."""
-    if connection is None:
-        if address is None:
-            raise TypeError("FeederClient needs the feeder's address (or connection=)")
-        return Connection.from_keywords(address, **keywords)
+def alone(connection: Connection, **keywords: Any) -> Connection:
+    """`connection=`, checked, when FeederClient's address and flat connection
+    `keywords` were left unset (they describe a Connection too: giving both is an
+    error)."""
     check_type("connection", connection, Connection, "a Connection")
     given = [name for name, value in keywords.items() if value is not None and value is not False]
-    if address is not None or given:
+    if given:
         raise TypeError(
-            "FeederClient takes connection= or the address and the connection keywords "
-            f"({', '.join(given or ['address'])}), not both: set them on the Connection"
+            f"FeederClient takes connection= or the address and the connection keywords "
+            f"({', '.join(given)}), not both: set them on the Connection"
         )
     return connection
