@@ -19,6 +19,7 @@ import tokenfeed.client
 from tokenfeed.client import Backoff, Connection, FeederClient, FeederUnavailable
 from tokenfeed.client.buffers import HostRing, batch_array, views
 from tokenfeed.client.device import resolve_device
+from tokenfeed.client.epochs import LOOKAHEAD_STEPS
 from tokenfeed.client.metrics import ClientMetrics, StallWindow
 from tokenfeed.client.transport import Channels, expand
 from tokenfeed.core import errors
@@ -769,8 +770,6 @@ def test_first_batch_is_reported_apart_from_the_steady_state(feeder_root: Path) 
 
 
 def test_lookahead_opens_the_next_epoch_before_this_one_ends(feeder) -> None:  # type: ignore[no-untyped-def]
-    from tokenfeed.client.epochs import LOOKAHEAD_STEPS
-
     with _client(feeder.address, shuffle=True) as ref:
         ref.set_epoch(1)
         epoch1 = _starts(ref)
@@ -788,6 +787,20 @@ def test_lookahead_opens_the_next_epoch_before_this_one_ends(feeder) -> None:  #
         c.set_epoch(1)
         assert c._epochs._adopted is ahead  # the same stream, not a new one
         assert _starts(c) == epoch1  # and exactly once
+
+
+def test_a_mixture_opens_no_next_epoch_ahead(feeder_root: Path) -> None:
+    """A mixture stream is endless: there is no next epoch to stream ahead (the feeder
+    would refuse epoch 1 with INVALID_ARGUMENT)."""
+    make_positional_store(feeder_root / "other", 5_000, 1_000)
+    with running_feeder(feeder_root) as f:
+        mixture = {FEEDER_DATASET: 0.5, "other": 0.5}
+        with _client(f.address, dataset=None, mixture=mixture, lookahead=True) as c:
+            it = iter(c)
+            for _ in range(LOOKAHEAD_STEPS + 3):
+                next(it)
+            assert c._epochs._ahead is None
+            assert c._epochs._reader is not None and c._epochs._reader.is_alive()
 
 
 def test_batches_the_loop_dropped_are_freed_by_the_reader_thread(feeder) -> None:  # type: ignore[no-untyped-def]

@@ -72,7 +72,9 @@ class Epochs:
         self.sources = spec.source_names
         self.layout, self.documents = options.layout, options.documents
         self.mask_cross_document_labels = options.mask_cross_document_labels
-        self.prefetch, self.lookahead = options.prefetch, options.lookahead
+        self.prefetch = options.prefetch
+        # A mixture stream is endless: it has no next epoch to open ahead.
+        self.lookahead = options.lookahead and not spec.is_mixture
         self.metrics, self._stager = metrics, stager
         self._position, self._channels = position, channels
         self._info, self._on_reconnect = info, on_reconnect
