@@ -3,7 +3,7 @@
 No feeder here: `Loop` drives a Position the way FeederClient does (an iteration opens
 a stream at the position, each batch the loop takes stores the position after it, the
 stream's end ends the epoch) over `rank_batches`, a plain reference of which batches
-a rank receives (docs/sampling.md, "Ranks")."""
+a rank receives (docs/sampling.md, "Steps and ranks")."""
 
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def test_any_sequence_keeps_the_next_batch_the_first_not_received(
 ) -> None:
     """receive / save / load / set_epoch / iterate again, in any order: the next batch
     the loop receives is always the first it has not received (docs/client.md,
-    "Position"), checked against those rules written out over the loop's history."""
+    "Position and state dict"), checked against those rules written out over the loop's history."""
     spec = _spec(batch_size, world, split)
     rank = data.draw(st.integers(0, world - 1))
     loop = Loop(spec, rank, windows)

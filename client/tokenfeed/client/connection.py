@@ -18,8 +18,9 @@ FeederClient's flat keywords (`tls=`, `root_certificates=`, `certificate_chain=`
 `private_key=`, `token=`, `timeouts=`, `backoff=`, and `connect_timeout=`, a
 shorthand: `with_connect_timeout`) build the same value. An address is "host:port", a
 comma-separated list of them, or a list; a name with several records stands for all
-of them (`transport.expand`). What the settings mean on the wire: docs/serving.md
-(auth, TLS, replicas); how the client reconnects: docs/client.md, "Reconnects".
+of them (`transport.expand`). What the settings mean on the wire: docs/serving.md,
+"Auth and TLS" and "Several replicas"; how the client reconnects and when it gives
+up: docs/client.md, "Reconnects and giving up".
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ contacted: the request (a SamplingSpec), the rank, and how batches are delivered
 
 Every check raises TypeError for a wrong type and ValueError for a value out of range,
 naming the argument. The sampling fields are SamplingSpec's (InvalidArgument, a
-ValueError, naming the field; docs/request.md, "Validation"), with its defaults, the
-same in every client and on the wire.
+ValueError, naming the field), with its defaults, the same in every client and on
+the wire (docs/request.md, "SamplingParams: what defines an order").
 """
 
 from __future__ import annotations

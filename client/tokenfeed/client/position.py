@@ -7,7 +7,8 @@ which is the same for every world size, so a job may resume with more or fewer r
 and nothing else: no I/O, no threads, no gRPC. The client moves it as batches reach
 the loop; its reader thread keeps a position of its own (the first batch it has not
 received) for reconnects, and batches it holds that the loop never took are simply
-not counted, so a new stream asks for them again (docs/client.md, "Position").
+not counted, so a new stream asks for them again (docs/client.md, "Position and
+state dict").
 
 Receiving the batch at (offset, step) moves the position to (min(offset + B * W,
 windows), step + 1): the reader thread computes that as it stages the batch and the
@@ -84,7 +85,7 @@ class Position:
     # ------------------------------------------------------------------- sizes
     def remaining(self, windows: int) -> Callable[[int], int]:
         """offset -> the steps this rank still has in an epoch of `windows` windows
-        from it (docs/sampling.md, "Ranks"); a mixture always has some."""
+        from it (docs/sampling.md, "Steps and ranks"); a mixture always has some."""
         if self.endless:
             return _endless
         spec = self.spec

@@ -18,7 +18,8 @@ the stream with it), but INTERNAL_ATTEMPTS of them in a row with nothing receive
 between end the call with that status: that is a feeder reporting a bug of its own,
 which waiting does not fix. Every failed attempt logs a WARNING on `tokenfeed.client`
 (address, reason, what happens next); a stream that starts or resumes logs an INFO
-line (rank, epoch, offset). The rules for users: docs/client.md, "Reconnects".
+line (rank, epoch, offset). The rules for users: docs/client.md, "Reconnects and
+giving up".
 
 The queue holds `prefetch` batches: with the one the loop is using and the one the
 thread is receiving, that is the double buffer.

@@ -3,8 +3,8 @@
 What to reach and how is a `connection.Connection`. A host name with several A
 records (a Kubernetes headless Service) stands for all of them: replicas are
 interchangeable because the sample order is a pure function of the request
-(docs/serving.md, replicas). A name with one record stays a name, so TLS checks the
-certificate against it.
+(docs/serving.md, "Several replicas"). A name with one record stays a name, so TLS
+checks the certificate against it.
 
 `Channels` holds one gRPC channel to the current address. After a failure the caller
 `rotate()`s: the channel is closed and the next attempt opens a fresh one to the next
