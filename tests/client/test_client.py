@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import socket
 import subprocess
 import sys
@@ -17,11 +16,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
 
 import tokenfeed.client
-from tokenfeed.client import Backoff, FeederClient, FeederUnavailable
+from tokenfeed.client import Backoff, Connection, FeederClient, FeederUnavailable
 from tokenfeed.client.buffers import HostRing, batch_array, views
 from tokenfeed.client.device import resolve_device
+from tokenfeed.client.epochs import LOOKAHEAD_STEPS
 from tokenfeed.client.metrics import ClientMetrics, StallWindow
-from tokenfeed.client.transport import Channels, Security, Timeouts, expand, split_addresses
+from tokenfeed.client.transport import Channels, expand
 from tokenfeed.core import errors
 from tokenfeed.core.errors import (
     DataLoss,
@@ -44,6 +44,7 @@ from support.stores import assert_positional_batch, make_positional_store
 def test_public_surface_is_small_and_importable() -> None:
     assert sorted(tokenfeed.client.__all__) == [
         "Backoff",
+        "Connection",
         "DataLoss",
         "DatasetInfo",
         "FailedPrecondition",
@@ -55,6 +56,7 @@ def test_public_surface_is_small_and_importable() -> None:
         "PermissionDenied",
         "ResourceExhausted",
         "SamplingSpec",
+        "Security",
         "Timeouts",
         "Unauthenticated",
     ]
@@ -83,40 +85,7 @@ print(n, heavy)
     assert int(out[0]) == 10_000 // 16 // 4 and out[1].strip() == "[]"
 
 
-# ----------------------------------------------------------------------------- backoff
-
-
-def test_backoff_grows_is_capped_and_jittered() -> None:
-    b = Backoff(initial=0.1, maximum=1.0, multiplier=2.0, jitter=0.5, deadline=10)
-    rng = random.Random(0)
-    for attempt, top in enumerate([0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]):
-        delays = [b.delay(attempt, rng) for _ in range(200)]
-        assert all(top / 2 <= d <= top for d in delays)
-        assert max(delays) - min(delays) > top / 4  # really spread out
-    assert Backoff(jitter=0.0, initial=0.3, maximum=0.3, deadline=1).delay(5) == 0.3
-
-
-def test_backoff_is_bounded() -> None:
-    b = Backoff(max_retries=3, deadline=None)
-    assert not b.exhausted(3, 1e9) and b.exhausted(4, 0)
-    d = Backoff(max_retries=None, deadline=5.0)
-    assert not d.exhausted(10**6, 4.9) and d.exhausted(1, 5.1)
-    with pytest.raises(ValueError, match="bounded"):
-        Backoff(max_retries=None, deadline=None)
-    with pytest.raises(ValueError):
-        Backoff(initial=2.0, maximum=1.0)
-
-
 # --------------------------------------------------------------------------- addresses
-
-
-def test_addresses_from_string_list_and_commas() -> None:
-    assert split_addresses("a:1") == ["a:1"]
-    assert split_addresses(" a:1, b:2 ,") == ["a:1", "b:2"]
-    assert split_addresses(["a:1", "[::1]:3"]) == ["a:1", "[::1]:3"]
-    for bad in ("", "nohost", "a:b", [","]):
-        with pytest.raises(ValueError):
-            split_addresses(bad)
 
 
 def test_a_name_with_several_records_is_several_endpoints() -> None:
@@ -148,7 +117,7 @@ def test_a_name_with_several_records_is_several_endpoints() -> None:
 def test_rank_r_starts_on_endpoint_r_mod_n_and_moves_on_wrapping_around() -> None:
     addresses = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
     for rank in range(7):
-        ch = Channels(addresses, Security(), Timeouts(), start=rank)
+        ch = Channels(Connection(addresses), start=rank)
         seen = []
         for _ in range(7):
             ch.stub()  # opens the channel (lazily: nothing is dialled here)
@@ -801,8 +770,6 @@ def test_first_batch_is_reported_apart_from_the_steady_state(feeder_root: Path) 
 
 
 def test_lookahead_opens_the_next_epoch_before_this_one_ends(feeder) -> None:  # type: ignore[no-untyped-def]
-    from tokenfeed.client.loader import LOOKAHEAD_STEPS
-
     with _client(feeder.address, shuffle=True) as ref:
         ref.set_epoch(1)
         epoch1 = _starts(ref)
@@ -811,15 +778,29 @@ def test_lookahead_opens_the_next_epoch_before_this_one_ends(feeder) -> None:  #
         assert steps > LOOKAHEAD_STEPS + 1
         it = iter(c)
         for step in range(steps):
-            assert (c._ahead is None) == (step < steps - LOOKAHEAD_STEPS), step
+            assert (c._epochs._ahead is None) == (step < steps - LOOKAHEAD_STEPS), step
             next(it)
-        assert c._ahead is not None and c._ahead[0].request.epoch == 1
+        assert c._epochs._ahead is not None and c._epochs._ahead[0].request.epoch == 1
         with pytest.raises(StopIteration):
             next(it)
-        ahead = c._ahead
+        ahead = c._epochs._ahead
         c.set_epoch(1)
-        assert c._adopted is ahead  # the same stream, not a new one
+        assert c._epochs._adopted is ahead  # the same stream, not a new one
         assert _starts(c) == epoch1  # and exactly once
+
+
+def test_a_mixture_opens_no_next_epoch_ahead(feeder_root: Path) -> None:
+    """A mixture stream is endless: there is no next epoch to stream ahead (the feeder
+    would refuse epoch 1 with INVALID_ARGUMENT)."""
+    make_positional_store(feeder_root / "other", 5_000, 1_000)
+    with running_feeder(feeder_root) as f:
+        mixture = {FEEDER_DATASET: 0.5, "other": 0.5}
+        with _client(f.address, dataset=None, mixture=mixture, lookahead=True) as c:
+            it = iter(c)
+            for _ in range(LOOKAHEAD_STEPS + 3):
+                next(it)
+            assert c._epochs._ahead is None
+            assert c._epochs._reader is not None and c._epochs._reader.is_alive()
 
 
 def test_batches_the_loop_dropped_are_freed_by_the_reader_thread(feeder) -> None:  # type: ignore[no-untyped-def]
@@ -839,7 +820,7 @@ def test_batches_the_loop_dropped_are_freed_by_the_reader_thread(feeder) -> None
         next(it)
         wait_until(lambda: gone() is None, 30, "the previous batch to be freed")
         assert gone() is None and freed_in and freed_in[0].startswith("tokenfeed-reader")
-        assert len(c._spent) <= 2
+        assert len(c._epochs._spent) <= 2
 
 
 def test_a_whole_message_of_batches_may_wait_in_the_buffer(feeder) -> None:  # type: ignore[no-untyped-def]
@@ -847,8 +828,8 @@ def test_a_whole_message_of_batches_may_wait_in_the_buffer(feeder) -> None:  # t
     with _client(feeder.address, prefetch=1, batches_per_message=4, registry=reg) as c:
         it = iter(c)
         next(it)
-        wait_until(lambda: c._queue.qsize() >= 4, 30, "a full buffer")
-        assert c._queue.qsize() == 4 == c._queue.maxsize
+        wait_until(lambda: c._epochs._queue.qsize() >= 4, 30, "a full buffer")
+        assert c._epochs._queue.qsize() == 4 == c._epochs._queue.maxsize
         # A new iteration from the loop's position: the buffered batches come again.
         assert len(_starts(c)) == (len(c) - 1) * 4
 
@@ -873,7 +854,7 @@ def test_a_channel_closed_by_another_stream_is_retried_not_raised(feeder) -> Non
     call is tried again on the new channel instead of killing the rank."""
     from tokenfeed.client.stream import call_with_retry
 
-    channels = Channels([feeder.address], Security(), Timeouts())
+    channels = Channels(Connection([feeder.address], backoff=Backoff(deadline=10)))
     calls = []
 
     def info(stub, timeout):  # type: ignore[no-untyped-def]
@@ -883,7 +864,7 @@ def test_a_channel_closed_by_another_stream_is_retried_not_raised(feeder) -> Non
         return stub.Info(feeder_pb2.InfoRequest(), timeout=timeout)
 
     try:
-        resp = call_with_retry(channels, info, Backoff(deadline=10), lambda reason: None)
+        resp = call_with_retry(channels, info, lambda reason: None)
     finally:
         channels.close()
     assert [d.name for d in resp.datasets] == [FEEDER_DATASET]

@@ -57,7 +57,7 @@ def test_a_wrong_address_fails_within_connect_timeout_naming_every_address(
         with pytest.raises(FeederUnavailable) as info:
             next(iter(c))
     elapsed = time.monotonic() - t0
-    assert elapsed < connect_timeout + 2  # the bound; today's budget was 120 s
+    assert elapsed < connect_timeout + 2  # not the outage budget (Backoff: 120 s)
     message = str(info.value)
     assert "connect_timeout=1.5 s" in message and a in message and b in message
     assert "Connection refused" in message  # the last gRPC error
@@ -210,7 +210,7 @@ def _big_batch_root(tmp_path: Path) -> Path:
     return tmp_path
 
 
-# 64 rows x 4096 tokens x 4 bytes = 1 MiB a batch: 16 to a message was 16 MiB.
+# 64 rows x 4096 tokens x 4 bytes = 1 MiB a batch: 16 to a message would be 16 MiB.
 BIG = {"dataset": "big", "seq_len": 4095, "stride": 64, "batch_size": 64}
 
 
@@ -231,7 +231,7 @@ def test_a_stock_grpc_client_with_the_4_mib_limit_streams_large_batches(tmp_path
                     np.testing.assert_array_equal(tokens, expect)
     windows = (120_000 - 4096) // 64 + 1
     assert steps == list(range(windows // 64))
-    assert max(sizes) <= 4 << 20 < 16 * 64 * 4096 * 4  # what used to be sent in one
+    assert max(sizes) <= 4 << 20 < 16 * 64 * 4096 * 4  # not the 16 batches asked for
     assert len(sizes) == -(-len(steps) // 3)  # three 1 MiB batches to a message
 
 

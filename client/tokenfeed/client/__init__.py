@@ -2,15 +2,18 @@
 
     from tokenfeed.client import FeederClient
 
+How to reach the feeder is one `Connection` value (addresses, `Security` for TLS, a
+bearer token, `Timeouts`, `Backoff`), or FeederClient's flat keywords that build it.
+
 Importing this package loads grpc, numpy and prometheus-client only; torch is
 imported when a `device` is asked for (see `tokenfeed.client.device`). The error
 tree (tokenfeed.core.errors) is re-exported here, so a trainer catches
 `tokenfeed.client.DataLoss` without knowing where it lives.
 """
 
-from tokenfeed.client.loader import DatasetInfo, FeederClient
-from tokenfeed.client.stream import Backoff
-from tokenfeed.client.transport import Timeouts
+from tokenfeed.client.connection import Backoff, Connection, Security, Timeouts
+from tokenfeed.client.info import DatasetInfo
+from tokenfeed.client.loader import FeederClient
 from tokenfeed.core.errors import (
     DataLoss,
     FailedPrecondition,
@@ -26,6 +29,7 @@ from tokenfeed.core.request import SamplingSpec
 
 __all__ = [
     "Backoff",
+    "Connection",
     "DataLoss",
     "DatasetInfo",
     "FailedPrecondition",
@@ -37,6 +41,7 @@ __all__ = [
     "PermissionDenied",
     "ResourceExhausted",
     "SamplingSpec",
+    "Security",
     "Timeouts",
     "Unauthenticated",
 ]

@@ -1,7 +1,8 @@
 """The client's Prometheus metrics: the one home of their names.
 
 Every series is labelled `rank`, so one Prometheus scraping every trainer shows them
-side by side (the deploy dashboards and alert rules are built on these names):
+side by side (the deploy dashboards and alert rules are built on these names; what
+they mean for users: docs/client.md, "Metrics"):
 
     tokenfeed_client_tokens_received_total       counter   tokens of input_ids received
     tokenfeed_client_batches_received_total      counter   batches received

@@ -18,7 +18,8 @@ the stream with it), but INTERNAL_ATTEMPTS of them in a row with nothing receive
 between end the call with that status: that is a feeder reporting a bug of its own,
 which waiting does not fix. Every failed attempt logs a WARNING on `tokenfeed.client`
 (address, reason, what happens next); a stream that starts or resumes logs an INFO
-line (rank, epoch, offset).
+line (rank, epoch, offset). The rules for users: docs/client.md, "Reconnects and
+giving up".
 
 The queue holds `prefetch` batches: with the one the loop is using and the one the
 thread is receiving, that is the double buffer.
@@ -53,44 +54,6 @@ from tokenfeed.v1 import feeder_pb2
 log = logging.getLogger("tokenfeed.client")
 
 
-@dataclass(frozen=True)
-class Backoff:
-    """Bounded exponential backoff with jitter between reconnect attempts.
-
-    Attempt n (0-based) waits a random time in [(1 - jitter) * d, d] with
-    d = min(maximum, initial * multiplier**n): spread out so a restarted feeder is not
-    hit by every trainer in the same millisecond. The client gives up, raising
-    `FeederUnavailable`, after `max_retries` consecutive failed attempts (None: no
-    count limit) or `deadline` seconds since the first failure of an outage (None: no
-    time limit); a batch received ends the outage and resets both.
-    """
-
-    initial: float = 0.1
-    maximum: float = 5.0
-    multiplier: float = 2.0
-    jitter: float = 0.5
-    max_retries: int | None = None
-    deadline: float | None = 120.0
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.initial <= self.maximum and self.multiplier >= 1):
-            raise ValueError(f"bad backoff: need 0 <= initial <= maximum, multiplier >= 1: {self}")
-        if not 0 <= self.jitter <= 1:
-            raise ValueError(f"backoff jitter must be in [0, 1], got {self.jitter}")
-        if self.max_retries is None and self.deadline is None:
-            raise ValueError("backoff needs max_retries or deadline: retries must be bounded")
-
-    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        d = min(self.maximum, self.initial * self.multiplier ** min(attempt, 64))
-        u = (rng or random).random()
-        return d * (1 - self.jitter * u)
-
-    def exhausted(self, failures: int, outage_seconds: float) -> bool:
-        return (self.max_retries is not None and failures > self.max_retries) or (
-            self.deadline is not None and outage_seconds > self.deadline
-        )
-
-
 # INTERNAL statuses in a row (nothing received between them) after which a call ends
 # with the feeder's error instead of retrying: a bug of the feeder's, not an outage.
 INTERNAL_ATTEMPTS = 3
@@ -107,15 +70,11 @@ class Outage:
     FeederUnavailable naming every address tried and the last error.
     """
 
-    def __init__(
-        self,
-        channels: Channels,
-        backoff: Backoff,
-        what: str,
-        rng: random.Random | None = None,
-    ) -> None:
-        self.channels, self.backoff, self.what, self.rng = channels, backoff, what, rng
-        self.connect_timeout = channels.options.connect_timeout
+    def __init__(self, channels: Channels, what: str, rng: random.Random | None = None) -> None:
+        self.channels, self.what, self.rng = channels, what, rng
+        self.backoff = channels.connection.backoff
+        self.timeouts = channels.connection.timeouts
+        self.connect_timeout = self.timeouts.connect_timeout
         self.failures = 0
         self.internal = 0  # INTERNAL statuses among the last failures, in a row
         self.first_attempt = time.monotonic()
@@ -129,7 +88,7 @@ class Outage:
 
     def rpc_timeout(self) -> float:
         """Deadline of the next unary attempt: within the connect budget until reached."""
-        timeout = self.channels.options.rpc_timeout
+        timeout = self.timeouts.rpc_timeout
         if self.channels.reached:
             return timeout
         left = self.connect_timeout - (time.monotonic() - self.first_attempt)
@@ -227,16 +186,14 @@ class StreamReader(threading.Thread):
         step: int,
         out: Handoff,
         stage: Callable[[feeder_pb2.Batch], Any],
-        backoff: Backoff,
         on_reconnect: Callable[[str], None],
-        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         super().__init__(name=f"tokenfeed-reader-rank{request.rank}", daemon=True)
         self.channels, self.request = channels, request
         self.offset, self.step = offset, step
         self.out, self.stage = out, stage
-        self.backoff, self.on_reconnect = backoff, on_reconnect
-        self.metadata = metadata
+        self.on_reconnect = on_reconnect
+        self.metadata = channels.connection.metadata
         self._stop_event = threading.Event()
         self._call: grpc.Call | None = None
         self._call_lock = threading.Lock()
@@ -280,7 +237,7 @@ class StreamReader(threading.Thread):
 
     def _run(self) -> None:
         req = self.request
-        outage = Outage(self.channels, self.backoff, f"rank {req.rank}: epoch {req.epoch} stream")
+        outage = Outage(self.channels, f"rank {req.rank}: epoch {req.epoch} stream")
         resumed = self.offset > 0  # from a saved position, or (below) after a failure
         while not self._stop_event.is_set():
             reason = ""
@@ -369,14 +326,13 @@ class StreamReader(threading.Thread):
 def call_with_retry(
     channels: Channels,
     call: Callable[[Any, float], Any],
-    backoff: Backoff,
     on_reconnect: Callable[[str], None],
     what: str = "Info",
     rng: random.Random | None = None,
 ) -> Any:
     """`call(stub, timeout)` for a unary RPC, retried like the stream (backoff, next
     address; `Outage` decides when to give up and passes the call's deadline)."""
-    outage = Outage(channels, backoff, what, rng)
+    outage = Outage(channels, what, rng)
     while True:
         try:
             result = call(channels.stub(), outage.rpc_timeout())

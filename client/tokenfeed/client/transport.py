@@ -1,14 +1,15 @@
-"""Where the feeder is and how to talk to it: addresses, credentials, channels, statuses.
+"""Talking to the feeder: endpoints, channels, TLS diagnosis, status codes -> errors.
 
-An address is "host:port", a comma-separated list of them, or a list. A host name with
-several A records (a Kubernetes headless Service) stands for all of them: replicas are
-interchangeable because the sample order is a pure function of the request. A name
-with one record stays a name, so TLS checks the certificate against it.
+What to reach and how is a `connection.Connection`. A host name with several A
+records (a Kubernetes headless Service) stands for all of them: replicas are
+interchangeable because the sample order is a pure function of the request
+(docs/serving.md, "Several replicas"). A name with one record stays a name, so TLS
+checks the certificate against it.
 
 `Channels` holds one gRPC channel to the current address. After a failure the caller
 `rotate()`s: the channel is closed and the next attempt opens a fresh one to the next
 address. A fresh channel connects at once, so the client's own backoff
-(`stream.Backoff`) is the only retry policy in play, not gRPC's internal reconnect
+(`connection.Backoff`) is the only retry policy in play, not gRPC's internal reconnect
 backoff (which grows to minutes).
 
 gRPC status codes are turned into the project's error hierarchy
@@ -23,18 +24,16 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import math
-import os
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
+from tokenfeed.client.connection import Connection, Security, Timeouts, host_port
 from tokenfeed.core.errors import FeederError, error_for
 from tokenfeed.v1 import feeder_pb2_grpc
 
@@ -69,25 +68,7 @@ def to_feeder_error(error: grpc.RpcError, address: str) -> FeederError:
     return error_for(code.name, f"{details_of(error)} (feeder {address}: {code.name})")
 
 
-# --------------------------------------------------------------------- addresses
-
-
-def split_addresses(address: str | Sequence[str]) -> list[str]:
-    """ "a:1,b:2" or ["a:1", "b:2"] -> ["a:1", "b:2"] (order kept, blanks dropped)."""
-    parts = address.split(",") if isinstance(address, str) else list(address)
-    out = [p.strip() for p in parts if p and p.strip()]
-    if not out:
-        raise ValueError(f"no feeder address in {address!r}")
-    for a in out:
-        host, port = _host_port(a)
-        if not host or not port.isdigit():
-            raise ValueError(f"feeder address {a!r} is not host:port")
-    return out
-
-
-def _host_port(address: str) -> tuple[str, str]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), port
+# --------------------------------------------------------------------- endpoints
 
 
 @dataclass(frozen=True)
@@ -103,7 +84,7 @@ def expand(address: str, getaddrinfo: Callable[..., Any] = socket.getaddrinfo) -
     server bound to 127.0.0.1 expects); IPv6 otherwise. Resolution errors propagate
     (`OSError`): the caller retries them like an unreachable server.
     """
-    host, port = _host_port(address)
+    host, port = host_port(address)
     try:
         socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
         return [Endpoint(address)]  # already an IP literal
@@ -118,112 +99,34 @@ def expand(address: str, getaddrinfo: Callable[..., Any] = socket.getaddrinfo) -
     return [Endpoint(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}", host) for ip in ips]
 
 
-# ------------------------------------------------------------------- credentials
-
-
-def _read(value: bytes | str | os.PathLike[str] | None) -> bytes | None:
-    """PEM given as bytes, or as a path to a file holding it."""
-    if value is None or isinstance(value, bytes):
-        return value
-    return Path(value).read_bytes()
-
-
-@dataclass(frozen=True)
-class Security:
-    """TLS (optionally mutual) and a bearer token, matching the server's options."""
-
-    tls: bool = False
-    root_certificates: bytes | None = None  # None: the system's roots
-    certificate_chain: bytes | None = None  # client certificate (mTLS)
-    private_key: bytes | None = None
-    token: str | None = None
-
-    @classmethod
-    def build(
-        cls,
-        tls: bool = False,
-        root_certificates: bytes | str | os.PathLike[str] | None = None,
-        certificate_chain: bytes | str | os.PathLike[str] | None = None,
-        private_key: bytes | str | os.PathLike[str] | None = None,
-        token: str | None = None,
-    ) -> Security:
-        if (certificate_chain is None) != (private_key is None):
-            raise ValueError("certificate_chain and private_key go together (mutual TLS)")
-        tls = bool(tls or root_certificates or certificate_chain)
-        return cls(
-            tls,
-            _read(root_certificates),
-            _read(certificate_chain),
-            _read(private_key),
-            token.strip() if token else None,
-        )
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
-
+# ------------------------------------------------------------ channel options
 
 # The largest message this client accepts, sent with every stream request (the
 # server packs fewer batches per message to stay below it): gRPC's hard limit.
 MAX_RECEIVE_BYTES = (1 << 31) - 1
 
 
-@dataclass(frozen=True)
-class Timeouts:
-    """Seconds. `connect_timeout` bounds how long a client that has never reached a
-    feeder keeps trying (every address, with backoff) before it raises
-    FeederUnavailable: a wrong address or a TLS mismatch fails fast. Once a feeder
-    answered, reconnects follow `Backoff` (minutes). `attempt_timeout` bounds one
-    attempt to reach an address that does not answer at all (gRPC's own is 20 s).
-    Keepalive pings detect a black-holed connection while a stream waits for data: no
-    ack within `keepalive_timeout` after a ping closes the transport, the stream fails
-    with UNAVAILABLE and the client reconnects elsewhere. `rpc_timeout` bounds a unary
-    call (Info)."""
-
-    keepalive_time: float = 20.0
-    keepalive_timeout: float = 10.0
-    connect_timeout: float = 30.0
-    attempt_timeout: float = 10.0
-    rpc_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name in (
-            "keepalive_time",
-            "keepalive_timeout",
-            "connect_timeout",
-            "attempt_timeout",
-            "rpc_timeout",
-        ):
-            _positive_seconds(name, getattr(self, name))
-
-    def grpc_options(self, endpoint: Endpoint, security: Security) -> list[tuple[str, int | str]]:
-        dial = min(self.attempt_timeout, self.connect_timeout)
-        opts: list[tuple[str, int | str]] = [
-            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
-            ("grpc.keepalive_time_ms", _ms(self.keepalive_time)),
-            ("grpc.keepalive_timeout_ms", _ms(self.keepalive_timeout)),
-            ("grpc.http2.max_pings_without_data", 0),
-            # Any unanswered ping (keepalive or flow-control probe) ends the transport.
-            ("grpc.http2.ping_timeout_ms", _ms(self.keepalive_timeout)),
-            ("grpc.http2.min_time_between_pings_ms", _ms(self.keepalive_time)),
-            ("grpc.keepalive_permit_without_calls", 0),
-            ("grpc.enable_retries", 0),
-            # gRPC's minimum connect timeout (its default is 20 s).
-            ("grpc.min_reconnect_backoff_ms", _ms(dial)),
-        ]
-        if security.tls and endpoint.authority:
-            opts.append(("grpc.ssl_target_name_override", endpoint.authority))
-        return opts
-
-
-def _positive_seconds(name: str, value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"Timeouts.{name} must be a positive number of seconds, got {value!r}")
+def channel_options(
+    timeouts: Timeouts, endpoint: Endpoint, security: Security
+) -> list[tuple[str, int | str]]:
+    """gRPC channel arguments for `timeouts` (keepalive, one dial's bound) and TLS."""
+    dial = min(timeouts.attempt_timeout, timeouts.connect_timeout)
+    opts: list[tuple[str, int | str]] = [
+        ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+        ("grpc.keepalive_time_ms", _ms(timeouts.keepalive_time)),
+        ("grpc.keepalive_timeout_ms", _ms(timeouts.keepalive_timeout)),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Any unanswered ping (keepalive or flow-control probe) ends the transport.
+        ("grpc.http2.ping_timeout_ms", _ms(timeouts.keepalive_timeout)),
+        ("grpc.http2.min_time_between_pings_ms", _ms(timeouts.keepalive_time)),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.enable_retries", 0),
+        # gRPC's minimum connect timeout (its default is 20 s).
+        ("grpc.min_reconnect_backoff_ms", _ms(dial)),
+    ]
+    if security.tls and endpoint.authority:
+        opts.append(("grpc.ssl_target_name_override", endpoint.authority))
+    return opts
 
 
 def _ms(seconds: float) -> int:
@@ -278,7 +181,7 @@ def probe_tls(target: str, timeout: float = 2.0) -> str | None:
     """One TLS handshake with `target` (certificates not checked, none sent):
     "client-certificate" if the server demands one, "tls" if it speaks TLS, None if it
     does not (or cannot be reached)."""
-    host, port = _host_port(target)
+    host, port = host_port(target)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
@@ -321,11 +224,10 @@ class Channels:
     whole turn the names are resolved again, so replicas that moved are found.
     """
 
-    def __init__(
-        self, address: str | Sequence[str], security: Security, options: Timeouts, start: int = 0
-    ) -> None:
-        self.addresses = split_addresses(address)
-        self.security, self.options = security, options
+    def __init__(self, connection: Connection, start: int = 0) -> None:
+        self.connection = connection
+        self.addresses = connection.addresses
+        self.security = connection.security
         self.start = start
         self._endpoints: list[Endpoint] = []
         self._turn = 0  # endpoints tried since the last resolve
@@ -363,7 +265,7 @@ class Channels:
                 if not self._endpoints:
                     self._resolve()
                 ep = self._endpoint()
-                opts = self.options.grpc_options(ep, self.security)
+                opts = channel_options(self.connection.timeouts, ep, self.security)
                 if self.security.tls:
                     creds = grpc.ssl_channel_credentials(
                         self.security.root_certificates,

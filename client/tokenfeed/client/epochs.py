@@ -1,0 +1,360 @@
+"""The streams of a client's epochs, and the training loop's next() over them.
+
+One stream per iteration (`iterate`), from the loop's `Position`: a `StreamReader`
+thread fills a `Handoff` queue with batches staged for the loop (`_stage`, in the
+reader thread), and `next()` takes them. Near an epoch's end the next epoch's stream
+is opened ahead of time, and `set_epoch(epoch + 1)` adopts it, so its first batch is
+waiting instead of a new stream's latency. `set_epoch`, `load_state_dict` and
+`close` stop the streams they make stale; all of that under one lock, which `next()`
+takes only at an epoch's end or on an error.
+
+The loop's path is kept short: the reader thread prepares everything and frees what
+the loop dropped (`_stage`); `next()` takes an item, stores the position after it
+and appends its wait (see `ClientMetrics.waited`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sized
+from functools import partial
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+
+from tokenfeed.client.buffers import batch_array, batch_starts, document_arrays, views
+from tokenfeed.client.handoff import Handoff
+from tokenfeed.client.info import DatasetInfo
+from tokenfeed.client.metrics import ClientMetrics
+from tokenfeed.client.options import Options
+from tokenfeed.client.position import Position
+from tokenfeed.client.stream import END, Failure, StreamReader, StreamRequest
+from tokenfeed.client.transport import Channels
+from tokenfeed.core.request import SamplingSpec
+from tokenfeed.v1 import feeder_pb2
+
+# Lookahead opens the next epoch's stream this many steps before the epoch's last
+# batch reaches the loop, so its first batch (a new stream: the feeder plans the epoch
+# and reads its first chunks) is waiting when the epoch ends. An idle open stream
+# costs the buffer and a flow-controlled server handler.
+LOOKAHEAD_STEPS = 64
+
+
+class Epochs:
+    """The streams of rank `rank` of `spec`, moving `position` as the loop receives.
+
+    `info` gives the feeder's DatasetInfo (an Info call the first time), `stager`
+    the torch device's (None: numpy), `on_reconnect` is told each reconnect's reason.
+    """
+
+    def __init__(
+        self,
+        spec: SamplingSpec,
+        rank: int,
+        options: Options,
+        position: Position,
+        channels: Channels,
+        metrics: ClientMetrics,
+        stager: Any,
+        info: Callable[[], DatasetInfo],
+        on_reconnect: Callable[[str], None],
+    ) -> None:
+        self.spec, self.rank, self.options = spec, rank, options
+        # What the reader thread reads for every batch (`_stage`), as plain attributes.
+        self.seq_len, self.batch_size, self.world_size = (
+            spec.seq_len,
+            spec.batch_size,
+            spec.world_size,
+        )
+        self.sources = spec.source_names
+        self.layout, self.documents = options.layout, options.documents
+        self.mask_cross_document_labels = options.mask_cross_document_labels
+        self.prefetch = options.prefetch
+        # A mixture stream is endless: it has no next epoch to open ahead.
+        self.lookahead = options.lookahead and not spec.is_mixture
+        self.metrics, self._stager = metrics, stager
+        self._position, self._channels = position, channels
+        self._info, self._on_reconnect = info, on_reconnect
+
+        self._reader: StreamReader | None = None
+        self._queue: Handoff | None = None
+        self._closed = False
+        # Streams of the next epoch opened at the end of this one (see next).
+        self._ahead: tuple[StreamReader, Handoff] | None = None
+        self._adopted: tuple[StreamReader, Handoff] | None = None
+        self._lock = threading.Lock()
+        # The loop's last batch and the ones before it, freed by the reader (see next).
+        self._held: dict[str, Any] | None = None
+        self._spent: deque[dict[str, Any] | None] = deque(maxlen=64)
+
+    # ---------------------------------------------------------------- position
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its start, except right after `load_state_dict` of that
+        same epoch (see `Position.set_epoch`); a stream of it opened ahead is adopted."""
+        with self._lock:
+            if not self._position.set_epoch(epoch):
+                return  # keep the position load_state_dict gave
+            ahead, self._ahead = self._ahead, None
+            self._stop_reader()
+            if ahead is None and self._adopted is not None:
+                ahead, self._adopted = self._adopted, None  # set_epoch twice
+            if ahead is not None and ahead[0].request.epoch == epoch:
+                self._adopted = ahead  # already streaming this epoch from its start
+            elif ahead is not None:
+                ahead[0].stop()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `Position.state_dict()` (ValueError, changing nothing, if it
+        was saved for another order); the streams from the old position stop."""
+        with self._lock:
+            self._position.load_state_dict(state)
+            self._stop_reader()
+            self._drop_adopted()
+
+    # --------------------------------------------------------------- iteration
+    def iterate(self, sized: Sized) -> Iterator[dict[str, Any]]:
+        """A new iteration from the position to the end of the epoch (`len()`: that of
+        `sized`). It ends the previous one (its buffered batches were never
+        delivered, so the position is unaffected)."""
+        with self._lock:
+            self._start()
+            return _Epoch(self, self._reader, sized)  # type: ignore[arg-type]
+
+    def _start(self) -> None:
+        if self._closed:
+            raise RuntimeError("the FeederClient is closed")
+        adopted, self._adopted = self._adopted, None
+        self._stop_reader()
+        if adopted is not None:
+            self._reader, self._queue = adopted
+            self.metrics.track_occupancy(adopted[1].qsize)
+            return
+        position = self._position
+        position.start()
+        self._reader, self._queue = self._open(position.epoch, position.offset, position.step)
+        self.metrics.track_occupancy(self._queue.qsize)
+
+    def _open(self, epoch: int, offset: int, step: int) -> tuple[StreamReader, Handoff]:
+        """A started reader of `epoch` from (offset, step) and its queue."""
+        size = self._info()
+        per_message = self.options.message_batches(
+            self.batch_size * (self.seq_len + 1) * size.itemsize
+        )
+        request = StreamRequest(
+            params=self.spec.to_proto(),
+            epoch=epoch,
+            rank=self.rank,
+            batches_per_message=per_message,
+            global_batch=self.spec.global_batch,
+            num_windows=size.windows,
+            remaining=self._position.remaining(size.windows),
+            document_ends=self.options.document_ends,
+        )
+        # A message's batches are in memory once it arrives: let them all wait in the
+        # buffer (<= ~256 KiB), so the reader takes a message at a time, not a batch.
+        q = Handoff(max(self.prefetch, per_message))
+        reader = StreamReader(
+            self._channels,
+            request,
+            offset,
+            step,
+            q,
+            partial(self._stage, request.num_windows, self._ahead_step(request, offset, step)),
+            self._on_reconnect,
+        )
+        reader.start()
+        return reader, q
+
+    def _ahead_step(self, request: StreamRequest, offset: int, step: int) -> int:
+        """The step whose batch, once the loop takes it, opens the next epoch's stream
+        (-1: never; then the epoch's end does, if `lookahead`)."""
+        left = request.remaining(offset)
+        if not self.lookahead or left <= 0:
+            return -1
+        return step + max(0, left - 1 - LOOKAHEAD_STEPS)
+
+    def _stage(
+        self, num_windows: int, ahead_step: int, msg: feeder_pb2.Batch
+    ) -> tuple[dict[str, Any], int, int, Any, bool]:
+        """Reader thread: a Batch message -> what the loop takes from the queue: (the
+        batch dict, the loop's offset and step after it, the device copy to wait for
+        or None, whether to open the next epoch's stream now)."""
+        spent = self._spent
+        while len(spent) > 1:  # not the newest: the loop may still hold it (see next)
+            spent.popleft()
+        arr = batch_array(msg)
+        docs = (
+            None
+            if not (self.documents or self.mask_cross_document_labels)
+            else document_arrays(
+                msg,
+                arr,
+                self.seq_len,
+                self.documents,
+                self.mask_cross_document_labels,
+                self.layout,
+            )
+        )
+        if self._stager is None:
+            inputs, labels = views(arr, self.seq_len, msg.shift, self.layout)
+            pending = None
+        else:
+            inputs, labels, docs, pending = self._stager.stage_views(
+                arr, self.seq_len, msg.shift, self.layout, docs
+            )
+        self.metrics.received(msg.rows * self.seq_len, arr.nbytes)
+        batch = {
+            "input_ids": inputs,
+            "labels": labels,
+            "shift": msg.shift,
+            "epoch": msg.epoch,
+            "step": msg.step,
+            "offset": msg.offset,
+            "starts": batch_starts(msg),
+        }
+        if self.sources:
+            batch["sources"] = np.array(msg.sources, dtype=np.int64)
+        if docs is not None:
+            batch.update(docs)  # masked labels replace the view
+        offset = min(msg.offset + self.batch_size * self.world_size, num_windows)
+        return batch, offset, msg.step + 1, pending, msg.step == ahead_step
+
+    def next(self, reader: StreamReader, first: bool = False) -> dict[str, Any]:
+        """The training loop's next(): the only place the loop can wait.
+
+        Kept short: the reader thread prepared everything (`_stage`), and the metrics
+        are one append (`ClientMetrics.waited`). `first`: the iteration's
+        first next(), whose wait is the stream's time to first batch, counted apart.
+        """
+        if reader is not self._reader:
+            if self._position.ended or self._closed:
+                raise StopIteration
+            raise RuntimeError(
+                "this iteration was ended by a newer one (iter, set_epoch, "
+                "load_state_dict or close)"
+            )
+        q, position = self._queue, self._position
+        t0 = perf_counter()
+        try:
+            item = q.get_nowait()  # type: ignore[union-attr]
+        except queue.Empty:
+            item = self._wait(q, reader, None if first else t0)  # type: ignore[arg-type]
+        t1 = perf_counter()
+        if type(item) is tuple:
+            batch, position.offset, position.step, pending, ahead = item  # received
+            if first:
+                self.metrics.first_batch_waited(t1 - t0, t1)
+            else:
+                self.metrics.waits.append(t1 - t0)  # folded in by the reader thread
+            if pending is not None:
+                self._stager.ready(*pending)
+            if ahead:
+                self._open_ahead(reader)
+            # The previous batch: the loop drops it when it rebinds its variable to this
+            # one, and freeing it (tensors, views, the dict) costs up to tens of us after
+            # a step's sleep. One more reference, in `_spent`, makes the reader thread
+            # (`_stage`) free it instead.
+            self._spent.append(self._held)
+            self._held = batch
+            return batch
+        self.metrics.waited(t1 - t0)
+        with self._lock:
+            if item is END:
+                position.end()
+                self._reader, self._queue = None, None
+                reader.stop()
+                self._open_ahead(reader, locked=True)  # if not open yet
+                raise StopIteration
+            self._stop_reader()
+        assert isinstance(item, Failure)
+        raise item.error
+
+    def _open_ahead(self, reader: StreamReader, locked: bool = False) -> None:
+        """Start streaming the next epoch from its start: the usual next call is
+        set_epoch(epoch + 1), which adopts it, so its first batch is already waiting
+        instead of a new stream's latency. Called LOOKAHEAD_STEPS before the epoch's
+        end (or at the end, when the epoch had fewer steps left)."""
+        if not locked:
+            with self._lock:
+                return self._open_ahead(reader, locked=True)
+        if (
+            self.lookahead
+            and self._ahead is None
+            and not self._closed
+            and reader.request.epoch == self._position.epoch
+            and (reader is self._reader or self._position.ended)
+        ):
+            self._ahead = self._open(self._position.epoch + 1, 0, 0)
+
+    def _wait(self, q: Handoff, reader: StreamReader, since: float | None) -> Any:
+        """The ring was empty: block for the next item. `since`: when this wait began,
+        shown as a stall in progress (None for a first batch, which is not a stall)."""
+        stall = self.metrics.stall
+        if since is not None:
+            stall.begin_wait(since)
+        try:
+            while True:
+                try:
+                    return q.get(timeout=1.0)
+                except queue.Empty:
+                    if not reader.is_alive() and q.empty():
+                        return Failure(RuntimeError("the feeder reader thread ended unexpectedly"))
+        finally:
+            stall.clear_wait()
+
+    # ----------------------------------------------------------------- closing
+    def _stop_reader(self) -> None:
+        """Stop the current reader and any streaming ahead (not an adopted one)."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.stop()
+        self._queue = None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead[0].stop()
+
+    def _drop_adopted(self) -> None:
+        adopted, self._adopted = self._adopted, None
+        if adopted is not None:
+            adopted[0].stop()
+
+    def close(self) -> bool:
+        """Stop every stream and reader thread; True the first time."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            self._stop_reader()
+            self._drop_adopted()
+            self._held = None
+            self._spent.clear()
+            return True
+
+
+class _Epoch:
+    """The iterator `iter(client)` returns: one pass from the current position."""
+
+    def __init__(self, epochs: Epochs, reader: StreamReader, sized: Sized) -> None:
+        self._epochs, self._reader, self._sized = epochs, reader, sized
+        self._finished = False
+        self._first = True  # the next next() waits for the stream's first batch
+
+    def __iter__(self) -> _Epoch:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._finished:
+            raise StopIteration
+        try:
+            batch = self._epochs.next(self._reader, self._first)
+        except BaseException:
+            self._finished = True
+            raise
+        self._first = False
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._sized)
