@@ -76,7 +76,7 @@ def expected(root: Path, p: pb.SamplingParams, epoch=0, rank=0, offset=0, step=0
 
 
 def assert_matches(
-    batches: list[pb.Batch], plans: list[sampling.BatchPlan], seq_len: int, modulo: int = 1 << 32
+    batches: list[pb.Batch], plans: list[sampling.RankBatch], seq_len: int, modulo: int = 1 << 32
 ) -> None:
     assert len(batches) == len(plans)
     for b, bp in zip(batches, plans, strict=True):

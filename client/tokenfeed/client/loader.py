@@ -84,9 +84,10 @@ from tokenfeed.client.stream import (
 from tokenfeed.client.transport import Channels, Security, Timeouts, split_addresses
 from tokenfeed.core.dtypes import itemsize
 from tokenfeed.core.errors import InvalidArgument, NotFound
-from tokenfeed.core.mixture import load_mixture
+from tokenfeed.core.limits import MAX_TOKENS
+from tokenfeed.core.mixture.files import load_mixture
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import MAX_TOKENS, steps_per_epoch
+from tokenfeed.core.sampling import steps_per_epoch
 from tokenfeed.v1 import feeder_pb2
 
 STATE_KEYS = ("epoch", "offset", "step", "fingerprint", "world_size")

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tokenfeed.core import sampling
+from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.server import splice, wire
 from tokenfeed.server.cache import ChunkCache, count_by_dataset
 from tokenfeed.server.datasets import Dataset
@@ -253,7 +254,7 @@ class MessageBuilder:
     def __init__(
         self,
         ds: Dataset,
-        plan: sampling.Plan | sampling.MixturePlan,
+        plan: sampling.DatasetSampler | MixtureSampler,
         rounds: Iterator[sampling.Round],
         per_message: int,
         cache: ChunkCache,
@@ -277,7 +278,7 @@ class MessageBuilder:
         # this rank's batches per shuffle group (a step takes batch_size x world_size windows;
         # a mixture's sources have groups of their own: DEEP_BATCHES)
         per_group = 0
-        if isinstance(plan, sampling.Plan):
+        if isinstance(plan, sampling.DatasetSampler):
             group_windows = plan.windows_per_block * (
                 plan.spec.shuffle_blocks if plan.shuffle else 1
             )
@@ -308,7 +309,7 @@ class MessageBuilder:
         # are written (service.SourceCounters).
         self.by_source: deque[list[Span]] | None = None
         self._k = 0  # a mixture's number of sources
-        if isinstance(plan, sampling.MixturePlan):
+        if isinstance(plan, MixtureSampler):
             self.by_source = deque()
             self._k = len(plan.spec.sources)
         self._read_ahead((0, 0))

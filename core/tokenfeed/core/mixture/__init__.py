@@ -1,0 +1,40 @@
+"""Mixtures: several sources blended by weight into one endless stream of windows.
+
+docs/mixtures.md is the contract; each module owns one part of it:
+
+    spec           sources and schedule -> exact, validated weight segments
+    apportionment  which source each position takes: c(p) in closed form, never O(p)
+    passes         a source's endless sequence of passes; PassOrders maps items to windows
+    steps          each rank's rows of each step (source-major, keyed permutation)
+    budget         what a run of N tokens draws from each source
+    mixture        `Mixture`, composing the above
+    sampler        `MixtureSampler`: a mixture request over its sources' stores
+    files          reading mixture files (YAML/JSON): the package's only I/O
+
+Everything but files.py is pure. `sampler` builds on request.py and sampling.py,
+which build on this package, so it is imported by its module path
+(``from tokenfeed.core.mixture.sampler import MixtureSampler``), as is `files`.
+"""
+
+from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
+from tokenfeed.core.mixture.budget import Budget, SourceBudget
+from tokenfeed.core.mixture.mixture import Mixture
+from tokenfeed.core.mixture.passes import PassOrders, source_seed, split_passes
+from tokenfeed.core.mixture.spec import normalize, parse_weight
+from tokenfeed.core.mixture.steps import MixtureRound, step_key, step_keys
+
+__all__ = [
+    "Budget",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "Mixture",
+    "MixtureRound",
+    "PassOrders",
+    "SourceBudget",
+    "normalize",
+    "parse_weight",
+    "source_seed",
+    "split_passes",
+    "step_key",
+    "step_keys",
+]
