@@ -287,15 +287,13 @@ def test_wire_encoding_of_a_large_batch() -> None:
         assert heads[0] + payload + tails[0] == want
 
 
-# wire.frames' per-batch loop: the C one (when built) and its Python reference
-ENCODERS = [wire._frames_py] + ([wire._encode] if wire._encode is not wire._frames_py else [])
+# wire.frames (its per-batch loop in C, when built) and its Python reference
+ENCODERS = [wire.frames_py, wire.frames]
 
 
 def frames_of(encode, *args) -> tuple[list[bytes], list[bytes]]:
-    """wire.frames with `encode` as its loop, cut into (heads, tails)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(wire, "_encode", encode)
-        blob, sizes = wire.frames(*args)
+    """`encode` (wire.frames or frames_py) of the batches, cut into (heads, tails)."""
+    blob, sizes = encode(*args)
     at = np.concatenate(([0], np.cumsum(sizes))).tolist()
     pieces = [blob[a:b] for a, b in zip(at[:-1], at[1:], strict=True)]
     return pieces[0::2], pieces[1::2]

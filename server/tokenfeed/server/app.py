@@ -26,10 +26,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from tokenfeed.core import native
 from tokenfeed.core.atomic import write_atomic
 from tokenfeed.core.store import TokenStore
 from tokenfeed.core.store.objects import GET_BUFFER_BYTES, is_url
-from tokenfeed.server import splice
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.config import ServerConfig
 from tokenfeed.server.datasets import Catalog
@@ -302,9 +302,9 @@ def run(config: ServerConfig) -> int:
     warning = config.insecure_warning()
     if warning:
         log.warning("\n%s\n%s\n%s", "!" * 78, warning, "!" * 78)  # hard to miss
-    if not splice.NATIVE:
+    if not (native.enabled() and native.built("tokenfeed.server._native")):
         log.warning(
-            "built without the C extensions (TOKENFEED_PURE_PYTHON=1): messages are spliced "
+            "without the C extensions (TOKENFEED_PURE_PYTHON=1): messages are spliced "
             "in Python and windows sampled in numpy, which costs about 30 % more server CPU "
             "per token"
         )

@@ -207,8 +207,8 @@ class Pinned:
 
     def message(self, spans: list[Span]) -> bytes:
         """Batches [i, j) of each span's round, framed: a message."""
-        segments = [(lr.program[lr.piece_lo[i] : lr.piece_lo[j]], lr.frames) for lr, i, j in spans]
-        return splice.splice(segments, self.keys, self.views)
+        parts = [(lr.program[lr.piece_lo[i] : lr.piece_lo[j]], lr.frames) for lr, i, j in spans]
+        return splice.splice(parts, self.keys, self.views)
 
 
 def pin_views(ds: Dataset, cache: ChunkCache, chunks: list[int]) -> Pinned | None:

@@ -13,39 +13,48 @@ pieces, once per round; `splice` copies a message's pieces into its bytes:
   and tails' sizes in order, laid out one after another (wire.frames' blob); batch b is
   pieces [piece_lo[b], piece_lo[b + 1]).
 
-    splice(segments, keys, views) -> bytes
+    splice(parts, keys, views) -> bytes
 
-- `segments`: (program, blob) pairs, in order; a program is an int64 array of shape
+- `parts`: (program, blob) pairs, in order; a program is an int64 array of shape
   (n, 3), one (key, byte offset, byte count) row per piece;
-- key -1 reads the segment's `blob` (a round's frames); any other key reads the view
-  at that key's index in `keys` (ascending int64: pinned chunk ids), `views[i]` being
+- key -1 reads the part's `blob` (a round's frames); any other key reads the view at
+  that key's index in `keys` (ascending int64: pinned chunk ids), `views[i]` being
   chunk keys[i]'s bytes.
 
-The native versions (_native.c, built with the package) loop over rows in C, with no
-Python object per row: they took the per-row slicing, the join and the per-round numpy
-out of the server's CPU profile (issue 16). `program_py` and `splice_py` below are the
-references: they define the functions, serve where the extension is not built
-(TOKENFEED_PURE_PYTHON=1 at install), and the tests check the two agree.
+Both loop over rows in C (_native.c) when the extension is built, with no Python
+object per row: the per-row slicing, the join and the per-round numpy are what the
+server's CPU profile showed. `program_py` and `splice_py` are their references: they
+define the functions, run when the compiled loops are off (native.py), and the tests
+check the two agree.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-Segment = tuple[np.ndarray, Any]  # (program, blob)
+from tokenfeed.core import native
+
+Part = tuple[np.ndarray, Any]  # (program, blob): pieces, and the frames key -1 reads
 
 
-def splice_py(segments: Sequence[Segment], keys: np.ndarray, views: Sequence[Any]) -> bytes:
-    """The reference: what `splice` returns, in Python."""
+def splice(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> bytes:
+    """The parts' pieces, in order, copied into one bytes object (module docstring)."""
+    if _splice_c is None or not native.enabled():
+        return splice_py(parts, keys, views)
+    return _splice_c(parts, keys, views)
+
+
+def splice_py(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> bytes:
+    """`splice`'s reference, in Python."""
     if len(keys) != len(views):
         raise ValueError(f"splice: {len(keys)} keys but {len(views)} views")
     at = {int(k): memoryview(v).cast("B") for k, v in zip(keys.tolist(), views, strict=True)}
-    parts: list[Any] = []
-    for program, blob in segments:
+    out: list[Any] = []
+    for program, blob in parts:
         data = memoryview(blob).cast("B")
         for key, offset, count in np.asarray(program, dtype=np.int64).reshape(-1, 3).tolist():
             src = data if key == -1 else at.get(key)
@@ -54,51 +63,8 @@ def splice_py(segments: Sequence[Segment], keys: np.ndarray, views: Sequence[Any
                     f"splice: piece (key {key}, offset {offset}, count {count}) is not inside "
                     "its source"
                 )
-            parts.append(src[offset : offset + count])
-    return b"".join(parts)
-
-
-def program_py(
-    starts: np.ndarray,
-    chunk_starts: np.ndarray,
-    rows: np.ndarray,
-    row_bytes: np.ndarray,
-    itemsize: int,
-    frame_sizes: np.ndarray,
-) -> tuple[bytes, bytes]:
-    """The reference: what _native.program returns (the program's and piece_lo's int64
-    bytes), in Python."""
-    bounds, sizes = chunk_starts.tolist(), frame_sizes.tolist()
-    pieces: list[tuple[int, int, int]] = []
-    piece_lo, at, r = [], 0, 0  # at: the next frame's offset in the frames' blob
-    for b, (n, nbytes) in enumerate(zip(rows.tolist(), row_bytes.tolist(), strict=True)):
-        piece_lo.append(len(pieces))
-        pieces.append((-1, at, sizes[2 * b]))  # the head
-        at += sizes[2 * b]
-        cols = nbytes // itemsize
-        for s in starts[r : r + n].tolist():
-            if s < 0 or s + cols > bounds[-1]:
-                raise ValueError(f"program: row {r} is outside the store's {bounds[-1]} tokens")
-            c = bisect_right(bounds, s) - 1
-            while c + 1 < len(bounds) and bounds[c] < s + cols:
-                a, e = max(s, bounds[c]), min(s + cols, bounds[c + 1])
-                if a < e:
-                    pieces.append((c, (a - bounds[c]) * itemsize, (e - a) * itemsize))
-                c += 1
-            r += 1
-        pieces.append((-1, at, sizes[2 * b + 1]))  # the tail
-        at += sizes[2 * b + 1]
-    piece_lo.append(len(pieces))
-    return np.array(pieces, dtype=np.int64).tobytes(), np.array(piece_lo, dtype=np.int64).tobytes()
-
-
-try:
-    from tokenfeed.server._native import program as _program
-    from tokenfeed.server._native import splice as splice
-except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1): the references
-    _program, splice = program_py, splice_py
-
-NATIVE = splice is not splice_py
+            out.append(src[offset : offset + count])
+    return b"".join(out)
 
 
 def program(
@@ -111,7 +77,9 @@ def program(
 ) -> tuple[np.ndarray, list[int]]:
     """A round's splice program (see the module docstring) and where each batch's
     pieces begin."""
-    prog, lo = _program(
+    if _program_c is None or not native.enabled():
+        return program_py(starts, chunk_starts, rows, row_bytes, itemsize, frame_sizes)
+    prog, lo = _program_c(
         np.ascontiguousarray(starts, dtype=np.int64),
         np.ascontiguousarray(chunk_starts, dtype=np.int64),
         np.asarray(rows, dtype=np.int64),
@@ -120,3 +88,48 @@ def program(
         np.ascontiguousarray(frame_sizes, dtype=np.int64),
     )
     return np.frombuffer(prog, dtype=np.int64).reshape(-1, 3), np.frombuffer(lo, np.int64).tolist()
+
+
+def program_py(
+    starts: np.ndarray,
+    chunk_starts: np.ndarray,
+    rows: Sequence[int] | np.ndarray,
+    row_bytes: Sequence[int] | np.ndarray,
+    itemsize: int,
+    frame_sizes: np.ndarray,
+) -> tuple[np.ndarray, list[int]]:
+    """`program`'s reference, in Python."""
+    bounds, sizes = np.asarray(chunk_starts).tolist(), np.asarray(frame_sizes).tolist()
+    row_starts = np.asarray(starts, dtype=np.int64)
+    pieces: list[tuple[int, int, int]] = []
+    piece_lo, at, r = [], 0, 0  # at: the next frame's offset in the frames' blob
+    for b, (n, nbytes) in enumerate(
+        zip(np.asarray(rows).tolist(), np.asarray(row_bytes).tolist(), strict=True)
+    ):
+        piece_lo.append(len(pieces))
+        pieces.append((-1, at, sizes[2 * b]))  # the head
+        at += sizes[2 * b]
+        cols = nbytes // itemsize
+        for s in row_starts[r : r + n].tolist():
+            if s < 0 or s + cols > bounds[-1]:
+                raise ValueError(f"program: row {r} is outside the store's {bounds[-1]} tokens")
+            c = bisect_right(bounds, s) - 1
+            while c + 1 < len(bounds) and bounds[c] < s + cols:
+                a, e = max(s, bounds[c]), min(s + cols, bounds[c + 1])
+                if a < e:
+                    pieces.append((c, (a - bounds[c]) * itemsize, (e - a) * itemsize))
+                c += 1
+            r += 1
+        pieces.append((-1, at, sizes[2 * b + 1]))  # the tail
+        at += sizes[2 * b + 1]
+    piece_lo.append(len(pieces))
+    return np.array(pieces, dtype=np.int64).reshape(-1, 3), piece_lo
+
+
+_splice_c: Callable[..., bytes] | None
+_program_c: Callable[..., tuple[bytes, bytes]] | None
+try:
+    from tokenfeed.server._native import program as _program_c
+    from tokenfeed.server._native import splice as _splice_c
+except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1 at install)
+    _splice_c = _program_c = None
