@@ -3,11 +3,12 @@
 Stores are positional (token i == i), so every window is checked token by token:
 row r of a batch must be starts[r] + arange(cols). The expected order comes from
 the sampling engine itself (the one home of that math): the server must send
-exactly what `Plan.batches` plans.
+exactly what `DatasetSampler.batches` says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import urllib.request
@@ -21,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenfeed.core import sampling
+from tokenfeed.core import native, sampling
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.server import assembly, service, wire
 from tokenfeed.server.datasets import Catalog
@@ -287,13 +288,14 @@ def test_wire_encoding_of_a_large_batch() -> None:
         assert heads[0] + payload + tails[0] == want
 
 
-# wire.frames (its per-batch loop in C, when built) and its Python reference
-ENCODERS = [wire.frames_py, wire.frames]
+# wire.frames' per-batch loop: the C one (where it runs) and its Python reference
+ENCODERS = ["C", "Python"]
 
 
 def frames_of(encode, *args) -> tuple[list[bytes], list[bytes]]:
-    """`encode` (wire.frames or frames_py) of the batches, cut into (heads, tails)."""
-    blob, sizes = encode(*args)
+    """wire.frames with the `encode` loop, cut into (heads, tails)."""
+    with native.disabled() if encode == "Python" else contextlib.nullcontext():
+        blob, sizes = wire.frames(*args)
     at = np.concatenate(([0], np.cumsum(sizes))).tolist()
     pieces = [blob[a:b] for a, b in zip(at[:-1], at[1:], strict=True)]
     return pieces[0::2], pieces[1::2]

@@ -23,9 +23,9 @@ pieces, once per round; `splice` copies a message's pieces into its bytes:
 
 Both loop over rows in C (_native.c) when the extension is built, with no Python
 object per row: the per-row slicing, the join and the per-round numpy are what the
-server's CPU profile showed. `program_py` and `splice_py` are their references: they
-define the functions, run when the compiled loops are off (native.py), and the tests
-check the two agree.
+server's CPU profile showed. `splice_py` and `program_py` are the loops' references:
+they define them, run when the compiled loops are off (tokenfeed.core.native), and the
+tests check the two agree.
 """
 
 from __future__ import annotations
@@ -39,13 +39,6 @@ import numpy as np
 from tokenfeed.core import native
 
 Part = tuple[np.ndarray, Any]  # (program, blob): pieces, and the frames key -1 reads
-
-
-def splice(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> bytes:
-    """The parts' pieces, in order, copied into one bytes object (module docstring)."""
-    if _splice_c is None or not native.enabled():
-        return splice_py(parts, keys, views)
-    return _splice_c(parts, keys, views)
 
 
 def splice_py(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> bytes:
@@ -67,50 +60,25 @@ def splice_py(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> 
     return b"".join(out)
 
 
-def program(
-    starts: np.ndarray,
-    chunk_starts: np.ndarray,
-    rows: Sequence[int] | np.ndarray,
-    row_bytes: Sequence[int] | np.ndarray,
-    itemsize: int,
-    frame_sizes: np.ndarray,
-) -> tuple[np.ndarray, list[int]]:
-    """A round's splice program (see the module docstring) and where each batch's
-    pieces begin."""
-    if _program_c is None or not native.enabled():
-        return program_py(starts, chunk_starts, rows, row_bytes, itemsize, frame_sizes)
-    prog, lo = _program_c(
-        np.ascontiguousarray(starts, dtype=np.int64),
-        np.ascontiguousarray(chunk_starts, dtype=np.int64),
-        np.asarray(rows, dtype=np.int64),
-        np.asarray(row_bytes, dtype=np.int64),
-        itemsize,
-        np.ascontiguousarray(frame_sizes, dtype=np.int64),
-    )
-    return np.frombuffer(prog, dtype=np.int64).reshape(-1, 3), np.frombuffer(lo, np.int64).tolist()
-
-
 def program_py(
     starts: np.ndarray,
     chunk_starts: np.ndarray,
-    rows: Sequence[int] | np.ndarray,
-    row_bytes: Sequence[int] | np.ndarray,
+    rows: np.ndarray,
+    row_bytes: np.ndarray,
     itemsize: int,
     frame_sizes: np.ndarray,
-) -> tuple[np.ndarray, list[int]]:
-    """`program`'s reference, in Python."""
-    bounds, sizes = np.asarray(chunk_starts).tolist(), np.asarray(frame_sizes).tolist()
-    row_starts = np.asarray(starts, dtype=np.int64)
+) -> tuple[bytes, bytes]:
+    """`program`'s loop in Python, the reference of _native.program: the program's and
+    piece_lo's int64 bytes."""
+    bounds, sizes = chunk_starts.tolist(), frame_sizes.tolist()
     pieces: list[tuple[int, int, int]] = []
     piece_lo, at, r = [], 0, 0  # at: the next frame's offset in the frames' blob
-    for b, (n, nbytes) in enumerate(
-        zip(np.asarray(rows).tolist(), np.asarray(row_bytes).tolist(), strict=True)
-    ):
+    for b, (n, nbytes) in enumerate(zip(rows.tolist(), row_bytes.tolist(), strict=True)):
         piece_lo.append(len(pieces))
         pieces.append((-1, at, sizes[2 * b]))  # the head
         at += sizes[2 * b]
         cols = nbytes // itemsize
-        for s in row_starts[r : r + n].tolist():
+        for s in starts[r : r + n].tolist():
             if s < 0 or s + cols > bounds[-1]:
                 raise ValueError(f"program: row {r} is outside the store's {bounds[-1]} tokens")
             c = bisect_right(bounds, s) - 1
@@ -123,7 +91,7 @@ def program_py(
         pieces.append((-1, at, sizes[2 * b + 1]))  # the tail
         at += sizes[2 * b + 1]
     piece_lo.append(len(pieces))
-    return np.array(pieces, dtype=np.int64).reshape(-1, 3), piece_lo
+    return np.array(pieces, dtype=np.int64).tobytes(), np.array(piece_lo, dtype=np.int64).tobytes()
 
 
 _splice_c: Callable[..., bytes] | None
@@ -133,3 +101,32 @@ try:
     from tokenfeed.server._native import splice as _splice_c
 except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1 at install)
     _splice_c = _program_c = None
+
+
+def splice(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> bytes:
+    """The parts' pieces, in order, copied into one bytes object (module docstring)."""
+    if _splice_c is None or not native.enabled():
+        return splice_py(parts, keys, views)
+    return _splice_c(parts, keys, views)
+
+
+def program(
+    starts: np.ndarray,
+    chunk_starts: np.ndarray,
+    rows: Sequence[int] | np.ndarray,
+    row_bytes: Sequence[int] | np.ndarray,
+    itemsize: int,
+    frame_sizes: np.ndarray,
+) -> tuple[np.ndarray, list[int]]:
+    """A round's splice program (see the module docstring) and where each batch's
+    pieces begin."""
+    loop = program_py if _program_c is None or not native.enabled() else _program_c
+    prog, lo = loop(
+        np.ascontiguousarray(starts, dtype=np.int64),
+        np.ascontiguousarray(chunk_starts, dtype=np.int64),
+        np.asarray(rows, dtype=np.int64),
+        np.asarray(row_bytes, dtype=np.int64),
+        itemsize,
+        np.ascontiguousarray(frame_sizes, dtype=np.int64),
+    )
+    return np.frombuffer(prog, dtype=np.int64).reshape(-1, 3), np.frombuffer(lo, np.int64).tolist()

@@ -13,14 +13,14 @@ the only source of the wire format.
 
 The per-batch loop, a mixture's `sources` included, runs in C (_native.c's `frames`,
 given the tags) where the extension is built; `frames_py` is its reference, run when
-the compiled loops are off (native.py).
+the compiled loops are off (tokenfeed.core.native).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -86,56 +86,6 @@ def _middle_fields(shift: int, rows: int, cols: int, dtype: str, payload: int) -
     return fields + _TOKENS + varint(payload) if payload else fields
 
 
-class _Batches(NamedTuple):
-    """What `frames` and `frames_py` encode, in the types their loops take."""
-
-    offsets: np.ndarray  # int64 [n]
-    middles: list[bytes]  # fields 4-7 and the tokens' tag and length, per batch
-    payloads: np.ndarray  # int64 [n]: the tokens' bytes
-    starts: np.ndarray  # int64, every batch's, concatenated
-    cut: np.ndarray  # int64 [n + 1]: batch i's starts are starts[cut[i]:cut[i+1]]
-    sources: np.ndarray | None  # int64 like starts (a mixture's), or None
-
-
-def _batches(
-    offsets: Sequence[int],
-    shifts: Sequence[int],
-    rows: Sequence[int] | np.ndarray,
-    cols: Sequence[int] | np.ndarray,
-    dtype: str,
-    itemsize: int,
-    starts: np.ndarray,
-    sources: np.ndarray | None,
-    cut: np.ndarray | None,
-) -> _Batches:
-    rows_a = np.asarray(rows, dtype=np.int64)
-    cols_a = np.asarray(cols, dtype=np.int64)
-    payloads = rows_a * cols_a * itemsize
-    if (
-        len(shifts) == list(shifts).count(shifts[0])
-        and (rows_a == rows_a[0]).all()
-        and (cols_a == cols_a[0]).all()
-    ):  # one shape: most rounds, one lookup
-        middles = [
-            _middle_fields(shifts[0], int(rows_a[0]), int(cols_a[0]), dtype, int(payloads[0]))
-        ]
-        middles *= len(rows_a)
-    else:
-        shapes = zip(shifts, rows_a.tolist(), cols_a.tolist(), payloads.tolist(), strict=True)
-        middles = [_middle_fields(sh, r, c, dtype, pay) for sh, r, c, pay in shapes]
-    if cut is None:
-        cut = np.zeros(len(rows_a) + 1, dtype=np.int64)  # batch i: starts[cut[i]:cut[i+1]]
-        np.cumsum(rows_a, out=cut[1:])
-    return _Batches(
-        np.asarray(offsets, dtype=np.int64),
-        middles,
-        payloads,
-        np.ascontiguousarray(starts, dtype=np.int64),
-        cut,
-        None if sources is None else np.ascontiguousarray(sources, dtype=np.int64),
-    )
-
-
 def frames(
     epoch: int,
     step: int,
@@ -160,64 +110,83 @@ def frames(
     tokens' tag and length; then `starts`, packed, then (a mixture's) `sources`, each
     row's source index, packed the same way.
     """
-    if _frames_c is None or not native.enabled():
-        return frames_py(
-            epoch, step, offsets, shifts, rows, cols, dtype, itemsize, starts, sources, cut
-        )
-    b = _batches(offsets, shifts, rows, cols, dtype, itemsize, starts, sources, cut)
-    blob, sizes = _frames_c(
+    rows_a = np.asarray(rows, dtype=np.int64)
+    cols_a = np.asarray(cols, dtype=np.int64)
+    payloads = rows_a * cols_a * itemsize
+    if (
+        len(shifts) == list(shifts).count(shifts[0])
+        and (rows_a == rows_a[0]).all()
+        and (cols_a == cols_a[0]).all()
+    ):  # one shape: most rounds, one lookup
+        middles = [
+            _middle_fields(shifts[0], int(rows_a[0]), int(cols_a[0]), dtype, int(payloads[0]))
+        ]
+        middles *= len(rows_a)
+    else:
+        shapes = zip(shifts, rows_a.tolist(), cols_a.tolist(), payloads.tolist(), strict=True)
+        middles = [_middle_fields(sh, r, c, dtype, pay) for sh, r, c, pay in shapes]
+    if cut is None:
+        cut = np.zeros(len(rows_a) + 1, dtype=np.int64)  # batch i: starts[cut[i]:cut[i+1]]
+        np.cumsum(rows_a, out=cut[1:])
+    loop = frames_py if _frames_c is None or not native.enabled() else _frames_c
+    blob, sizes = loop(
         _BATCH,
         _int_field(_EPOCH, epoch),
         _STEP,
         step,
         _OFFSET,
-        b.offsets,
-        b.middles,
-        b.payloads,
+        np.asarray(offsets, dtype=np.int64),
+        middles,
+        payloads,
         _STARTS,
-        b.starts,
-        b.cut,
+        np.ascontiguousarray(starts, dtype=np.int64),
+        cut,
         _SOURCES,
-        b.sources,
+        None if sources is None else np.ascontiguousarray(sources, dtype=np.int64),
     )
     return blob, np.frombuffer(sizes, dtype=np.int64)
 
 
 def frames_py(
-    epoch: int,
+    batch_tag: bytes,
+    epoch_field: bytes,
+    step_tag: bytes,
     step: int,
-    offsets: Sequence[int],
-    shifts: Sequence[int],
-    rows: Sequence[int] | np.ndarray,
-    cols: Sequence[int] | np.ndarray,
-    dtype: str,
-    itemsize: int,
+    offset_tag: bytes,
+    offsets: np.ndarray,
+    middles: Sequence[bytes],
+    payloads: np.ndarray,
+    starts_tag: bytes,
     starts: np.ndarray,
-    sources: np.ndarray | None = None,
-    cut: np.ndarray | None = None,
-) -> tuple[bytes, np.ndarray]:
-    """`frames`' reference, in Python: per batch, its head and its tail (`starts`
-    packed, then a mixture's `sources` packed: the same slice of each)."""
-    b = _batches(offsets, shifts, rows, cols, dtype, itemsize, starts, sources, cut)
-    epoch_field = _int_field(_EPOCH, epoch)
+    cut: np.ndarray,
+    sources_tag: bytes,
+    sources: np.ndarray | None,
+) -> tuple[bytes, bytes]:
+    """`frames`' loop in Python, the reference of _native.frames: every batch's head and
+    tail, and their sizes (int64 bytes). A batch's tail is its `starts` packed, then
+    (`sources` given: a mixture's) its rows' `sources` packed: starts[cut[i]:cut[i+1]]
+    and the same slice of sources."""
     out, sizes = [], []
-    values = b.starts.tolist()
-    source_values = None if b.sources is None else b.sources.tolist()
-    cut_at = b.cut.tolist()
+    values = starts.tolist()
+    source_values = None if sources is None else sources.tolist()
     for i, (offset, middle, payload) in enumerate(
-        zip(b.offsets.tolist(), b.middles, b.payloads.tolist(), strict=True)
+        zip(offsets.tolist(), middles, payloads.tolist(), strict=True)
     ):
-        lo, hi = cut_at[i], cut_at[i + 1]
-        tail = _packed(_STARTS, values[lo:hi])
+        tail = _packed(starts_tag, values[cut[i] : cut[i + 1]])
         if source_values is not None:
-            tail += _packed(_SOURCES, source_values[lo:hi])
+            tail += _packed(sources_tag, source_values[cut[i] : cut[i + 1]])
         fields = b"".join(
-            (epoch_field, _int_field(_STEP, step + i), _int_field(_OFFSET, offset), middle)
+            (
+                epoch_field,
+                _int_field(step_tag, step + i),
+                _int_field(offset_tag, offset),
+                middle,
+            )
         )
-        head = _BATCH + varint(len(fields) + payload + len(tail)) + fields
+        head = batch_tag + varint(len(fields) + payload + len(tail)) + fields
         out += [head, tail]
         sizes += [len(head), len(tail)]
-    return b"".join(out), np.array(sizes, dtype=np.int64)
+    return b"".join(out), np.array(sizes, dtype=np.int64).tobytes()
 
 
 _frames_c: Callable[..., tuple[bytes, bytes]] | None
