@@ -30,6 +30,7 @@ from tokenfeed.core.mixture import (
     step_keys,
 )
 from tokenfeed.core.mixture.passes import divmod_items
+from tokenfeed.core.mixture.steps import rank_steps, rounds
 from tokenfeed.core.shuffle import EpochOrder
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -302,7 +303,7 @@ def test_position_range_is_checked():
 def all_rank_items(mix, offset, steps, B, W, seed, shuffle):
     """Per step, per rank (source, item) rows."""
     return [
-        mix.rank_steps(r, offset, steps, batch_size=B, world_size=W, seed=seed, shuffle=shuffle)
+        rank_steps(mix, r, offset, steps, batch_size=B, world_size=W, seed=seed, shuffle=shuffle)
         for r in range(W)
     ]
 
@@ -419,7 +420,7 @@ def test_shuffle_off_is_due_order_without_any_permutation(spec, B, W, steps, off
     mix, ref = build(spec)
     seq, _ = ref.walk(offset + steps * B * W)
     for r in range(W):
-        src, item = mix.rank_steps(r, offset, steps, batch_size=B, world_size=W, shuffle=False)
+        src, item = rank_steps(mix, r, offset, steps, batch_size=B, world_size=W, shuffle=False)
         for s in range(steps):
             lo = offset + s * B * W + r * B
             assert list(zip(src[s].tolist(), item[s].tolist(), strict=True)) == seq[lo : lo + B]
@@ -439,10 +440,10 @@ def test_steps_jump_equals_walk_and_rounds_agree(spec, B, W, steps, seed, shuffl
     mix, _ = build(spec)
     r = W - 1
     kw = {"batch_size": B, "world_size": W, "seed": seed, "shuffle": shuffle}
-    src, item = mix.rank_steps(r, offset, steps, **kw)
-    tail = mix.rank_steps(r, offset + B * W, steps - 1, **kw)  # resume one step later
+    src, item = rank_steps(mix, r, offset, steps, **kw)
+    tail = rank_steps(mix, r, offset + B * W, steps - 1, **kw)  # resume one step later
     assert np.array_equal(tail[0], src[1:]) and np.array_equal(tail[1], item[1:])
-    got = list(mix.rounds(r, offset, 7, max_steps=steps, **kw))
+    got = list(rounds(mix, r, offset, 7, max_steps=steps, **kw))
     assert got[0].step == 7
     assert np.array_equal(np.concatenate([g.sources for g in got]), src)
     assert np.array_equal(np.concatenate([g.items for g in got]), item)
@@ -452,12 +453,12 @@ def test_steps_jump_equals_walk_and_rounds_agree(spec, B, W, steps, seed, shuffl
 def test_shuffle_mixes_ranks_and_depends_on_seed_and_offset():
     mix = Mixture({"web": 0.7, "code": 0.2, "math": 0.1}, seq_len=16)
     kw = {"batch_size": 8, "world_size": 8}
-    plain = mix.rank_steps(0, 0, 4, shuffle=False, **kw)
-    a = mix.rank_steps(0, 0, 4, seed=1, shuffle=True, **kw)
-    b = mix.rank_steps(0, 0, 4, seed=2, shuffle=True, **kw)
+    plain = rank_steps(mix, 0, 0, 4, shuffle=False, **kw)
+    a = rank_steps(mix, 0, 0, 4, seed=1, shuffle=True, **kw)
+    b = rank_steps(mix, 0, 0, 4, seed=2, shuffle=True, **kw)
     assert not np.array_equal(a[1], plain[1])
     assert not np.array_equal(a[1], b[1])
-    assert np.array_equal(a[1], mix.rank_steps(0, 0, 4, seed=1, shuffle=True, **kw)[1])
+    assert np.array_equal(a[1], rank_steps(mix, 0, 0, 4, seed=1, shuffle=True, **kw)[1])
     # different steps use different orders
     assert len({tuple(np.argsort(row)) for row in a[1]}) > 1
 
@@ -494,8 +495,8 @@ def test_step_order_is_the_keyed_bijection_of_the_source_major_layout(
     gb = B * W
     offset = offset // gb * gb
     for rank in {0, W - 1}:
-        src, item = mix.rank_steps(
-            rank, offset, steps, batch_size=B, world_size=W, seed=seed, shuffle=True
+        src, item = rank_steps(
+            mix, rank, offset, steps, batch_size=B, world_size=W, seed=seed, shuffle=True
         )
         for s in range(steps):
             o = offset + s * gb
@@ -656,9 +657,9 @@ def test_seq_len_and_layout_are_checked():
         Mixture({"a": 1}, seq_len=0)
     mix = Mixture({"a": 1}, seq_len=4)
     with pytest.raises(InvalidArgument, match="rank"):
-        mix.rank_steps(2, 0, 1, batch_size=1, world_size=2)
+        rank_steps(mix, 2, 0, 1, batch_size=1, world_size=2)
     with pytest.raises(InvalidArgument, match="batch_size"):
-        mix.rank_steps(0, 0, 1, batch_size=0, world_size=2)
+        rank_steps(mix, 0, 0, 1, batch_size=0, world_size=2)
     with pytest.raises(InvalidArgument, match="stop"):
         mix.items(5, 4)
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from tokenfeed.core import keyed, native
 from tokenfeed.core.mixture import Mixture, sampler
+from tokenfeed.core.mixture.steps import rank_steps, rounds
 from tokenfeed.core.request import SamplingSpec
 
 compiled = pytest.mark.skipif(
@@ -49,9 +50,9 @@ def test_step_rows_in_c_equal_the_numpy_code(weights, B, W, steps, seed, offset)
     offset = offset // (B * W) * (B * W)
     kw = dict(batch_size=B, world_size=W, seed=seed, shuffle=True)
     with native.disabled():
-        reference = [mix.rank_steps(r, offset, steps, **kw) for r in range(W)]
+        reference = [rank_steps(mix, r, offset, steps, **kw) for r in range(W)]
     for r, (src, item) in enumerate(reference):
-        got = mix.rank_steps(r, offset, steps, **kw)
+        got = rank_steps(mix, r, offset, steps, **kw)
         assert got[0].dtype == got[1].dtype == np.int64
         assert np.array_equal(got[0], src) and np.array_equal(got[1], item)
 
@@ -63,9 +64,9 @@ def test_step_rows_of_tiny_steps_in_c_equal_the_numpy_code(B, W):
     mix = Mixture({"a": 0.5, "b": 0.3, "c": 0.2}, seq_len=4)
     kw = dict(batch_size=B, world_size=W, seed=9, shuffle=True)
     with native.disabled():
-        reference = [mix.rank_steps(r, 0, 50, **kw) for r in range(W)]
+        reference = [rank_steps(mix, r, 0, 50, **kw) for r in range(W)]
     for r, (src, item) in enumerate(reference):
-        got = mix.rank_steps(r, 0, 50, **kw)
+        got = rank_steps(mix, r, 0, 50, **kw)
         assert np.array_equal(got[0], src) and np.array_equal(got[1], item)
     assert len(set(reference[0][0].ravel().tolist())) == 3  # every source appears
 
@@ -115,10 +116,10 @@ def test_mixture_starts_source_by_source_equal_the_general_path(
     plan = sampler.MixtureSampler(spec, totals, tuple(max(16, t // 5) for t in totals))
     offset = offset // (B * W) * (B * W)
     for rank in range(W):
-        rounds = plan.mixture.rounds(
-            rank, offset, 0, batch_size=B, world_size=W, seed=seed, shuffle=True
+        batches = rounds(
+            plan.mixture, rank, offset, 0, batch_size=B, world_size=W, seed=seed, shuffle=True
         )
-        for r in itertools.islice(rounds, 6):  # up to 63 steps: small sources wrap passes
+        for r in itertools.islice(batches, 6):  # up to 63 steps: small sources wrap passes
             fast = plan.starts(r.sources, r.items)
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(sampler, "_SOURCES_ONE_BY_ONE", 0)

@@ -1,5 +1,5 @@
 """Stores the tests read: positional (token i == i, so every window is checkable),
-documents ending in EOS, Megatron indexed datasets; and a sampling Plan over a store."""
+documents ending in EOS, Megatron indexed datasets; and a DatasetSampler over a store."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ class EpochOrder:
         epoch: int,
         shuffle: bool,
     ) -> None:
-        self.n = num_windows
-        self.shuffle = shuffle
+        self.n, self.shuffle = num_windows, shuffle
         if not shuffle:
             return
         self.seed, self.epoch = seed, epoch

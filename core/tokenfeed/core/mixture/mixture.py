@@ -1,15 +1,15 @@
 """`Mixture`: a mixture's math in one object, composed of the package's parts.
 
 Sources with weights and a schedule of weight segments (spec.py), which source each
-position takes (apportionment.py), each rank's rows of each step (steps.py), and what a
-run draws (budget.py). Pure: no I/O, no gRPC; errors are the core's (InvalidArgument /
-FailedPrecondition whose `field` names the request field at fault and starts the
-message). docs/mixtures.md is the contract.
+position takes (apportionment.py), and what a run draws (budget.py); steps.py lays a
+Mixture's positions out in steps and ranks. Pure: no I/O, no gRPC; errors are the
+core's (InvalidArgument / FailedPrecondition whose `field` names the request field at
+fault and starts the message). docs/mixtures.md is the contract.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -20,7 +20,6 @@ from tokenfeed.core.limits import MAX_PARAM
 from tokenfeed.core.mixture import spec
 from tokenfeed.core.mixture.apportionment import Apportionment
 from tokenfeed.core.mixture.budget import Budget, budget_of
-from tokenfeed.core.mixture.steps import MixtureRound, rank_steps, rounds
 
 
 class Mixture:
@@ -85,58 +84,6 @@ class Mixture:
     def items(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Positions [start, stop) in due order: (source index, item index) int64 arrays."""
         return self.apportionment.items(start, stop)
-
-    # ....................................................................... steps
-
-    def rank_steps(
-        self,
-        rank: int,
-        offset: int,
-        steps: int,
-        *,
-        batch_size: int,
-        world_size: int,
-        seed: int = 0,
-        shuffle: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Rank `rank`'s rows of `steps` consecutive steps, the first at position
-        `offset`: (source index, item index), int64 arrays of shape [steps, B]."""
-        return rank_steps(
-            self.apportionment,
-            rank,
-            offset,
-            steps,
-            batch_size=batch_size,
-            world_size=world_size,
-            seed=seed,
-            shuffle=shuffle,
-        )
-
-    def rounds(
-        self,
-        rank: int,
-        offset: int = 0,
-        step: int = 0,
-        *,
-        batch_size: int,
-        world_size: int,
-        seed: int = 0,
-        shuffle: bool = False,
-        max_steps: int | None = None,
-    ) -> Iterator[MixtureRound]:
-        """`rank`'s batches from `offset` on, in rounds of consecutive steps (steps.py).
-        Endless unless `max_steps` is given."""
-        return rounds(
-            self.apportionment,
-            rank,
-            offset,
-            step,
-            batch_size=batch_size,
-            world_size=world_size,
-            seed=seed,
-            shuffle=shuffle,
-            max_steps=max_steps,
-        )
 
     # ...................................................................... budget
 

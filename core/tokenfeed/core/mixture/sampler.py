@@ -19,6 +19,7 @@ from tokenfeed.core.limits import MAX_TOKENS
 from tokenfeed.core.mixture.budget import Budget
 from tokenfeed.core.mixture.mixture import Mixture
 from tokenfeed.core.mixture.passes import PassOrders, divmod_items, source_seed
+from tokenfeed.core.mixture import steps
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.sampling import RankBatch, Round, SpecView, split_bounds, split_windows
 
@@ -140,7 +141,8 @@ class MixtureSampler(SpecView):
         spec = self.spec
         self.check(rank, offset, step)
         B = spec.batch_size
-        for r in self.mixture.rounds(
+        for r in steps.rounds(
+            self.mixture,
             rank,
             offset,
             step,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from tokenfeed.core.keyed import (
     stage_keys_by_stage,
 )
 from tokenfeed.core.limits import MAX_PARAM, MAX_SEED, MAX_TOKENS
-from tokenfeed.core.mixture.apportionment import Apportionment
+from tokenfeed.core.mixture.mixture import Mixture
 
 # Positions of a rank per round: more than a dataset's (sampling.DATASET_ROUND_POSITIONS,
 # 4096), because a mixture's round makes more numpy calls (counts, the step order, many
@@ -71,17 +72,20 @@ class MixtureRound:
         return len(self.offsets)
 
 
-def check_layout(
-    app: Apportionment,
+def rank_steps(
+    mix: Mixture,
     rank: int,
     offset: int,
     steps: int,
+    *,
     batch_size: int,
     world_size: int,
-    seed: int,
-) -> None:
-    """InvalidArgument naming the field unless `rank` can take `steps` steps from
-    position `offset` of this stream."""
+    seed: int = 0,
+    shuffle: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rank `rank`'s rows of `steps` consecutive steps of `mix`, the first at position
+    `offset`: (source index, item index), int64 arrays of shape [steps, B].
+    InvalidArgument naming the field unless the layout fits the stream."""
     for field, value, lo, hi in (
         ("batch_size", batch_size, 1, MAX_PARAM),
         ("world_size", world_size, 1, MAX_PARAM),
@@ -100,35 +104,20 @@ def check_layout(
         or not 0 <= rank < world_size
     ):
         raise InvalidArgument.at("rank", f"must be in [0, world_size={world_size}), got {rank!r}")
+    app = mix.apportionment
     offset = app.check_position(offset, "offset")
-    if offset + steps * batch_size * world_size > app.max_position:
-        raise InvalidArgument.at("offset", f"the steps run past position {app.max_position}")
-
-
-def rank_steps(
-    app: Apportionment,
-    rank: int,
-    offset: int,
-    steps: int,
-    *,
-    batch_size: int,
-    world_size: int,
-    seed: int = 0,
-    shuffle: bool = False,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Rank `rank`'s rows of `steps` consecutive steps, the first at position
-    `offset`: (source index, item index), int64 arrays of shape [steps, B]."""
-    check_layout(app, rank, offset, steps, batch_size, world_size, seed)
     B, gb = int(batch_size), int(batch_size) * int(world_size)
+    if offset + steps * gb > app.max_position:
+        raise InvalidArgument.at("offset", f"the steps run past position {app.max_position}")
     if steps == 0:
         z = np.zeros((0, B), dtype=np.int64)
         return z, z.copy()
-    offs = int(offset) + gb * np.arange(steps, dtype=np.int64)
+    offs = offset + gb * np.arange(steps, dtype=np.int64)
     if not shuffle:
         return app.runs(offs + rank * B, B)
     # counts at every step boundary: a step's windows from source i are items
     # c_i(o_s) .. c_i(o_{s+1}) - 1, laid out source-major, then permuted
-    c = app.counts_at(int(offset) + gb * np.arange(steps + 1, dtype=np.int64))
+    c = app.counts_at(offset + gb * np.arange(steps + 1, dtype=np.int64))
     per = c[1:] - c[:-1]
     start = np.cumsum(per, axis=1) - per  # [steps, k] slot where source i begins
     return step_rows(stage_keys_by_stage(step_keys(seed, offs)), gb, rank * B, B, start, c[:-1])
@@ -198,7 +187,7 @@ except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1 at i
 
 
 def rounds(
-    app: Apportionment,
+    mix: Mixture,
     rank: int,
     offset: int = 0,
     step: int = 0,
@@ -209,20 +198,27 @@ def rounds(
     shuffle: bool = False,
     max_steps: int | None = None,
 ) -> Iterator[MixtureRound]:
-    """`rank`'s batches from `offset` on, in rounds of consecutive steps (like a
+    """`rank`'s batches of `mix` from `offset` on, in rounds of consecutive steps (like a
     dataset's: a round starts at one step and doubles up to MIXTURE_ROUND_POSITIONS
     positions of this rank). Endless unless `max_steps` is given."""
+    steps_at = partial(
+        rank_steps,
+        mix,
+        rank,
+        batch_size=batch_size,
+        world_size=world_size,
+        seed=seed,
+        shuffle=shuffle,
+    )
+    steps_at(offset, 0)  # the layout's errors, before any round
     B, gb = int(batch_size), int(batch_size) * int(world_size)
-    check_layout(app, rank, offset, 0, batch_size, world_size, seed)
     max_round = max(1, MIXTURE_ROUND_POSITIONS // B)
     n, o, done = 1, int(offset), 0
     while max_steps is None or done < max_steps:
         n = min(n, max_round)
         if max_steps is not None:
             n = min(n, max_steps - done)
-        src, item = rank_steps(
-            app, rank, o, n, batch_size=B, world_size=world_size, seed=seed, shuffle=shuffle
-        )
+        src, item = steps_at(o, n)
         yield MixtureRound(step, (o + gb * np.arange(n, dtype=np.int64)).tolist(), src, item)
         step += n
         done += n
