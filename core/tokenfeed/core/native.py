@@ -1,9 +1,15 @@
 """The one switch of the compiled loops.
 
-Each loop the package compiles (core/_keyed.c, server/_native.c) has a public function
-`f` and, beside it, `f_py`: its reference in plain Python and numpy, the executable
-definition. `f` runs the C version when the extension is built and this switch is on,
-else `f_py`; the two return the same values (tested through this switch).
+Each loop the package compiles has a public function `f` and, beside it, `f_py`: the
+loop's reference in plain Python and numpy, its executable definition. `f` prepares its
+arguments, runs the C loop when the extension is built and this switch is on, else
+`f_py`, and returns the same values either way (tested through this switch):
+
+    keyed.permute           keyed.permute_py            core/_keyed.c
+    mixture.steps.step_rows mixture.steps.step_rows_py  core/_keyed.c
+    splice.splice           splice.splice_py            server/_native.c
+    splice.program          splice.program_py           server/_native.c
+    wire.frames             wire.frames_py              server/_native.c
 
 `TOKENFEED_PURE_PYTHON=1` at install builds no extension; at run time, read once at
 import, it turns every compiled loop off. Tests compare the two ways with

@@ -4,16 +4,17 @@ docs/mixtures.md is the contract; each module owns one part of it:
 
     spec           sources and schedule -> exact, validated weight segments
     apportionment  which source each position takes: c(p) in closed form, never O(p)
-    passes         a source's endless sequence of passes; PassOrders maps items to windows
-    steps          each rank's rows of each step (source-major, keyed permutation)
     budget         what a run of N tokens draws from each source
-    mixture        `Mixture`, composing the above
+    mixture        `Mixture`: spec, apportionment and budget in one object
+    steps          a Mixture's steps: each rank's rows (source-major, keyed permutation)
+    passes         a source's endless sequence of passes; PassOrders maps items to windows
     sampler        `MixtureSampler`: a mixture request over its sources' stores
     files          reading mixture files (YAML/JSON): the package's only I/O
 
-Everything but files.py is pure. `sampler` builds on request.py and sampling.py,
-which build on this package, so it is imported by its module path
-(``from tokenfeed.core.mixture.sampler import MixtureSampler``), as is `files`.
+Everything but files.py is pure; `files` is imported by its path where a mixture is
+read (the client, the CLI, SamplingSpec.from_args). `sampler` builds on request.py,
+which builds on this package, so it is imported by its path too
+(``from tokenfeed.core.mixture.sampler import MixtureSampler``).
 """
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument

@@ -16,10 +16,10 @@ import numpy as np
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
 from tokenfeed.core.limits import MAX_TOKENS
+from tokenfeed.core.mixture import steps
 from tokenfeed.core.mixture.budget import Budget
 from tokenfeed.core.mixture.mixture import Mixture
 from tokenfeed.core.mixture.passes import PassOrders, divmod_items, source_seed
-from tokenfeed.core.mixture import steps
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.sampling import RankBatch, Round, SpecView, split_bounds, split_windows
 

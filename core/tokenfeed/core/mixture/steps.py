@@ -1,15 +1,15 @@
 """A mixture's steps: which source and item each slot of a global batch takes, per rank.
 
 docs/mixtures.md, "Steps" is the contract. Step s covers positions [o_s, o_s + B*W)
-and its windows from source i are that source's items ``c_i(o_s) .. c_i(o_s + B*W) -
-1`` (apportionment.py). Shuffle off: the step is in due order and rank r takes
-positions [o_s + r*B, o_s + (r+1)*B), with no permutation anywhere. Shuffle on: the
-step's windows are laid out *source-major* (source 0's items c_0(o_s).., then source
-1's, ...) and permuted by the keyed bijection of [0, B*W) (keyed.py) with key
-``step_key(seed, o_s)``; rank r takes slots [r*B, (r+1)*B) of the permuted order.
-Source-major needs c only at the step's two boundaries, not a due-order lookup per
-window, and the result is as random and as portable. Both are pure functions of
-(mixture, seq_len, B, W, seed, o_s): no I/O, never O(p).
+and its windows from source i are that source's items
+``c_i(o_s) .. c_i(o_s + B*W) - 1`` (apportionment.py). Shuffle off: the step is in due
+order and rank r takes positions [o_s + r*B, o_s + (r+1)*B), with no permutation
+anywhere. Shuffle on: the step's windows are laid out *source-major* (source 0's items
+c_0(o_s).., then source 1's, ...) and permuted by the keyed bijection of [0, B*W)
+(keyed.py) with key ``step_key(seed, o_s)``; rank r takes slots [r*B, (r+1)*B) of the
+permuted order. Source-major needs c only at the step's two boundaries, not a
+due-order lookup per window, and the result is as random and as portable. Both are
+pure functions of (mixture, seq_len, B, W, seed, o_s): no I/O, never O(p).
 
 `step_rows` (the permuted slots' sources and items) runs in C (_keyed.c) when built;
 `step_rows_py` is its reference (native.py).
