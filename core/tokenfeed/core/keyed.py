@@ -2,7 +2,7 @@
 
 One definition for every order the feeder computes (a dataset's block shuffle, a
 mixture's step order, a source's passes), written so other languages can reproduce it
-(docs/sampling.md, "Block shuffle"):
+(docs/sampling.md, "Keys and the keyed bijection"):
 
 * `mix(x)` is the splitmix64 finaliser on 64-bit words;
 * `key(p_0, p_1, ...)` is the key chain h = mix(h ^ p) from h = 0x9E3779B97F4A7C15 over

@@ -1,7 +1,8 @@
 """The bounds every part checks a request against, each defined once.
 
 They keep the sampling math inside int64 (numpy's fast integers) and the wire's
-fields inside their types; docs/request.md, "Validation" states them for users.
+fields inside their types; docs/request.md, "SamplingParams: what defines an order"
+states them for users.
 """
 
 from __future__ import annotations

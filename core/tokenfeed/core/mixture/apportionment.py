@@ -1,7 +1,8 @@
 """Apportionment: which source each position of a mixture stream takes, in closed form.
 
-docs/mixtures.md, "Apportionment" is the contract. Pure, and never O(p): any count,
-due point or run costs O(sources x segments) whatever the position, O(k) memory.
+docs/mixtures.md, "Apportionment: which source each position draws from" is the
+contract. Pure, and never O(p): any count, due point or run costs
+O(sources x segments) whatever the position, O(k) memory.
 
 Definitions (p, x, q are global positions of the endless mixture stream, one window
 each; k is the number of sources; segment j's shares are a[j][i] / D[j], spec.py):

@@ -4,7 +4,7 @@ call it; the math is pure).
 A mixture is written as a mapping name -> weight, a list of (name, weight) pairs, the
 command line's ``web=0.7,code=0.3``, or a YAML/JSON file
 ``{sources: {web: 0.7, ...}, schedule: [{from_tokens: N, weights: {...}}, ...]}``
-(docs/mixtures.md, "Weights" and "Schedule"); `load_mixture` turns any of them into
+(docs/mixtures.md, "Mixture files"); `load_mixture` turns any of them into
 the (sources, schedule) that SamplingSpec and Mixture validate.
 """
 

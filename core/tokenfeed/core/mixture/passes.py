@@ -1,8 +1,8 @@
 """A mixture source's endless sequence of passes: item n -> its window.
 
-docs/mixtures.md, "Passes" is the contract: item n of source i is position
-``n % windows_i`` of pass ``n // windows_i``, and pass e is the single-dataset epoch
-order (shuffle.EpochOrder) of the source's train split with seed
+docs/mixtures.md, "Passes: each source's own sequence" is the contract: item n of
+source i is position ``n % windows_i`` of pass ``n // windows_i``, and pass e is the
+single-dataset epoch order (shuffle.EpochOrder) of the source's train split with seed
 ``source_seed(seed, name)`` and epoch e, so a source's order depends on its name,
 never on the other sources. Pure: no I/O; a call's cost depends on the passes and
 shuffle groups it touches, never on the store's size.

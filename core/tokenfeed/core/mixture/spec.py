@@ -1,7 +1,7 @@
 """A mixture's sources and schedule as the user gives them -> exact, validated segments.
 
 Pure: no I/O (files.py reads mixture files), no float arithmetic on weights.
-docs/mixtures.md, "Weights" and "Schedule" are the contract:
+docs/mixtures.md, "Weights and segments" is the contract:
 
 * a weight is the shortest decimal that round-trips its float
   (``Fraction(repr(float(w)))``), so every language that prints floats the shortest

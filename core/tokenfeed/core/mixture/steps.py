@@ -1,6 +1,6 @@
 """A mixture's steps: which source and item each slot of a global batch takes, per rank.
 
-docs/mixtures.md, "Steps" is the contract. Step s covers positions [o_s, o_s + B*W)
+docs/mixtures.md, "Steps and ranks" is the contract. Step s covers positions [o_s, o_s + B*W)
 and its windows from source i are that source's items
 ``c_i(o_s) .. c_i(o_s + B*W) - 1`` (apportionment.py). Shuffle off: the step is in due
 order and rank r takes positions [o_s + r*B, o_s + (r+1)*B), with no permutation
