@@ -1,7 +1,9 @@
-"""Build hook: compile the package's two C extensions.
+"""Build hook: compile the package's two C extensions, five loops in all.
 
-* tokenfeed.server._native: the server's loops over rows and batches (splice.py, wire.py);
-* tokenfeed.core._keyed: the keyed bijection's loop (keyed.py), which sampling runs on.
+* tokenfeed.server._native: the server's three loops over rows and batches: splice and
+  program (splice.py), frames (wire.py);
+* tokenfeed.core._keyed: the sampling's two: the keyed bijection (keyed.permute) and a
+  mixture step's rows (mixture/steps.py step_rows).
 
 Hatchling builds the package; this hook compiles each with setuptools' build_ext (the
 compiler and flags Python itself was built with) into the source tree, where both an
@@ -9,7 +11,9 @@ editable install (`pip install -e .`, the source roots on the path) and the whee
 `artifacts`) find them. A wheel with them is platform-specific.
 
 Without a C compiler the install fails, saying so; `TOKENFEED_PURE_PYTHON=1` installs
-without the extensions and their numpy/Python references run instead (correct, slower).
+without the extensions and each loop's Python/numpy reference (`f_py` beside `f`) runs
+instead: correct, slower. At run time the same variable turns built loops off
+(tokenfeed.core.native).
 """
 
 from __future__ import annotations

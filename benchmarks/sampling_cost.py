@@ -4,9 +4,9 @@
 
 Prints: the latency of the first batch at a random deep offset (a resume), peak
 Python memory while doing it, and the steady-state cost per batch while streaming,
-through `Plan.rounds()` (what the server uses) and `Plan.batches()`; then, side by
-side, a mixture of 16 sources with 100 schedule segments through
-`MixturePlan.rounds()` (the mixture math and every source's passes mapped to windows,
+through `DatasetSampler.rounds()` (what the server uses) and `.batches()`; then, side
+by side, a mixture of 16 sources with 100 schedule segments through
+`MixtureSampler.rounds()` (the mixture math and every source's passes mapped to windows,
 what the server uses), as a ratio to one dataset (goal: <= 2x).
 Goal: the per-batch cost is under 5% of the server's per-batch send cost;
 benchmarks/serve_throughput.py measures that send cost (its bare gRPC ceiling), and
@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import MixturePlan, Plan
+from tokenfeed.core.sampling import DatasetSampler
 
 TOKENS = 10**12
 STEADY_BATCHES = 20_000
@@ -49,7 +50,7 @@ def spec(**kw) -> SamplingSpec:
     return SamplingSpec(**(base | kw))
 
 
-def mixture_plan(sources: int = 16, segments: int = 100) -> MixturePlan:
+def mixture_plan(sources: int = 16, segments: int = 100) -> MixtureSampler:
     """16 sources of 10^8..10^10 tokens, 3-decimal weights, 100 segments over 10^12."""
     rng = np.random.default_rng(0)
     names = [f"source{i:02d}" for i in range(sources)]
@@ -65,7 +66,7 @@ def mixture_plan(sources: int = 16, segments: int = 100) -> MixturePlan:
         schedule=tuple((int(s), weights()) for s in starts),
     )
     totals = tuple(int(x) for x in rng.integers(10**8, 10**10, sources))
-    return MixturePlan(mix, totals, (1 << 24,) * sources)
+    return MixtureSampler(mix, totals, (1 << 24,) * sources)
 
 
 def per_batch(rounds, batches: int) -> float:
@@ -80,7 +81,7 @@ def per_batch(rounds, batches: int) -> float:
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    plan = Plan(spec(), TOKENS)
+    plan = DatasetSampler(spec(), TOKENS)
     global_batch = plan.batch_size * plan.world_size
     rng = random.Random(0)
     first = []

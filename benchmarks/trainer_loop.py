@@ -48,7 +48,7 @@ import numpy as np
 from tokenfeed.cli.bench import measure
 from tokenfeed.cli.process import serve_argv, wait_for_port
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import DEFAULT_BLOCK_TOKENS, Plan
+from tokenfeed.core.sampling import DEFAULT_BLOCK_TOKENS, DatasetSampler
 from tokenfeed.core.store import TokenStore, write_store
 
 SEQ_LEN, BATCH, DATASET = 1024, 16, "bench"
@@ -74,7 +74,9 @@ TICK = os.sysconf("SC_CLK_TCK")
 def epoch_starts(store: TokenStore) -> np.ndarray:
     """The window starts of epoch 0 in the feeder's order (world size 1)."""
     spec = SamplingSpec(dataset=DATASET, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True)
-    plan = Plan(spec, store.total_tokens, store.meta.tokens_per_chunk or DEFAULT_BLOCK_TOKENS)
+    plan = DatasetSampler(
+        spec, store.total_tokens, store.meta.tokens_per_chunk or DEFAULT_BLOCK_TOKENS
+    )
     return np.concatenate([bp.starts for bp in plan.batches(0, 0)])
 
 

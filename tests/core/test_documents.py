@@ -99,11 +99,11 @@ def test_eos_batches_match_both_references(c: dict) -> None:
     assert out["labels"].flags.c_contiguous
     # The label runs cover the buffer exactly and make exactly the masked labels (both
     # label paths: the shift-1 scatter and the runs).
-    seg = D.segments(ends, rows, seq_len, shift)
-    runs = D.label_runs(seg)
+    seqs = D.sequences(ends, rows, seq_len, shift)
+    runs = D.label_runs(seqs)
     assert runs.sum() == rows * (seq_len + shift) and np.all(runs[1::2] > 0)
     assert np.all(runs >= 0)
-    np.testing.assert_array_equal(D.label_mask(seg), out["labels"] == -100)
+    np.testing.assert_array_equal(D.label_mask(seqs), out["labels"] == -100)
     check(
         out,
         reference.from_tokens(buf, lambda r, k: buf[r][k] == EOS, seq_len, shift),
@@ -159,11 +159,11 @@ def test_cu_seqlens_invariants(rows: int, seq_len: int, shift: int, data) -> Non
     out = D.from_ends(mask.reshape(-1).nonzero()[0], rows, seq_len, shift)
     cu = out["cu_seqlens"].astype(np.int64)
     assert cu[0] == 0 and cu[-1] == rows * seq_len
-    assert np.all(np.diff(cu) > 0)  # no empty segment
+    assert np.all(np.diff(cu) > 0)  # no empty sequence
     assert set(range(0, rows * seq_len, seq_len)) <= set(cu.tolist())  # every row start
     assert out["max_seqlen"] == int(np.diff(cu).max())
     flat_docs, flat_pos = out["document_ids"].reshape(-1), out["position_ids"].reshape(-1)
-    for a, b in zip(cu[:-1], cu[1:], strict=True):  # a segment is one run of one document
+    for a, b in zip(cu[:-1], cu[1:], strict=True):  # a sequence is one run of one document
         assert np.all(flat_docs[a:b] == flat_docs[a])
         np.testing.assert_array_equal(flat_pos[a:b], np.arange(b - a))
 
@@ -171,13 +171,13 @@ def test_cu_seqlens_invariants(rows: int, seq_len: int, shift: int, data) -> Non
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 30), st.integers(1, 8), st.data())
 def test_the_loop_and_numpy_paths_agree(rows: int, seq_len: int, shift: int, data) -> None:
-    """segments() loops over few ends and uses numpy for many: the same results."""
+    """sequences() loops over few ends and uses numpy for many: the same results."""
     cols = seq_len + shift
     density = data.draw(st.sampled_from([0.0, 0.05, 0.3, 1.0]))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     ends = (rng.random(rows * cols) < density).nonzero()[0]
-    loop = D._segments_loop(ends.astype("<u4"), rows, seq_len, shift, cols)
-    vec = D._segments_numpy(ends.astype("<u4"), rows, seq_len, shift, cols, validate=True)
+    loop = D._sequences_loop(ends.astype("<u4"), rows, seq_len, shift, cols)
+    vec = D._sequences_numpy(ends.astype("<u4"), rows, seq_len, shift, cols, validate=True)
     for name in ("cu_seqlens", "cu", "lengths", "first", "local", "label_at"):
         a, b = getattr(loop, name), getattr(vec, name)
         assert a.dtype == b.dtype, name
@@ -286,18 +286,18 @@ def test_megatron_style_offsets() -> None:
 @pytest.mark.parametrize(
     ("bad", "match"),
     [
-        (lambda: D.segments(np.array([3, 3]), 1, 4, 1), "strictly ascending"),
-        (lambda: D.segments(np.array([5]), 1, 4, 1), "strictly ascending"),
-        (lambda: D.segments(np.array([-1]), 1, 4, 1), "strictly ascending"),
-        (lambda: D._segments_numpy(np.array([3, 3]), 1, 4, 1, 5, True), "strictly ascending"),
-        (lambda: D._segments_numpy(np.array([5]), 1, 4, 1, 5, True), "strictly ascending"),
-        (lambda: D._segments_numpy(np.array([-1]), 1, 4, 1, 5, True), "strictly ascending"),
-        (lambda: D.segments(np.array([[1]]), 1, 4, 1), "1-d"),
-        (lambda: D.segments(np.array([], dtype=np.int64), 1, 4, 0), "shift"),
-        (lambda: D.segments(np.array([], dtype=np.int64), 2**16, 2**16, 1), "int32"),
+        (lambda: D.sequences(np.array([3, 3]), 1, 4, 1), "strictly ascending"),
+        (lambda: D.sequences(np.array([5]), 1, 4, 1), "strictly ascending"),
+        (lambda: D.sequences(np.array([-1]), 1, 4, 1), "strictly ascending"),
+        (lambda: D._sequences_numpy(np.array([3, 3]), 1, 4, 1, 5, True), "strictly ascending"),
+        (lambda: D._sequences_numpy(np.array([5]), 1, 4, 1, 5, True), "strictly ascending"),
+        (lambda: D._sequences_numpy(np.array([-1]), 1, 4, 1, 5, True), "strictly ascending"),
+        (lambda: D.sequences(np.array([[1]]), 1, 4, 1), "1-d"),
+        (lambda: D.sequences(np.array([], dtype=np.int64), 1, 4, 0), "shift"),
+        (lambda: D.sequences(np.array([], dtype=np.int64), 2**16, 2**16, 1), "int32"),
         (lambda: D.ends_from_bytes(b"\x00\x00\x00"), "uint32"),
         (lambda: D.recorded_ends(np.array([4, 3])), "non-decreasing"),
-        (lambda: D.masked_labels(np.zeros((2, 5)), D.segments(np.array([1]), 2, 4, 1)), "shape"),
+        (lambda: D.masked_labels(np.zeros((2, 5)), D.sequences(np.array([1]), 2, 4, 1)), "shape"),
     ],
 )
 def test_clear_errors(bad, match: str) -> None:

@@ -1,8 +1,9 @@
-"""Properties of the mixture math (core/mixture.py), checked against a slow sequential
+"""Properties of the mixture math (core/mixture/), checked against a slow sequential
 reference.
 
-The reference below is written from docs/mixtures.md's definition alone (walk positions
-one by one, queue items as they fall due), not from the closed form in mixture.py.
+The reference below is written from docs/mixtures.md's definition alone (walk
+positions one by one, queue items as they fall due), not from the closed form in
+mixture/apportionment.py.
 """
 
 from __future__ import annotations
@@ -17,17 +18,20 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
-from tokenfeed.core.keyed import Permutation, permute, round_keys
+from tokenfeed.core.keyed import Permutation, permute, stage_keys
+from tokenfeed.core.limits import MAX_TOKENS
 from tokenfeed.core.mixture import (
-    MAX_TOKENS,
     Mixture,
+    PassOrders,
     parse_weight,
     source_seed,
     split_passes,
     step_key,
     step_keys,
 )
-from tokenfeed.core.sampling import EpochOrder, PassOrders
+from tokenfeed.core.mixture.passes import divmod_items
+from tokenfeed.core.mixture.steps import rank_steps, rounds
+from tokenfeed.core.shuffle import EpochOrder
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -252,7 +256,8 @@ def test_int64_kernels_reduce_products_that_would_overflow(p):
         [(1000, {"a": 0.5, "b": 0.123456789, "c": 0.876543211})],
         seq_len=1,
     )
-    assert mix._fast.all() and max(s.D for s in mix._segs) > 1 << 30
+    app = mix.apportionment
+    assert app._fast.all() and max(s.D for s in app._segs) > 1 << 30
     check_far(mix, p, 30)
 
 
@@ -264,7 +269,7 @@ def test_large_denominators_take_the_exact_path():
         (90, {"s0": 0.1, "s1": 1 / 7, "s2": 0.0, "s3": 0.3}),
     ]
     mix, ref = Mixture(base, schedule, seq_len=1), Reference(base, schedule, 1)
-    assert mix._fast.tolist() == [False, True, False]  # large D: the exact kernels run
+    assert mix.apportionment._fast.tolist() == [False, True, False]  # large D: exact kernels
     seq, _ = ref.walk(300)
     assert mix.counts_at(np.arange(301)).tolist() == [list(c) for c in prefix_counts(seq, 4)]
     src, item = mix.items(20, 300)
@@ -298,7 +303,7 @@ def test_position_range_is_checked():
 def all_rank_items(mix, offset, steps, B, W, seed, shuffle):
     """Per step, per rank (source, item) rows."""
     return [
-        mix.rank_steps(r, offset, steps, batch_size=B, world_size=W, seed=seed, shuffle=shuffle)
+        rank_steps(mix, r, offset, steps, batch_size=B, world_size=W, seed=seed, shuffle=shuffle)
         for r in range(W)
     ]
 
@@ -415,7 +420,7 @@ def test_shuffle_off_is_due_order_without_any_permutation(spec, B, W, steps, off
     mix, ref = build(spec)
     seq, _ = ref.walk(offset + steps * B * W)
     for r in range(W):
-        src, item = mix.rank_steps(r, offset, steps, batch_size=B, world_size=W, shuffle=False)
+        src, item = rank_steps(mix, r, offset, steps, batch_size=B, world_size=W, shuffle=False)
         for s in range(steps):
             lo = offset + s * B * W + r * B
             assert list(zip(src[s].tolist(), item[s].tolist(), strict=True)) == seq[lo : lo + B]
@@ -435,10 +440,10 @@ def test_steps_jump_equals_walk_and_rounds_agree(spec, B, W, steps, seed, shuffl
     mix, _ = build(spec)
     r = W - 1
     kw = {"batch_size": B, "world_size": W, "seed": seed, "shuffle": shuffle}
-    src, item = mix.rank_steps(r, offset, steps, **kw)
-    tail = mix.rank_steps(r, offset + B * W, steps - 1, **kw)  # resume one step later
+    src, item = rank_steps(mix, r, offset, steps, **kw)
+    tail = rank_steps(mix, r, offset + B * W, steps - 1, **kw)  # resume one step later
     assert np.array_equal(tail[0], src[1:]) and np.array_equal(tail[1], item[1:])
-    got = list(mix.rounds(r, offset, 7, max_steps=steps, **kw))
+    got = list(rounds(mix, r, offset, 7, max_steps=steps, **kw))
     assert got[0].step == 7
     assert np.array_equal(np.concatenate([g.sources for g in got]), src)
     assert np.array_equal(np.concatenate([g.items for g in got]), item)
@@ -448,24 +453,24 @@ def test_steps_jump_equals_walk_and_rounds_agree(spec, B, W, steps, seed, shuffl
 def test_shuffle_mixes_ranks_and_depends_on_seed_and_offset():
     mix = Mixture({"web": 0.7, "code": 0.2, "math": 0.1}, seq_len=16)
     kw = {"batch_size": 8, "world_size": 8}
-    plain = mix.rank_steps(0, 0, 4, shuffle=False, **kw)
-    a = mix.rank_steps(0, 0, 4, seed=1, shuffle=True, **kw)
-    b = mix.rank_steps(0, 0, 4, seed=2, shuffle=True, **kw)
+    plain = rank_steps(mix, 0, 0, 4, shuffle=False, **kw)
+    a = rank_steps(mix, 0, 0, 4, seed=1, shuffle=True, **kw)
+    b = rank_steps(mix, 0, 0, 4, seed=2, shuffle=True, **kw)
     assert not np.array_equal(a[1], plain[1])
     assert not np.array_equal(a[1], b[1])
-    assert np.array_equal(a[1], mix.rank_steps(0, 0, 4, seed=1, shuffle=True, **kw)[1])
+    assert np.array_equal(a[1], rank_steps(mix, 0, 0, 4, seed=1, shuffle=True, **kw)[1])
     # different steps use different orders
     assert len({tuple(np.argsort(row)) for row in a[1]}) > 1
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8, 100, 1000, 1024, 4095])
 def test_step_permutation_is_a_bijection(n):
-    rk = round_keys(step_keys(5, np.array([0, n, 7 * n])))
+    sk = stage_keys(step_keys(5, np.array([0, n, 7 * n])))
     for row in range(3):
-        y = permute(np.arange(n), n, np.repeat(rk[row : row + 1], n, axis=0))
+        y = permute(np.arange(n), n, np.repeat(sk[row : row + 1], n, axis=0))
         assert sorted(y.tolist()) == list(range(n))
         # per-element keys equal the one-key form
-        assert np.array_equal(y, permute(np.arange(n), n, rk[row]))
+        assert np.array_equal(y, permute(np.arange(n), n, sk[row]))
 
 
 @SETTINGS
@@ -490,8 +495,8 @@ def test_step_order_is_the_keyed_bijection_of_the_source_major_layout(
     gb = B * W
     offset = offset // gb * gb
     for rank in {0, W - 1}:
-        src, item = mix.rank_steps(
-            rank, offset, steps, batch_size=B, world_size=W, seed=seed, shuffle=True
+        src, item = rank_steps(
+            mix, rank, offset, steps, batch_size=B, world_size=W, seed=seed, shuffle=True
         )
         for s in range(steps):
             o = offset + s * gb
@@ -569,16 +574,15 @@ def test_budget_reports_draws_passes_and_shares():
         [{"from_tokens": 1000, "weights": {"web": 0.5, "code": 0.2, "math": 0.3}}],
         seq_len=10,
     )
-    plan = mix.budget(2000, {"web": 1000, "code": 7, "math": 3})
-    assert plan.positions == 200
-    drawn = [s.windows_drawn for s in plan.sources]
+    budget = mix.budget(2000, {"web": 1000, "code": 7, "math": 3})
+    assert budget.positions == 200
+    drawn = [s.windows_drawn for s in budget.sources]
     assert sum(drawn) == 200 and tuple(drawn) == mix.counts(200)
     assert drawn == [70 + 50, 20 + 20, 10 + 30]
-    assert [s.tokens_drawn for s in plan.sources] == [1200, 400, 400]
-    assert plan.sources[1].passes == Fraction(40, 7)
-    assert plan.sources[0].shares == (Fraction(7, 10), Fraction(1, 2))
-    assert plan.segments == ((0, 1000), (1000, None))
-    assert "web" in plan.format() and "passes" in plan.format()
+    assert [s.tokens_drawn for s in budget.sources] == [1200, 400, 400]
+    assert budget.sources[1].passes == Fraction(40, 7)
+    assert budget.sources[0].shares == (Fraction(7, 10), Fraction(1, 2))
+    assert budget.segments == ((0, 1000), (1000, None))
     with pytest.raises(FailedPrecondition, match="math"):
         mix.budget(2000, {"web": 1, "code": 1, "math": 0})
     assert mix.budget(1e12, [1, 1, 1]).positions == 10**11
@@ -653,9 +657,9 @@ def test_seq_len_and_layout_are_checked():
         Mixture({"a": 1}, seq_len=0)
     mix = Mixture({"a": 1}, seq_len=4)
     with pytest.raises(InvalidArgument, match="rank"):
-        mix.rank_steps(2, 0, 1, batch_size=1, world_size=2)
+        rank_steps(mix, 2, 0, 1, batch_size=1, world_size=2)
     with pytest.raises(InvalidArgument, match="batch_size"):
-        mix.rank_steps(0, 0, 1, batch_size=0, world_size=2)
+        rank_steps(mix, 0, 0, 1, batch_size=0, world_size=2)
     with pytest.raises(InvalidArgument, match="stop"):
         mix.items(5, 4)
 
@@ -698,10 +702,11 @@ def test_anchored_floats_are_fixed_up_where_they_are_ambiguous():
     mix = Mixture(
         ws, [(12345, {"x": 0.3, "y": 1 / 3, "z": 0.123456789, "w": 0.14285714285714285})], seq_len=1
     )
-    assert not mix._fast.any()
+    app = mix.apportionment
+    assert not app._fast.any()
     checked = wrong_floats = wrong_dues = 0
-    for j, seg in enumerate(mix._segs):
-        prm, mode = mix._params(j)
+    for j, seg in enumerate(app._segs):
+        prm, mode = app._params(j)
         assert mode == "anchored"
         for i, (a, g) in enumerate(zip(seg.a, seg.g, strict=True)):
             if math.gcd(a, seg.D) != 1:
@@ -710,7 +715,7 @@ def test_anchored_floats_are_fixed_up_where_they_are_ambiguous():
             for delta in (1, 3, 1000, 10**6, 123456789, 10**9 + 7, 2**31, 2**32):
                 lo = d_star - delta
                 d = np.array([lo, lo + 1, d_star - 1, d_star, d_star + 1], dtype=np.int64)
-                floors = mix._floors(prm, mode, lo, d_star + 1)(d)
+                floors = app._floors(prm, mode, lo, d_star + 1)(d)
                 exact = [
                     [(gg + aa * int(x)) // seg.D for aa, gg in zip(seg.a, seg.g, strict=True)]
                     for x in d
@@ -724,7 +729,7 @@ def test_anchored_floats_are_fixed_up_where_they_are_ambiguous():
             u_star = (g * pow(seg.D, -1, a)) % a + a
             for gap in (1, 40, 1000, 10**6, 10**7):
                 u = np.array([u_star - gap, u_star - 1, u_star, u_star + 1], dtype=np.int64)
-                got = mix._due(prm, mode, np.full(4, i, dtype=np.int64), u)
+                got = app._due(prm, mode, np.full(4, i, dtype=np.int64), u)
                 assert got.tolist() == [-((g - seg.D * int(x)) // a) for x in u]
                 e, f = divmod(seg.D * (u_star - gap) - g, a)
                 z = np.float64(f / a) + np.float64(gap) * np.float64(seg.D / a)
@@ -746,24 +751,20 @@ def test_anchored_floats_are_fixed_up_where_they_are_ambiguous():
     )
 )
 def test_pass_divmod_is_numpys(pairs):
-    """MixturePlan.starts' split of items into (pass, position) equals np.divmod,
+    """MixtureSampler.starts' split of items into (pass, position) equals np.divmod,
     near powers of two, multiples of the divisor and 2**53 alike."""
-    from tokenfeed.core.sampling import _divmod
-
     n = np.array([a for a, _ in pairs], dtype=np.int64)
     d = np.array([b for _, b in pairs], dtype=np.int64)
     for values in (n, np.maximum(n // d * d - 1, 0), n // d * d):  # around multiples too
-        q, r = _divmod(values, d)
+        q, r = divmod_items(values, d)
         want_q, want_r = np.divmod(values, d)
         assert np.array_equal(q, want_q) and np.array_equal(r, want_r)
 
 
 def test_pass_divmod_just_below_two_to_the_53():
-    from tokenfeed.core.sampling import _divmod
-
     top = (1 << 53) - 1
     n = np.array([top, top - 1, top - 2, 1 << 52, (1 << 52) + 1, 0], dtype=np.int64)
     for d in (1, 2, 3, 7, 65_532, 40_956, 24_572, (1 << 26) + 1, top):
-        q, r = _divmod(n, np.full(len(n), d, dtype=np.int64))
+        q, r = divmod_items(n, np.full(len(n), d, dtype=np.int64))
         want_q, want_r = np.divmod(n, d)
         assert np.array_equal(q, want_q) and np.array_equal(r, want_r)

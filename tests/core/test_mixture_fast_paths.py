@@ -1,12 +1,13 @@
 """A mixture's fast paths against the general code they stand in for.
 
 * rank_steps (shuffle on) lays a step's windows out source-major, permutes the slots
-  by the step's keyed bijection and reads each slot's source and item back; with the
-  C extension built it does all of that in one C pass (`_keyed.step_rows`). The numpy
-  code (NATIVE off) is the reference: the two must agree for any weights, layout and
-  position, including many sources (numpy searches there), sources with no window in
-  a step (equal starts) and B*W that is no power of two (values walk).
-* MixturePlan.starts maps a few sources' items source by source, a source whose
+  by the step's keyed bijection and reads each slot's source and item back
+  (steps.step_rows); with the C extension built it does all of that in one C pass.
+  step_rows_py (the compiled loops off: native.disabled()) is the reference: the two
+  must agree for any weights, layout and position, including many sources (numpy
+  searches there), sources with no window in a step (equal starts), B*W = 1 and B*W
+  that is no power of two (values walk).
+* MixtureSampler.starts maps a few sources' items source by source, a source whose
   items lie in one pass by that pass's order directly; the general path (every item
   split into (pass, position), PassOrders.windows) is the reference, passes wrapping
   within a round included.
@@ -21,15 +22,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tokenfeed.core.mixture as mixture_module
-from tokenfeed.core import keyed, sampling
-from tokenfeed.core.mixture import Mixture
+from tokenfeed.core import keyed, native
+from tokenfeed.core.mixture import Mixture, sampler
+from tokenfeed.core.mixture.steps import rank_steps, rounds
 from tokenfeed.core.request import SamplingSpec
 
-native = pytest.mark.skipif(keyed.native_step_rows is None, reason="built without C")
+compiled = pytest.mark.skipif(
+    not (native.enabled() and native.built("tokenfeed.core._keyed")),
+    reason="the compiled loops are off or not built (TOKENFEED_PURE_PYTHON=1)",
+)
 
 
-@native
+@compiled
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.sampled_from([0, 1, 2, 3, 0.5, 0.001]), min_size=1, max_size=40),
@@ -45,32 +49,43 @@ def test_step_rows_in_c_equal_the_numpy_code(weights, B, W, steps, seed, offset)
     mix = Mixture([(f"s{i}", w) for i, w in enumerate(weights)], seq_len=5)
     offset = offset // (B * W) * (B * W)
     kw = dict(batch_size=B, world_size=W, seed=seed, shuffle=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mixture_module, "NATIVE", False)
-        reference = [mix.rank_steps(r, offset, steps, **kw) for r in range(W)]
+    with native.disabled():
+        reference = [rank_steps(mix, r, offset, steps, **kw) for r in range(W)]
     for r, (src, item) in enumerate(reference):
-        got = mix.rank_steps(r, offset, steps, **kw)
+        got = rank_steps(mix, r, offset, steps, **kw)
         assert got[0].dtype == got[1].dtype == np.int64
         assert np.array_equal(got[0], src) and np.array_equal(got[1], item)
 
 
-@native
-def test_step_rows_refuses_bad_arrays():
-    rk = keyed.round_keys_by_round(np.arange(3, dtype=np.uint64))  # [6, 3]
+@compiled
+@pytest.mark.parametrize("B, W", [(1, 1), (1, 2), (3, 1)])
+def test_step_rows_of_tiny_steps_in_c_equal_the_numpy_code(B, W):
+    """One or two slots per step: B*W = 1 walks its 1-bit domain to 0 in C."""
+    mix = Mixture({"a": 0.5, "b": 0.3, "c": 0.2}, seq_len=4)
+    kw = dict(batch_size=B, world_size=W, seed=9, shuffle=True)
+    with native.disabled():
+        reference = [rank_steps(mix, r, 0, 50, **kw) for r in range(W)]
+    for r, (src, item) in enumerate(reference):
+        got = rank_steps(mix, r, 0, 50, **kw)
+        assert np.array_equal(got[0], src) and np.array_equal(got[1], item)
+    assert len(set(reference[0][0].ravel().tolist())) == 3  # every source appears
+
+
+def test_the_c_step_rows_refuses_bad_arrays():
+    step_rows = pytest.importorskip("tokenfeed.core._keyed").step_rows
+    sk = keyed.stage_keys_by_stage(np.arange(3, dtype=np.uint64))  # [6, 3]
     start = np.zeros((3, 2), dtype=np.int64)
     counts = np.zeros((3, 2), dtype=np.int64)
     out = np.empty((3, 4), dtype=np.int64)
-    step_rows = keyed.native_step_rows
-    assert step_rows is not None
-    step_rows(rk, 8, 4, start, counts, out, out.copy())  # slots 4..7 of [0, 8): fine
+    step_rows(sk, 8, 4, start, counts, out, out.copy())  # slots 4..7 of [0, 8): fine
     with pytest.raises(ValueError, match="slots"):
-        step_rows(rk, 8, 5, start, counts, out, out.copy())  # slot 8 is outside
+        step_rows(sk, 8, 5, start, counts, out, out.copy())  # slot 8 is outside
     with pytest.raises(ValueError, match="steps"):
-        step_rows(np.ascontiguousarray(rk[:, :2]), 8, 0, start, counts, out, out.copy())
-    with pytest.raises(TypeError, match="rk"):
-        step_rows(rk.astype(np.int64), 8, 0, start, counts, out, out.copy())
+        step_rows(np.ascontiguousarray(sk[:, :2]), 8, 0, start, counts, out, out.copy())
+    with pytest.raises(TypeError, match="sk"):
+        step_rows(sk.astype(np.int64), 8, 0, start, counts, out, out.copy())
     with pytest.raises(ValueError, match="contiguous"):
-        step_rows(rk, 8, 0, np.zeros((2, 3), dtype=np.int64).T, counts, out, out.copy())
+        step_rows(sk, 8, 0, np.zeros((2, 3), dtype=np.int64).T, counts, out, out.copy())
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,15 +113,15 @@ def test_mixture_starts_source_by_source_equal_the_general_path(
         shuffle_blocks=shuffle_blocks,
     )
     totals = tuple(t for _, t in sources)
-    plan = sampling.MixturePlan(spec, totals, tuple(max(16, t // 5) for t in totals))
+    plan = sampler.MixtureSampler(spec, totals, tuple(max(16, t // 5) for t in totals))
     offset = offset // (B * W) * (B * W)
     for rank in range(W):
-        rounds = plan.mixture.rounds(
-            rank, offset, 0, batch_size=B, world_size=W, seed=seed, shuffle=True
+        batches = rounds(
+            plan.mixture, rank, offset, 0, batch_size=B, world_size=W, seed=seed, shuffle=True
         )
-        for r in itertools.islice(rounds, 6):  # up to 63 steps: small sources wrap passes
+        for r in itertools.islice(batches, 6):  # up to 63 steps: small sources wrap passes
             fast = plan.starts(r.sources, r.items)
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(sampling, "_SOURCES_ONE_BY_ONE", 0)
+                mp.setattr(sampler, "_SOURCES_ONE_BY_ONE", 0)
                 general = plan.starts(r.sources, r.items)
             assert fast.shape == general.shape and np.array_equal(fast, general)

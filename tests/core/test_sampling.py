@@ -1,4 +1,4 @@
-"""Property tests of the sampling engine (docs/sampling.md)."""
+"""Property tests of one dataset's sampling (docs/sampling.md)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,29 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tokenfeed.core import keyed
+from tokenfeed.core import keyed, native
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
 from tokenfeed.core.keyed import Permutation as _Permutation
 from tokenfeed.core.request import SamplingSpec, proper_divisors
 from tokenfeed.core.sampling import (
-    EpochOrder,
-    Plan,
+    DatasetSampler,
     split_bounds,
     steps_per_epoch,
     window_count,
 )
+from tokenfeed.core.shuffle import EpochOrder
 
 from support.stores import make_plan
 
+compiled = pytest.mark.skipif(
+    not (native.enabled() and native.built("tokenfeed.core._keyed")),
+    reason="the compiled loops are off or not built (TOKENFEED_PURE_PYTHON=1)",
+)
 
-def epoch_starts(plan: Plan, epoch: int = 0, offset: int = 0, step: int = 0) -> list[list]:
+
+def epoch_starts(
+    plan: DatasetSampler, epoch: int = 0, offset: int = 0, step: int = 0
+) -> list[list]:
     """Per rank, the list of (step, offset, shift, starts tuple) of one epoch."""
     return [
         [
@@ -37,7 +44,7 @@ def epoch_starts(plan: Plan, epoch: int = 0, offset: int = 0, step: int = 0) -> 
     ]
 
 
-def all_windows(plan: Plan) -> list[int]:
+def all_windows(plan: DatasetSampler) -> list[int]:
     return [plan.split_begin + k * plan.stride for k in range(plan.num_windows)]
 
 
@@ -92,7 +99,7 @@ def test_readme_example_literally() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(plans())
-def test_every_window_exactly_once_per_epoch(plan: Plan) -> None:
+def test_every_window_exactly_once_per_epoch(plan: DatasetSampler) -> None:
     delivered = Counter(s for rank in epoch_starts(plan) for b in rank for s in b[3])
     assert all(c == 1 for c in delivered.values())
     windows = set(all_windows(plan))
@@ -106,7 +113,7 @@ def test_every_window_exactly_once_per_epoch(plan: Plan) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(plans())
-def test_windows_stay_inside_the_split(plan: Plan) -> None:
+def test_windows_stay_inside_the_split(plan: DatasetSampler) -> None:
     for rank in epoch_starts(plan):
         for _, _, shift, starts in rank:
             for s in starts:
@@ -117,7 +124,7 @@ def test_windows_stay_inside_the_split(plan: Plan) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(plans())
-def test_step_layout_and_len(plan: Plan) -> None:
+def test_step_layout_and_len(plan: DatasetSampler) -> None:
     """Step s covers [o_s, o_s + B*W); len() matches what is delivered."""
     global_batch = plan.batch_size * plan.world_size
     for rank, batches in enumerate(epoch_starts(plan)):
@@ -132,7 +139,7 @@ def test_step_layout_and_len(plan: Plan) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(plans(), st.integers(0, 2**32))
-def test_deterministic_and_resumable_at_any_step(plan: Plan, pick: int) -> None:
+def test_deterministic_and_resumable_at_any_step(plan: DatasetSampler, pick: int) -> None:
     full = epoch_starts(plan, epoch=3)
     assert full == epoch_starts(plan, epoch=3)
     global_batch = plan.batch_size * plan.world_size
@@ -145,7 +152,7 @@ def test_deterministic_and_resumable_at_any_step(plan: Plan, pick: int) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(plans(), st.integers(1, 6), st.integers(0, 2**32))
-def test_elastic_resume_is_exactly_once(plan: Plan, new_world: int, pick: int) -> None:
+def test_elastic_resume_is_exactly_once(plan: DatasetSampler, new_world: int, pick: int) -> None:
     """W ranks up to a step boundary, then another world size from that offset."""
     global_batch = plan.batch_size * plan.world_size
     steps_before = pick % (plan.num_windows // global_batch + 1)
@@ -167,7 +174,7 @@ def test_elastic_resume_is_exactly_once(plan: Plan, new_world: int, pick: int) -
         )
 
 
-def _with(plan: Plan, **changes) -> Plan:
+def _with(plan: DatasetSampler, **changes) -> DatasetSampler:
     spec = {f.name: getattr(plan.spec, f.name) for f in fields(plan.spec) if f.init}
     sizes = {"total_tokens": plan.total_tokens, "block_tokens": plan.block_tokens}
     return make_plan(**(spec | sizes | changes))
@@ -175,7 +182,7 @@ def _with(plan: Plan, **changes) -> Plan:
 
 @settings(max_examples=100, deadline=None)
 @given(plans(auto=True))
-def test_auto_shift_is_one_proper_divisor_per_step_shared_by_ranks(plan: Plan) -> None:
+def test_auto_shift_is_one_proper_divisor_per_step_shared_by_ranks(plan: DatasetSampler) -> None:
     by_offset: dict[int, set[int]] = {}
     for rank in epoch_starts(plan):
         for _, offset, shift, _ in rank:
@@ -232,6 +239,7 @@ def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
     assert np.array_equal(perm.inverse(y), x)
 
 
+@compiled
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.integers(1, 2**62), min_size=1, max_size=40),
@@ -243,30 +251,29 @@ def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
 def test_the_c_permutation_is_the_numpy_one(
     sizes: list[int], seeds: list[int], per_element: bool, inverse: bool, rnd
 ) -> None:
-    """keyed.permute in C (_keyed.c) against its numpy reference, with one bijection for
-    every element or one each (keys, sizes and widths per element), either way."""
-    if not keyed.NATIVE:
-        pytest.skip("built without the C extensions (TOKENFEED_PURE_PYTHON=1)")
+    """keyed.permute in C (_keyed.c) against its numpy reference (the compiled loops
+    off), with one bijection for every element or one each (keys, sizes and widths per
+    element), either way."""
     m = len(sizes)
     if per_element:
         n = np.array(sizes, dtype=np.int64)
-        rk = keyed.round_keys(np.array((seeds * m)[:m], dtype=np.uint64))  # a strided view
+        sk = keyed.stage_keys(np.array((seeds * m)[:m], dtype=np.uint64))  # a strided view
     else:
-        n, rk = sizes[0], keyed.round_keys(seeds[0])
+        n, sk = sizes[0], keyed.stage_keys(seeds[0])
     x = np.array([rnd.randrange(int(v)) for v in np.broadcast_to(n, (m,))], dtype=np.int64)
-    got = keyed.permute(x, n, rk, inverse=inverse)
-    assert np.array_equal(got, keyed.permute_np(x, n, rk, inverse=inverse))
-    assert np.array_equal(keyed.permute(got, n, rk, inverse=not inverse), x)
+    got = keyed.permute(x, n, sk, inverse=inverse)
+    with native.disabled():
+        assert np.array_equal(got, keyed.permute(x, n, sk, inverse=inverse))
+    assert np.array_equal(keyed.permute(got, n, sk, inverse=not inverse), x)
 
 
+@compiled
 def test_the_c_permutation_refuses_what_it_cannot_map() -> None:
-    if not keyed.NATIVE:
-        pytest.skip("built without the C extensions (TOKENFEED_PURE_PYTHON=1)")
-    rk = keyed.round_keys(7)
+    sk = keyed.stage_keys(7)
     with pytest.raises(ValueError, match=r"in \[0, n\)"):
-        keyed.permute(np.array([5]), 3, rk)  # x not below n
-    with pytest.raises(TypeError, match="rk"):
-        keyed.permute(np.array([1, 2]), 3, rk[:4])
+        keyed.permute(np.array([5]), 3, sk)  # x not below n
+    with pytest.raises(TypeError, match="sk"):
+        keyed.permute(np.array([1, 2]), 3, sk[:4])
 
 
 @settings(max_examples=200, deadline=None)
@@ -287,7 +294,7 @@ def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> 
 
 @settings(max_examples=200, deadline=None)
 @given(plans(), st.integers(0, 2**32))
-def test_rounds_are_the_batches_in_bulk(plan: Plan, pick: int) -> None:
+def test_rounds_are_the_batches_in_bulk(plan: DatasetSampler, pick: int) -> None:
     """Rounds (what the server assembles) are consecutive steps, full but for the
     epoch's last batch, and flatten to exactly `batches()`."""
     rank = pick % plan.world_size

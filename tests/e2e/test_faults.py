@@ -5,7 +5,7 @@ Everything is real: `tokenfeed serve` processes or in-process feeders on loopbac
 trainer subprocesses killed with SIGKILL, files damaged on disk while served. Stores
 are positional (token i == i), so every delivered token is checkable, and
 exactly-once is checked by window `starts` against the epoch order the sampling
-engine plans (`service.plan_for`, the server's own request -> Plan mapping).
+engine plans (`service.plan_for`, the server's own request -> DatasetSampler mapping).
 """
 
 from __future__ import annotations

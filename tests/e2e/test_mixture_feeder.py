@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from tokenfeed.client import FeederClient
+from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import MixturePlan
 from tokenfeed.core.store import write_store
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
@@ -142,7 +142,7 @@ def test_elastic_resume_across_a_schedule_change(mix_feeder) -> None:
         sources={"a": 0.5, "b": 0.5},
         schedule=schedule,
     )
-    ref = next(MixturePlan(spec, (TOTAL["a"], TOTAL["b"]), (1000, 500)).batches(0))
+    ref = next(MixtureSampler(spec, (TOTAL["a"], TOTAL["b"]), (1000, 500)).batches(0))
     want = Counter(
         (names[s], int(x)) for s, x in zip(ref.sources.tolist(), ref.starts.tolist(), strict=True)
     )

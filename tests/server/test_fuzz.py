@@ -4,8 +4,8 @@ Every request gets the status its content calls for, with a message; none crashe
 server, reads outside the data root, or disturbs a canary stream running beside it.
 The expected status is derived here in the order the server checks: the request's
 values (SamplingSpec), the dataset name (a mixture's: each source's), what depends on
-the data (sampling.Plan / MixturePlan are the oracles), then the stream position, then
-the message size. A third of the requests are mixtures (sources and a schedule,
+the data (DatasetSampler / MixtureSampler are the oracles), then the stream position,
+then the message size. A third of the requests are mixtures (sources and a schedule,
 well-formed or not).
 """
 
@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FeederError, InvalidArgument
+from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import MixturePlan
 from tokenfeed.core.store import write_store
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
@@ -118,7 +118,7 @@ def expected_mixture_status(req: pb.StreamBatchesRequest) -> str:
         if name not in SIZES:
             return "NOT_FOUND"
     try:
-        plan = MixturePlan(
+        plan = MixtureSampler(
             spec,
             tuple(SIZES[n] for n in spec.source_names),
             tuple(BLOCKS[n] for n in spec.source_names),

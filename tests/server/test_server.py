@@ -3,11 +3,12 @@
 Stores are positional (token i == i), so every window is checked token by token:
 row r of a batch must be starts[r] + arange(cols). The expected order comes from
 the sampling engine itself (the one home of that math): the server must send
-exactly what `Plan.batches` plans.
+exactly what `DatasetSampler.batches` says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import urllib.request
@@ -21,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenfeed.core import sampling
+from tokenfeed.core import native, sampling
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.server import assembly, readahead, rounds, service, wire
 from tokenfeed.server.datasets import Catalog
@@ -76,7 +77,7 @@ def expected(root: Path, p: pb.SamplingParams, epoch=0, rank=0, offset=0, step=0
 
 
 def assert_matches(
-    batches: list[pb.Batch], plans: list[sampling.BatchPlan], seq_len: int, modulo: int = 1 << 32
+    batches: list[pb.Batch], plans: list[sampling.RankBatch], seq_len: int, modulo: int = 1 << 32
 ) -> None:
     assert len(batches) == len(plans)
     for b, bp in zip(batches, plans, strict=True):
@@ -287,14 +288,13 @@ def test_wire_encoding_of_a_large_batch() -> None:
         assert heads[0] + payload + tails[0] == want
 
 
-# wire.frames' per-batch loop: the C one (when built) and its Python reference
-ENCODERS = [wire._frames_py] + ([wire._encode] if wire._encode is not wire._frames_py else [])
+# wire.frames' per-batch loop: the C one (where it runs) and its Python reference
+ENCODERS = ["C", "Python"]
 
 
 def frames_of(encode, *args) -> tuple[list[bytes], list[bytes]]:
-    """wire.frames with `encode` as its loop, cut into (heads, tails)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(wire, "_encode", encode)
+    """wire.frames with the `encode` loop, cut into (heads, tails)."""
+    with native.disabled() if encode == "Python" else contextlib.nullcontext():
         blob, sizes = wire.frames(*args)
     at = np.concatenate(([0], np.cumsum(sizes))).tolist()
     pieces = [blob[a:b] for a, b in zip(at[:-1], at[1:], strict=True)]

@@ -1,35 +1,63 @@
-"""The message splice (server/splice.py): the C version against its Python reference."""
+"""The message splice (server/splice.py): the C version against its Python reference,
+through the one switch of the compiled loops (tokenfeed.core.native)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenfeed.core import keyed
-from tokenfeed.server import splice, wire
+from tokenfeed.core import native
+from tokenfeed.server import splice
 
-SPLICES = [splice.splice_py] + ([splice.splice] if splice.NATIVE else [])
+EXTENSIONS = ("tokenfeed.server._native", "tokenfeed.core._keyed")
+COMPILED = native.enabled() and native.built("tokenfeed.server._native")
+compiled = pytest.mark.skipif(
+    not COMPILED, reason="the compiled loops are off or not built (TOKENFEED_PURE_PYTHON=1)"
+)
 
 
-def test_the_c_extension_is_built() -> None:
-    """The package builds its C extensions (hatch_build.py) unless told not to."""
-    if os.environ.get("TOKENFEED_PURE_PYTHON") == "1":
-        assert not splice.NATIVE and not keyed.NATIVE
+def test_the_c_extensions_are_built_and_on_unless_told_not_to() -> None:
+    """The package builds its C extensions (hatch_build.py) and runs them, unless
+    TOKENFEED_PURE_PYTHON=1 (at install: not built; at run time: off)."""
+    if os.environ.get(native.ENV) == "1":
+        assert not native.enabled()
     else:
-        assert splice.NATIVE and wire._encode is not wire._frames_py and keyed.NATIVE
+        assert native.enabled() and all(native.built(m) for m in EXTENSIONS)
+        with native.disabled():
+            assert not native.enabled()
+        assert native.enabled()
+
+
+@pytest.fixture(params=["C", "Python"])
+def loops(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The test once with the compiled loops (where they run), once with the
+    references."""
+    if request.param == "C" and not COMPILED:
+        pytest.skip("the compiled loops are off or not built")
+    with native.disabled() if request.param == "Python" else contextlib.nullcontext():
+        yield request.param
+
+
+def both_ways(f, *args):
+    """f(*args) with the compiled loops (where they run) and with the references."""
+    got = f(*args)
+    with native.disabled():
+        return got, f(*args)
 
 
 @st.composite
 def programs(draw: st.DrawFn) -> tuple[list[tuple[np.ndarray, bytes]], np.ndarray, list, bytes]:
-    """Sources (views under ascending keys, per-segment blobs) and pieces inside them,
+    """Sources (views under ascending keys, per-part blobs) and pieces inside them,
     with the bytes they splice to, computed by hand."""
     keys = sorted(draw(st.sets(st.integers(0, 1 << 40), max_size=5)))
     views = [draw(st.binary(max_size=64)) for _ in keys]
-    segments, want = [], b""
+    parts, want = [], b""
     for _ in range(draw(st.integers(0, 4))):
         blob = draw(st.binary(max_size=32))
         rows = []
@@ -41,33 +69,31 @@ def programs(draw: st.DrawFn) -> tuple[list[tuple[np.ndarray, bytes]], np.ndarra
             rows.append((-1 if j < 0 else keys[j], a, b - a))
             want += src[a:b]
         program = np.array(rows, dtype=np.int64).reshape(-1, 3)
-        segments.append((program, blob))
+        parts.append((program, blob))
     # chunk views are memoryviews of cached arrays in the server
     mem = [memoryview(np.frombuffer(v, dtype=np.uint8)) for v in views]
-    return segments, np.array(keys, dtype=np.int64), mem, want
+    return parts, np.array(keys, dtype=np.int64), mem, want
 
 
 @settings(max_examples=300, deadline=None)
 @given(programs())
 def test_splice_copies_every_piece_in_order(case) -> None:
-    segments, keys, views, want = case
-    for fn in SPLICES:
-        assert fn(segments, keys, views) == want
+    parts, keys, views, want = case
+    assert both_ways(splice.splice, parts, keys, views) == (want, want)
 
 
-@pytest.mark.parametrize("fn", SPLICES)
 @pytest.mark.parametrize(
     "piece",
     [(7, 0, 1), (3, 4, 1), (3, -1, 1), (3, 0, -1), (-1, 2, 1)],
     ids=["unknown key", "past the end", "negative offset", "negative count", "past the blob"],
 )
-def test_a_piece_outside_its_source_is_refused(fn, piece) -> None:
-    segments = [(np.array([(3, 0, 2), piece], dtype=np.int64), b"ab")]
+def test_a_piece_outside_its_source_is_refused(loops, piece) -> None:
+    parts = [(np.array([(3, 0, 2), piece], dtype=np.int64), b"ab")]
     with pytest.raises(ValueError, match="splice"):
-        fn(segments, np.array([3], dtype=np.int64), [b"wxyz"])
+        splice.splice(parts, np.array([3], dtype=np.int64), [b"wxyz"])
 
 
-@pytest.mark.skipif(not splice.NATIVE, reason="the C extension's argument checks")
+@compiled
 def test_the_c_splice_checks_its_arrays() -> None:
     keys = np.array([3], dtype=np.int64)
     with pytest.raises(TypeError, match="shape"):
@@ -76,9 +102,6 @@ def test_the_c_splice_checks_its_arrays() -> None:
         splice.splice([(np.zeros((2, 3), dtype=np.int32), b"")], keys, [b"x"])
     with pytest.raises(ValueError, match="1 keys but 2 views"):
         splice.splice([], keys, [b"x", b"y"])
-
-
-PROGRAMS = [splice.program_py] + ([splice._program] if splice.NATIVE else [])
 
 
 @st.composite
@@ -116,10 +139,10 @@ def test_the_program_splices_each_row_from_its_chunks(case, itemsize) -> None:
         itemsize,
         np.array(frame_sizes, dtype=np.int64),
     )
-    made = [fn(*args) for fn in PROGRAMS]
-    assert all(m == made[0] for m in made)
-    program = np.frombuffer(made[0][0], dtype=np.int64).reshape(-1, 3)
-    piece_lo = np.frombuffer(made[0][1], dtype=np.int64).tolist()
+    (program, piece_lo), (reference, reference_lo) = both_ways(splice.program, *args)
+    assert program.dtype == reference.dtype == np.int64
+    assert np.array_equal(program, reference) and piece_lo == reference_lo
+    assert program.shape == (piece_lo[-1], 3) and piece_lo[0] == 0
     keys = np.arange(len(chunks), dtype=np.int64)
     views = [memoryview(c).cast("B") for c in chunks]
     at = np.concatenate(([0], np.cumsum(frame_sizes))).astype(int).tolist()
@@ -131,12 +154,11 @@ def test_the_program_splices_each_row_from_its_chunks(case, itemsize) -> None:
     assert (program[program[:, 0] >= 0, 2] > 0).all()  # no piece of an empty chunk
 
 
-@pytest.mark.parametrize("fn", PROGRAMS)
-def test_a_row_outside_the_store_is_refused(fn) -> None:
+def test_a_row_outside_the_store_is_refused(loops) -> None:
     bounds = np.array([0, 10, 20], dtype=np.int64)
     one = np.array([1], dtype=np.int64)
     with pytest.raises(ValueError, match="outside the store"):
-        fn(
+        splice.program(
             np.array([15], dtype=np.int64),
             bounds,
             one,
@@ -176,11 +198,5 @@ def test_a_stream_is_byte_identical_without_the_extension(tmp_path) -> None:
         cache.close()
         return out
 
-    native = messages()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(splice, "splice", splice.splice_py)
-        mp.setattr(splice, "_program", splice.program_py)
-        mp.setattr(wire, "_encode", wire._frames_py)
-        mp.setattr(keyed, "_permute_c", None)
-        reference = messages()
-    assert len(native) > 10 and native == reference
+    compiled, reference = both_ways(messages)
+    assert len(compiled) > 10 and compiled == reference

@@ -1,7 +1,7 @@
 """Helpers shared by the tests, one home each (fixtures live in tests/conftest.py):
 
 - here: free ports, waits with deadlines, the metric series our classes register;
-- `stores`: positional, document and Megatron stores, a sampling Plan;
+- `stores`: positional, document and Megatron stores, a DatasetSampler;
 - `feeders`: a real feeder in process or as a `tokenfeed serve` subprocess;
 - `pki`, `seaweed` (a real S3 server), `faultproxy` / `s3faultproxy` (faults on the
   wire), `prepare` (offline corpora and tokenizers), `documents_reference` (loop

@@ -1,5 +1,5 @@
 """Stores the tests read: positional (token i == i, so every window is checkable),
-documents ending in EOS, Megatron indexed datasets; and a sampling Plan over a store."""
+documents ending in EOS, Megatron indexed datasets; and a DatasetSampler over a store."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ from typing import Any
 import numpy as np
 
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import DEFAULT_BLOCK_TOKENS, Plan
+from tokenfeed.core.sampling import DEFAULT_BLOCK_TOKENS, DatasetSampler
 from tokenfeed.core.store import TokenStore, write_store
 
 
-def make_plan(total_tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, **spec) -> Plan:
-    """A sampling Plan from SamplingSpec fields (dataset defaults to "t")."""
-    return Plan(SamplingSpec(**{"dataset": "t", **spec}), total_tokens, block_tokens)
+def make_plan(
+    total_tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, **spec
+) -> DatasetSampler:
+    """A DatasetSampler from SamplingSpec fields (dataset defaults to "t")."""
+    return DatasetSampler(SamplingSpec(**{"dataset": "t", **spec}), total_tokens, block_tokens)
 
 
 def make_positional_store(

@@ -202,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
 def _mixture(args: argparse.Namespace) -> int:
     """The plan of a mixture run: per source, what --tokens tokens draw from it."""
     from tokenfeed.core.errors import InvalidArgument, NotFound
+    from tokenfeed.core.mixture.sampler import MixtureSampler
     from tokenfeed.core.request import SamplingSpec
-    from tokenfeed.core.sampling import MixturePlan
     from tokenfeed.server.datasets import Catalog
 
     if args.path is not None:
@@ -221,7 +221,7 @@ def _mixture(args: argparse.Namespace) -> int:
             stores.append(catalog.get(name).store)
         except NotFound as e:
             raise NotFound(f"sources[{name!r}]: {e.message}") from None
-    plan = MixturePlan(
+    plan = MixtureSampler(
         spec,
         tuple(s.total_tokens for s in stores),
         tuple(

@@ -146,7 +146,8 @@ def plan(args: argparse.Namespace, per_core: float, source: str) -> dict[str, An
 
 def by_source(args: argparse.Namespace, tokens_per_s: float) -> list[dict[str, Any]]:
     """Per schedule segment, the tokens/s each source of `--mixture` must deliver."""
-    from tokenfeed.core.mixture import Mixture, load_mixture
+    from tokenfeed.core.mixture import Mixture
+    from tokenfeed.core.mixture.files import load_mixture
 
     sources, schedule = load_mixture(args.mixture, args.schedule)
     mix = Mixture(sources, schedule, seq_len=args.seq_len)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tokenfeed.core.dtypes import itemsize
 from tokenfeed.core.errors import NotFound
-from tokenfeed.core.sampling import MAX_TOKENS
+from tokenfeed.core.limits import MAX_TOKENS
 from tokenfeed.v1 import feeder_pb2
 
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from tokenfeed.client.buffers import DOCUMENT_OUTPUTS, LAYOUTS
 from tokenfeed.client.checks import check_int, check_type
 from tokenfeed.core.errors import InvalidArgument
-from tokenfeed.core.mixture import load_mixture
+from tokenfeed.core.mixture.files import load_mixture
 from tokenfeed.core.request import SamplingSpec
 
 MAX_PREFETCH = 1024

@@ -1,17 +1,17 @@
-# Types of the C extension (_keyed.c); keyed.py documents the function.
+# Types of the C extension (_keyed.c); keyed.py and mixture/steps.py document the functions.
 import numpy as np
 
 def permute(
     x: np.ndarray,
     n: int | np.ndarray,
-    rk: np.ndarray,
+    sk: np.ndarray,
     bits: int | np.ndarray,
     inverse: bool,
     out: np.ndarray,
     /,
 ) -> None: ...
 def step_rows(
-    rk: np.ndarray,
+    sk: np.ndarray,
     gb: int,
     rank_slot: int,
     start: np.ndarray,

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
 
 TMP_SUFFIX = ".tmp"
 
@@ -26,8 +24,3 @@ def write_atomic(path: Path, data: bytes | memoryview) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def write_json(path: Path, doc: Any) -> None:
-    """Write a JSON document atomically (meta.json, progress files)."""
-    write_atomic(path, json.dumps(doc, indent=2).encode() + b"\n")

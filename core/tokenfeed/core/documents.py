@@ -1,5 +1,5 @@
 """Document structure of a packed batch: position ids, document ids, cu_seqlens and the
-cross-document label mask (ARCHITECTURE.md "Document boundaries"). Pure numpy, no I/O.
+cross-document label mask (docs/documents.md). Pure numpy, no I/O.
 
 A batch is a buffer W of [rows, cols] tokens, cols = seq_len + shift; `input_ids` is
 W[:, :seq_len] and `labels` is W[:, shift:]. A token *ends a document* when it is an
@@ -13,27 +13,28 @@ sends them with each batch; the client builds the dense outputs from them:
 
     ends = eos_ends(tokens, eos_id)                     # EOS stores: one scan
     ends = offset_ends(starts, cols, doc_ends)          # recorded offsets: searchsorted
-    seg = segments(ends, rows, seq_len, shift)          # the core, O(ends)
-    seg.cu_seqlens, seg.max_seqlen                      # FlashAttention varlen
-    position_ids(seg), document_ids(seg)                # dense [rows, seq_len]
-    masked_labels(labels, seg)                          # int64 copy with -100
+    seqs = sequences(ends, rows, seq_len, shift)        # the core, O(ends)
+    seqs.cu_seqlens, seqs.max_seqlen                    # FlashAttention varlen
+    position_ids(seqs), document_ids(seqs)              # dense [rows, seq_len]
+    masked_labels(labels, seqs)                         # int64 copy with -100
 
-Definitions, for row r and input position j (0 <= j < seq_len):
+Definitions, for row r and input position j (0 <= j < seq_len); a *sequence* is a run
+of one row's input tokens within one document (FlashAttention's word: cu_seqlens,
+max_seqlen):
 
-- a segment starts at j = 0 and at j = c + 1 for every end at c <= seq_len - 2 (an end
+- a sequence starts at j = 0 and at j = c + 1 for every end at c <= seq_len - 2 (an end
   at the last input token opens nothing; ends at c >= seq_len only affect labels);
-- position_ids[r, j] = j - (start of j's segment), int64;
-- document_ids[r, j] = index of j's segment within row r, int32;
-- cu_seqlens = the segment starts over the flattened [rows * seq_len] batch, then
-  rows * seq_len, int32; max_seqlen = the longest segment (a Python int);
+- position_ids[r, j] = j - (start of j's sequence), int64;
+- document_ids[r, j] = index of j's sequence within row r, int32;
+- cu_seqlens = the sequence starts over the flattened [rows * seq_len] batch, then
+  rows * seq_len, int32; max_seqlen = the longest sequence (a Python int);
 - labels[r, j] = -100 exactly when an end lies among W[r, j .. j + shift - 1].
 
 Per-call overhead, not arithmetic, dominates a batch's sparse work (a numpy call on a
 few hundred elements costs about as much as the arithmetic of the whole batch), so the
-sparse part keeps the
-number of calls small and the dense outputs are a few np.repeat passes over
-rows * seq_len elements whatever the number of documents; no Python loop runs over
-rows or tokens.
+sparse part keeps the number of calls small and the dense outputs are a few np.repeat
+passes over rows * seq_len elements whatever the number of documents; no Python loop
+runs over rows or tokens.
 """
 
 from __future__ import annotations
@@ -140,13 +141,13 @@ def _arange(n: int, dtype: type[np.integer]) -> np.ndarray:
     return a
 
 
-class Segments(NamedTuple):
-    """The document segments of one batch, all sparse (sizes ~ segments, not tokens).
+class Sequences(NamedTuple):
+    """The document sequences of one batch, all sparse (sizes ~ sequences, not tokens).
 
-    cu_seqlens: int32 [segments + 1], the segment starts over the flattened batch, then
-    rows * seq_len; cu: the same, int64. max_seqlen: the longest segment. lengths:
-    int64 [segments]. first: int32 [rows], the index of each row's first segment.
-    local: int32 [segments], each segment's document index within its row.
+    cu_seqlens: int32 [sequences + 1], the sequence starts over the flattened batch, then
+    rows * seq_len; cu: the same, int64. max_seqlen: the longest sequence. lengths:
+    int64 [sequences]. first: int32 [rows], the index of each row's first sequence.
+    local: int32 [sequences], each sequence's document index within its row.
     ends: the flat end indices into the [rows, seq_len + shift] buffer; label_at: the
     input-space indices r * seq_len + c of the ends among input tokens (c < seq_len),
     the labels a shift of 1 masks.
@@ -167,11 +168,11 @@ class Segments(NamedTuple):
     label_at: np.ndarray
 
 
-# Up to this many ends a batch's segments are found by a Python loop over the ends and
+# Up to this many ends a batch's sequences are found by a Python loop over the ends and
 # rows, above it by numpy: the numpy path takes about fifteen calls, each with a fixed
 # cost on small arrays, so a loop over the few dozen ends
 # of a batch of ordinary documents is several times cheaper (see
-# benchmarks/trainer_loop.py and notes). Both give identical results (tested).
+# benchmarks/trainer_loop.py). Both give identical results (tested).
 LOOP_MAX_ENDS = 256
 
 
@@ -182,10 +183,10 @@ def _bad_ends(rows: int, cols: int) -> ValueError:
     )
 
 
-def segments(
+def sequences(
     ends: np.ndarray, rows: int, seq_len: int, shift: int, validate: bool = True
-) -> Segments:
-    """The document segments of a batch from the ascending flat end indices into its
+) -> Sequences:
+    """The document sequences of a batch from the ascending flat end indices into its
     [rows, seq_len + shift] buffer (the module docstring has the definitions).
 
     `validate=False` skips the check that `ends` ascend strictly inside the buffer, for
@@ -197,12 +198,12 @@ def segments(
     if ends.ndim != 1:
         raise ValueError(f"ends must be 1-d flat indices, got shape {ends.shape}")
     if len(ends) <= LOOP_MAX_ENDS:
-        return _segments_loop(ends, rows, seq_len, shift, cols)
-    return _segments_numpy(ends, rows, seq_len, shift, cols, validate)
+        return _sequences_loop(ends, rows, seq_len, shift, cols)
+    return _sequences_numpy(ends, rows, seq_len, shift, cols, validate)
 
 
-def _segments_loop(ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: int) -> Segments:
-    """segments() by one pass over the ends and rows in Python (few ends).
+def _sequences_loop(ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: int) -> Sequences:
+    """sequences() by one pass over the ends and rows in Python (few ends).
 
     Kept to few bytecodes per row and per end (bound appends, the next end held in a
     local, no row arithmetic for an end past the row), and every sparse result goes
@@ -210,9 +211,9 @@ def _segments_loop(ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: 
     costs per element, each extra numpy call a fixed microsecond or more."""
     flat = ends.tolist()
     n = len(flat)
-    cu: list[int] = []  # segment starts over the flattened input
-    local: list[int] = []  # each segment's document index within its row
-    first: list[int] = []  # each row's first segment
+    cu: list[int] = []  # sequence starts over the flattened input
+    local: list[int] = []  # each sequence's document index within its row
+    first: list[int] = []  # each row's first sequence
     label_at: list[int] = []
     add_cu, add_local, add_first, add_label = cu.append, local.append, first.append, label_at.append
     k, prev, last = 0, -1, seq_len - 1
@@ -232,7 +233,7 @@ def _segments_loop(ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: 
             c = e - base
             if c < seq_len:  # an input token: it masks its own label at shift 1
                 add_label(row_start + c)
-                if c < last:  # not the last input token: the next one opens a segment
+                if c < last:  # not the last input token: the next one opens a sequence
                     add_cu(row_start + c + 1)
                     d += 1
                     add_local(d)
@@ -241,14 +242,14 @@ def _segments_loop(ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: 
     if k < n:
         raise _bad_ends(rows, cols)
     cu.append(rows * seq_len)
-    s = len(cu)  # segments + 1
+    s = len(cu)  # sequences + 1
     # One array for all, sliced: [cu | local | first | label_at]; its first three parts
     # again as int32 (cu_seqlens, local, first). Each slice is contiguous.
     packed = np.array(cu + local + first + label_at, dtype=np.int64)
     narrow = packed[: 2 * s - 1 + rows].astype(np.int32)
     cu64 = packed[:s]
     lengths = cu64[1:] - cu64[:-1]
-    return Segments(
+    return Sequences(
         rows,
         seq_len,
         shift,
@@ -263,10 +264,10 @@ def _segments_loop(ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: 
     )
 
 
-def _segments_numpy(
+def _sequences_numpy(
     ends: np.ndarray, rows: int, seq_len: int, shift: int, cols: int, validate: bool
-) -> Segments:
-    """segments() in about fifteen numpy calls, whatever the number of ends."""
+) -> Sequences:
+    """sequences() in about fifteen numpy calls, whatever the number of ends."""
     ends = ends.astype(np.int64, copy=False)
     if (
         validate
@@ -277,7 +278,7 @@ def _segments_numpy(
     total = rows * seq_len
     r, c = np.divmod(ends, cols)
     at = ends - r * shift  # input-space index r * seq_len + c
-    # Segment starts: every row start, and after each end among input tokens
+    # Sequence starts: every row start, and after each end among input tokens
     # 0..seq_len-2 (at + 1). With `total` appended, one sort gives cu_seqlens.
     inner = at[c < seq_len - 1]
     inner += 1
@@ -286,7 +287,7 @@ def _segments_numpy(
     lengths = cu[1:] - cu[:-1]
     first = cu.searchsorted(_arange(total, np.int64)[::seq_len]).astype(np.int32)
     local = _arange(len(lengths), np.int32) - first[cu[:-1] // seq_len]
-    return Segments(
+    return Sequences(
         rows,
         seq_len,
         shift,
@@ -304,16 +305,16 @@ def _segments_numpy(
 # ------------------------------------------------------------------ dense outputs
 
 
-def position_ids(seg: Segments) -> np.ndarray:
-    """[rows, seq_len] int64: j minus the start of j's segment."""
-    out = seg.cu[:-1].repeat(seg.lengths)
-    np.subtract(_arange(seg.rows * seg.seq_len, np.int64), out, out=out)
-    return out.reshape(seg.rows, seg.seq_len)
+def position_ids(seqs: Sequences) -> np.ndarray:
+    """[rows, seq_len] int64: j minus the start of j's sequence."""
+    out = seqs.cu[:-1].repeat(seqs.lengths)
+    np.subtract(_arange(seqs.rows * seqs.seq_len, np.int64), out, out=out)
+    return out.reshape(seqs.rows, seqs.seq_len)
 
 
-def document_ids(seg: Segments) -> np.ndarray:
+def document_ids(seqs: Sequences) -> np.ndarray:
     """[rows, seq_len] int32: each token's document index within its row (one pass)."""
-    return seg.local.repeat(seg.lengths).reshape(seg.rows, seg.seq_len)
+    return seqs.local.repeat(seqs.lengths).reshape(seqs.rows, seqs.seq_len)
 
 
 # Labels. Label j of row r is ignored when an end lies among buffer columns
@@ -327,20 +328,20 @@ _PATTERN[1::2] = True  # unmasked, masked, unmasked, ... run values
 _PATTERN.flags.writeable = False
 
 
-def label_runs(seg: Segments) -> np.ndarray:
+def label_runs(seqs: Sequences) -> np.ndarray:
     """int64 [2 * ends + 1]: alternating unmasked / masked run lengths over the flattened
     [rows, seq_len + shift] buffer (they sum to rows * cols). Ends ascend, so clipping
     each interval's start to the previous end + 1 leaves disjoint ascending intervals;
     the size depends on the number of ends, not on the shift."""
-    ends = seg.ends.astype(np.int64, copy=False)
+    ends = seqs.ends.astype(np.int64, copy=False)
     n = len(ends)
-    size = seg.rows * (seg.seq_len + seg.shift)
+    size = seqs.rows * (seqs.seq_len + seqs.shift)
     runs = np.empty(2 * n + 1, dtype=np.int64)
     if n == 0:
         runs[0] = size
         return runs
     hi = ends + 1
-    lo = ends - (seg.shift - 1)
+    lo = ends - (seqs.shift - 1)
     np.maximum(lo[1:], hi[:-1], out=lo[1:])
     lo[0] = max(int(lo[0]), 0)
     runs[1::2] = hi - lo
@@ -350,31 +351,33 @@ def label_runs(seg: Segments) -> np.ndarray:
     return runs
 
 
-def label_mask(seg: Segments) -> np.ndarray:
+def label_mask(seqs: Sequences) -> np.ndarray:
     """bool [rows, seq_len] (a view): True where the label's target lies in another
     document. One np.repeat of the runs, whatever the shift."""
-    runs = label_runs(seg)
+    runs = label_runs(seqs)
     pattern = (
         _PATTERN[: len(runs)]
         if len(runs) <= len(_PATTERN)
         else (np.arange(len(runs)) & 1).astype(np.bool_)
     )
     flat = pattern.repeat(runs)
-    return flat.reshape(seg.rows, seg.seq_len + seg.shift)[:, : seg.seq_len]
+    return flat.reshape(seqs.rows, seqs.seq_len + seqs.shift)[:, : seqs.seq_len]
 
 
-def masked_labels(labels: np.ndarray, seg: Segments) -> np.ndarray:
+def masked_labels(labels: np.ndarray, seqs: Sequences) -> np.ndarray:
     """A new contiguous int64 [rows, seq_len] copy of `labels` with -100 where the
     target lies in another document (`labels`, a view sharing input_ids' buffer, is
     never written). Shift 1 scatters at the ends themselves (they are the masked
     labels); a larger shift masks whole runs, a cost that does not grow with it."""
-    if labels.shape != (seg.rows, seg.seq_len):
-        raise ValueError(f"labels of shape {labels.shape}, segments of {seg.rows} x {seg.seq_len}")
+    if labels.shape != (seqs.rows, seqs.seq_len):
+        raise ValueError(
+            f"labels of shape {labels.shape}, sequences of {seqs.rows} x {seqs.seq_len}"
+        )
     out = labels.astype(np.int64)  # always a copy
-    if seg.shift == 1:
-        out.reshape(-1)[seg.label_at] = IGNORE_INDEX
+    if seqs.shift == 1:
+        out.reshape(-1)[seqs.label_at] = IGNORE_INDEX
     else:
-        np.copyto(out, _IGNORE, where=label_mask(seg))
+        np.copyto(out, _IGNORE, where=label_mask(seqs))
     return out
 
 
@@ -389,16 +392,16 @@ def from_ends(
 ) -> dict[str, object]:
     """The `outputs` asked for (OUTPUTS: position_ids, document_ids, cu_seqlens,
     max_seqlen) and, with `labels`, the masked labels, of a batch with these ends."""
-    seg = segments(ends, rows, seq_len, shift, validate)
+    seqs = sequences(ends, rows, seq_len, shift, validate)
     out: dict[str, object] = {}
     if "position_ids" in outputs:
-        out["position_ids"] = position_ids(seg)
+        out["position_ids"] = position_ids(seqs)
     if "document_ids" in outputs:
-        out["document_ids"] = document_ids(seg)
+        out["document_ids"] = document_ids(seqs)
     if "cu_seqlens" in outputs:
-        out["cu_seqlens"] = seg.cu_seqlens
+        out["cu_seqlens"] = seqs.cu_seqlens
     if "max_seqlen" in outputs:
-        out["max_seqlen"] = seg.max_seqlen
+        out["max_seqlen"] = seqs.max_seqlen
     if labels is not None:
-        out["labels"] = masked_labels(labels, seg)
+        out["labels"] = masked_labels(labels, seqs)
     return out

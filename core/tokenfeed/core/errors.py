@@ -20,6 +20,10 @@ Status codes are names (strings) here: nothing in the core imports grpc.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+E = TypeVar("E", bound="FeederError")
+
 
 class FeederError(Exception):
     """`message` is what the caller sees; `field`, when set, names the request field at
@@ -31,6 +35,11 @@ class FeederError(Exception):
         super().__init__(message)
         self.message = message
         self.field = field
+
+    @classmethod
+    def at(cls: type[E], field: str, message: str) -> E:
+        """The error of the request field `field`: its message starts with the field."""
+        return cls(f"{field}: {message}", field=field)
 
 
 class InvalidArgument(FeederError, ValueError):

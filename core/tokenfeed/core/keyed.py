@@ -1,37 +1,56 @@
 """Counter-based keys and keyed bijections: where every sample order gets its randomness.
 
 One definition for every order the feeder computes (a dataset's block shuffle, a
-mixture's step order, a source's passes), written so other languages can reproduce it:
+mixture's step order, a source's passes), written so other languages can reproduce it
+(docs/sampling.md, "Keys and the keyed bijection"):
 
 * `mix(x)` is the splitmix64 finaliser on 64-bit words;
 * `key(p_0, p_1, ...)` is the key chain h = mix(h ^ p) from h = 0x9E3779B97F4A7C15 over
-  the parts (each taken modulo 2**64): a counter-based RNG, one stream per purpose;
+  the parts (each taken modulo 2**64): a counter-based RNG, one stream per purpose,
+  kept apart by the tags of `Tag`;
 * the keyed bijection of [0, n) with key K is a Feistel network over the smallest
   number of bits b covering n (left half ceil(b/2) bits, right half floor(b/2); the
-  widths swap every round; 6 rounds restore them), round r keyed by key(K, r), whose
-  round function is mix(half ^ round key) masked to the other half's width; cycle
-  walking (applying it again until the value lands below n) restricts it to [0, n).
-  The domain is under 2n, so a point walks twice on average.
+  widths swap every stage; 6 stages, what ciphers call rounds, restore them), stage r
+  keyed by key(K, r), whose stage function is mix(half ^ stage key) masked to the
+  other half's width; cycle walking (applying it again until the value lands below n)
+  restricts it to [0, n). The domain is under 2n, so a point walks twice on average.
 
 Everything here is vectorized over per-element keys, widths and sizes, so one call
 evaluates many different bijections at once (a mixture maps items of many sources'
 passes in one go); numpy's cost is per call, not per element, at these sizes.
+`permute` runs in C (_keyed.c) when built; `permute_py` is its reference (native.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import IntEnum, unique
 from typing import Any
 
 import numpy as np
 
+from tokenfeed.core import native
+
 MASK64 = (1 << 64) - 1
-ROUNDS = 6
+STAGES = 6
 _H0 = 0x9E3779B97F4A7C15
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
-_ROUND_IDS = np.arange(ROUNDS, dtype=np.uint64)
+_STAGE_IDS = np.arange(STAGES, dtype=np.uint64)
 _ONE = np.uint64(1)
+
+
+@unique
+class Tag(IntEnum):
+    """The key-domain tags: the part of a key chain that names its purpose, so no two
+    purposes ever draw the same key. The values are part of every stream: never
+    change one (docs/sampling.md, docs/mixtures.md)."""
+
+    BLOCKS = 1  # a dataset epoch's block order: key(seed, epoch, BLOCKS)
+    GROUP = 2  # a shuffle group's window order: key(seed, epoch, GROUP, group)
+    SHIFT = 3  # `auto` shift of a global step: key(seed, epoch, SHIFT, offset)
+    STEP = 16  # a mixture step's slot order: key(seed, STEP, offset)
+    SOURCE = 17  # a mixture source's seed: key(seed, SOURCE, len(name), name's words...)
 
 
 def mix(x: np.ndarray) -> np.ndarray:
@@ -82,24 +101,24 @@ def keys(*parts: int | np.ndarray) -> np.ndarray:
     return h
 
 
-def round_keys(k: int | np.ndarray) -> np.ndarray:
-    """The round keys key(K, r), r = 0..5, of the bijections keyed by `k`:
+def stage_keys(k: int | np.ndarray) -> np.ndarray:
+    """The stage keys key(K, r), r = 0..5, of the bijections keyed by `k`:
     shape k.shape + (6,) (an int key gives shape (6,)). For a 1-d `k` the array is
-    column-major (`round_keys_by_round(k).T`), so each round's keys are contiguous."""
+    column-major (`stage_keys_by_stage(k).T`), so each stage's keys are contiguous."""
     if not isinstance(k, np.ndarray):
-        return np.array([key(int(k), r) for r in range(ROUNDS)], dtype=np.uint64)
+        return np.array([key(int(k), r) for r in range(STAGES)], dtype=np.uint64)
     if k.ndim == 1:
-        return round_keys_by_round(k).T
+        return stage_keys_by_stage(k).T
     base = mix(np.uint64(_H0) ^ k.astype(np.uint64))
-    return mix(base[..., None] ^ _ROUND_IDS)
+    return mix(base[..., None] ^ _STAGE_IDS)
 
 
-def round_keys_by_round(k: np.ndarray) -> np.ndarray:
-    """The round keys of 1-d keys `k`, round-major: [6, len(k)], row r = key(k, r).
+def stage_keys_by_stage(k: np.ndarray) -> np.ndarray:
+    """The stage keys of 1-d keys `k`, stage-major: [6, len(k)], row r = key(k, r).
     Gather columns of it (`table[:, rows].T`) to hand `permute` per-element keys whose
-    rounds are contiguous: the Feistel reads one round's keys at a time."""
+    stages are contiguous: the Feistel reads one stage's keys at a time."""
     base = mix(np.uint64(_H0) ^ k.astype(np.uint64))
-    return mix(base[None, :] ^ _ROUND_IDS[:, None])
+    return mix(base[None, :] ^ _STAGE_IDS[:, None])
 
 
 def domain_bits(n: int | np.ndarray) -> Any:
@@ -134,16 +153,16 @@ def _widths(bits: Any) -> tuple[Any, Any]:
     return np.uint64(n - n // 2), np.uint64(n // 2)
 
 
-def encrypt(x: np.ndarray, rk: np.ndarray, bits: Any) -> np.ndarray:
+def encrypt(x: np.ndarray, sk: np.ndarray, bits: Any) -> np.ndarray:
     """One pass of the Feistel network over [0, 2**bits) (no walking).
 
-    x: uint64 [m]; rk: round keys [6] (one bijection) or [m, 6] (one per element);
+    x: uint64 [m]; sk: stage keys [6] (one bijection) or [m, 6] (one per element);
     bits: an int or an int array [m]."""
     wl, wr = _widths(bits)
     ml, mr = _mask(wl), _mask(wr)
     left, right = x >> wr, x & mr
-    for r in range(ROUNDS):
-        f = mix(right ^ rk[..., r])
+    for r in range(STAGES):
+        f = mix(right ^ sk[..., r])
         f &= ml
         f ^= left
         left, right = right, f
@@ -151,13 +170,13 @@ def encrypt(x: np.ndarray, rk: np.ndarray, bits: Any) -> np.ndarray:
     return (left << wr) | right
 
 
-def decrypt(x: np.ndarray, rk: np.ndarray, bits: Any) -> np.ndarray:
+def decrypt(x: np.ndarray, sk: np.ndarray, bits: Any) -> np.ndarray:
     """The inverse of `encrypt` (same arguments)."""
-    wl, wr = _widths(bits)  # an even number of rounds: the widths at the end too
+    wl, wr = _widths(bits)  # an even number of stages: the widths at the end too
     ml, mr = _mask(wl), _mask(wr)
     left, right = x >> wr, x & mr
-    for r in reversed(range(ROUNDS)):
-        f = mix(left ^ rk[..., r])
+    for r in reversed(range(STAGES)):
+        f = mix(left ^ sk[..., r])
         f &= mr
         f ^= right
         left, right = f, left
@@ -166,21 +185,20 @@ def decrypt(x: np.ndarray, rk: np.ndarray, bits: Any) -> np.ndarray:
 
 
 def permute(
-    x: np.ndarray, n: Any, rk: np.ndarray, bits: Any = None, inverse: bool = False
+    x: np.ndarray, n: Any, sk: np.ndarray, bits: Any = None, inverse: bool = False
 ) -> np.ndarray:
     """The keyed bijections of [0, n) at x (cycle walking): int64 [m].
 
-    x: int array [m], each below its n; n: an int or an int array [m]; rk: round keys
+    x: int array [m], each below its n; n: an int or an int array [m]; sk: stage keys
     [6] or [m, 6]; bits: domain_bits(n) if not given. Elements whose n is 1 map to 0.
-    In C (_keyed.c) when the package was built with it; `permute_np` is the reference.
     """
     if bits is None:
         bits = domain_bits(n)
-    if _permute_c is None:
-        return permute_np(x, n, rk, bits, inverse)
+    if _permute_c is None or not native.enabled():
+        return permute_py(x, n, sk, bits, inverse)
     xs = np.ascontiguousarray(x, dtype=np.int64).reshape(-1)
     out = np.empty_like(xs)
-    _permute_c(xs, _ints(n), rk.astype(np.uint64, copy=False), _ints(bits), inverse, out)
+    _permute_c(xs, _ints(n), sk.astype(np.uint64, copy=False), _ints(bits), inverse, out)
     return out.reshape(np.shape(x))
 
 
@@ -191,26 +209,26 @@ def _ints(v: Any) -> Any:
     return int(v)
 
 
-def permute_np(
-    x: np.ndarray, n: Any, rk: np.ndarray, bits: Any = None, inverse: bool = False
+def permute_py(
+    x: np.ndarray, n: Any, sk: np.ndarray, bits: Any = None, inverse: bool = False
 ) -> np.ndarray:
-    """`permute` in numpy: the reference, and what runs without the C extension."""
+    """`permute`'s reference, in numpy (element by element in C: _keyed.c)."""
     if bits is None:
         bits = domain_bits(n)
     if isinstance(bits, np.ndarray) and bits.size and int(bits.min()) == int(bits.max()):
         bits = int(bits.flat[0])  # one width for all: scalar shifts and masks are cheaper
     step = decrypt if inverse else encrypt
-    out = step(np.asarray(x).astype(np.uint64), rk, bits)
+    out = step(np.asarray(x).astype(np.uint64), sk, bits)
     n_u = np.asarray(n).astype(np.uint64)
     outside = out >= n_u
     if not outside.any():
         return out.astype(np.int64)
-    per_rk, per_n, per_bits = rk.ndim > 1, n_u.ndim > 0, isinstance(bits, np.ndarray)
+    per_sk, per_n, per_bits = sk.ndim > 1, n_u.ndim > 0, isinstance(bits, np.ndarray)
     idx = np.flatnonzero(outside)
     while len(idx):
         sub = step(
             out[idx],
-            rk[idx] if per_rk else rk,
+            sk[idx] if per_sk else sk,
             bits[idx] if per_bits else bits,
         )
         out[idx] = sub
@@ -220,16 +238,10 @@ def permute_np(
 
 
 _permute_c: Callable[..., None] | None
-# mixture.rank_steps' rows in C (the step order, each slot's source and item; its numpy
-# code is the reference): step_rows(rk [6, steps], gb, rank_slot, start, counts, src, item)
-native_step_rows: Callable[..., None] | None
 try:
     from tokenfeed.core._keyed import permute as _permute_c
-    from tokenfeed.core._keyed import step_rows as native_step_rows
-except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1)
-    _permute_c = native_step_rows = None
-
-NATIVE = _permute_c is not None
+except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1 at install)
+    _permute_c = None
 
 
 class Permutation:
@@ -238,14 +250,14 @@ class Permutation:
     def __init__(self, n: int, key_: int) -> None:
         self.n = n
         self._bits = domain_bits(n)
-        self._rk = round_keys(key_)
+        self._sk = stage_keys(key_)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.n <= 1:
             return np.zeros(np.shape(x), dtype=np.int64)
-        return permute(x, self.n, self._rk, self._bits)
+        return permute(x, self.n, self._sk, self._bits)
 
     def inverse(self, y: np.ndarray) -> np.ndarray:
         if self.n <= 1:
             return np.zeros(np.shape(y), dtype=np.int64)
-        return permute(y, self.n, self._rk, self._bits, inverse=True)
+        return permute(y, self.n, self._sk, self._bits, inverse=True)

@@ -15,8 +15,10 @@ exactly), so 10^6 tokens at 0.7 give 700,000 train tokens in every language.
 
 A mixture is the same type with `sources` (name, weight pairs, in order) instead of
 `dataset`, and optionally a `schedule` of (from_tokens, weights) segments
-(design.md "Mixtures"; the math is mixture.py). It streams the sources' train splits
-only. Mixture errors name the field: ``sources['web']``, ``schedule[1].from_tokens``.
+(docs/mixtures.md; the math is the mixture package). It streams the sources' train
+splits only. Mixture errors name the field: ``sources['web']``,
+``schedule[1].from_tokens``. docs/request.md is the contract: fields, defaults on the
+wire, validation.
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ from fractions import Fraction
 from typing import Any
 
 from tokenfeed.core.errors import InvalidArgument
-from tokenfeed.core.mixture import Mixture, load_mixture
+from tokenfeed.core.limits import MAX_PARAM, MAX_SEED
+from tokenfeed.core.mixture import Mixture
+from tokenfeed.core.mixture.files import load_mixture
 from tokenfeed.v1 import feeder_pb2 as pb
 
 SPLITS = ("train", "validation")
 DEFAULT_SHUFFLE_BLOCKS = 8
 AUTO = "auto"
-MAX_PARAM = 1 << 40  # keeps every product of the sampling math inside int64
-MAX_SEED = (1 << 64) - 1
 
 
 def decimal_fraction(value: float) -> Fraction:
@@ -119,7 +121,7 @@ class SamplingSpec:
     `stride` and `shuffle_blocks` 0 (or None) take their defaults (seq_len, 8), as on
     the wire, and are stored resolved, so two specs that mean the same compare equal.
     Invalid values raise InvalidArgument naming the field; what depends on the data (a
-    split too short) is the Plan's.
+    split too short) is the sampler's.
     """
 
     dataset: str
@@ -218,7 +220,7 @@ class SamplingSpec:
 
     @property
     def mixture(self) -> Mixture:
-        """The mixture's math (mixture.Mixture), built once; InvalidArgument when the
+        """The mixture's math (Mixture), built once; InvalidArgument when the
         spec names a dataset."""
         if self._mixture is None:
             raise InvalidArgument("not a mixture: the request names a dataset", field="sources")

@@ -1,4 +1,4 @@
-/* tokenfeed.server._native: the hot path's two loops over rows and batches, in C.
+/* tokenfeed.server._native: the hot path's three loops over rows and batches, in C.
  *
  * - splice: a response message is its batches' frames with their rows of tokens
  *   between them, every row a slice of a cached chunk; splice.py describes it as a
@@ -11,8 +11,10 @@
  *   order of Batch's fields, not their numbers: wire.py passes the tags, read from the
  *   generated descriptors.
  *
- * splice.py and wire.py hold the pure-Python reference of each (and the fallback when
- * this module is not built); the tests compare them, and wire's with protobuf.
+ * splice.py and wire.py call each through a public function that falls back to its
+ * pure-Python reference beside it (splice_py, program_py, frames_py) when this module
+ * is not built or the compiled loops are off (tokenfeed.core.native); the tests
+ * compare them, and wire's with protobuf.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -60,31 +62,31 @@ find(const int64_t *keys, Py_ssize_t n, int64_t key)
 typedef struct {
     Py_buffer program; /* int64 (n, 3): key, offset, count */
     Py_buffer blob;    /* what key -1 reads */
-} Segment;
+} Part;
 
 static PyObject *
 splice(PyObject *module, PyObject *args)
 {
     (void)module;
-    PyObject *segments_obj, *keys_obj, *views_obj;
-    if (!PyArg_ParseTuple(args, "OOO:splice", &segments_obj, &keys_obj, &views_obj))
+    PyObject *parts_obj, *keys_obj, *views_obj;
+    if (!PyArg_ParseTuple(args, "OOO:splice", &parts_obj, &keys_obj, &views_obj))
         return NULL;
-    PyObject *segments = PySequence_Fast(segments_obj, "splice: segments must be a sequence");
-    if (segments == NULL)
+    PyObject *parts_seq = PySequence_Fast(parts_obj, "splice: parts must be a sequence");
+    if (parts_seq == NULL)
         return NULL;
     PyObject *views = PySequence_Fast(views_obj, "splice: views must be a sequence");
     if (views == NULL) {
-        Py_DECREF(segments);
+        Py_DECREF(parts_seq);
         return NULL;
     }
-    Py_ssize_t n_segments = PySequence_Fast_GET_SIZE(segments);
+    Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(parts_seq);
     Py_ssize_t n_views = PySequence_Fast_GET_SIZE(views);
-    Segment *segs = PyMem_Calloc(n_segments ? n_segments : 1, sizeof(Segment));
+    Part *parts = PyMem_Calloc(n_parts ? n_parts : 1, sizeof(Part));
     Py_buffer *bufs = PyMem_Calloc(n_views ? n_views : 1, sizeof(Py_buffer));
     Py_buffer keys = {0};
-    Py_ssize_t got_segs = 0, got_views = 0;
+    Py_ssize_t got_parts = 0, got_views = 0;
     PyObject *out = NULL;
-    if (segs == NULL || bufs == NULL) {
+    if (parts == NULL || bufs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -99,17 +101,17 @@ splice(PyObject *module, PyObject *args)
         if (PyObject_GetBuffer(v, &bufs[got_views], PyBUF_SIMPLE) < 0)
             goto done;
     }
-    /* First pass: every segment's buffers and the message's size. */
+    /* First pass: every part's buffers and the message's size. */
     Py_ssize_t total = 0;
-    for (; got_segs < n_segments; got_segs++) {
-        PyObject *pair = PySequence_Fast_GET_ITEM(segments, got_segs);
+    for (; got_parts < n_parts; got_parts++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(parts_seq, got_parts);
         PyObject *program, *blob;
         if (!PyTuple_Check(pair) || !PyArg_ParseTuple(pair, "OO", &program, &blob)) {
             if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "splice: a segment is a (program, blob) tuple");
+                PyErr_SetString(PyExc_TypeError, "splice: a part is a (program, blob) tuple");
             goto done;
         }
-        Segment *s = &segs[got_segs];
+        Part *s = &parts[got_parts];
         if (int64_buffer(program, &s->program, 1, "a program") < 0)
             goto done;
         if (PyObject_GetBuffer(blob, &s->blob, PyBUF_SIMPLE) < 0) {
@@ -120,7 +122,7 @@ splice(PyObject *module, PyObject *args)
         for (Py_ssize_t i = 0; i < s->program.shape[0]; i++) {
             int64_t count = p[3 * i + 2];
             if (count < 0 || count > PY_SSIZE_T_MAX - total) {
-                got_segs++;
+                got_parts++;
                 PyErr_Format(PyExc_ValueError, "splice: piece %zd has a bad byte count %lld", i,
                              (long long)count);
                 goto done;
@@ -134,18 +136,18 @@ splice(PyObject *module, PyObject *args)
     /* Second pass, without the GIL: find each piece's source, check it, copy it. */
     char *dst = PyBytes_AS_STRING(out);
     const int64_t *key_of = keys.buf;
-    Py_ssize_t bad_segment = -1, bad_piece = -1;
+    Py_ssize_t bad_part = -1, bad_piece = -1;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t k = 0; k < n_segments && bad_piece < 0; k++) {
-        const int64_t *p = segs[k].program.buf;
-        for (Py_ssize_t i = 0; i < segs[k].program.shape[0]; i++, p += 3) {
-            const Py_buffer *src = &segs[k].blob;
+    for (Py_ssize_t k = 0; k < n_parts && bad_piece < 0; k++) {
+        const int64_t *p = parts[k].program.buf;
+        for (Py_ssize_t i = 0; i < parts[k].program.shape[0]; i++, p += 3) {
+            const Py_buffer *src = &parts[k].blob;
             if (p[0] != -1) {
                 Py_ssize_t j = find(key_of, n_views, p[0]);
                 src = j < 0 ? NULL : &bufs[j];
             }
             if (src == NULL || p[1] < 0 || p[1] > src->len || p[2] > src->len - p[1]) {
-                bad_segment = k;
+                bad_part = k;
                 bad_piece = i;
                 break;
             }
@@ -155,25 +157,25 @@ splice(PyObject *module, PyObject *args)
     }
     Py_END_ALLOW_THREADS
     if (bad_piece >= 0) {
-        const int64_t *p = (const int64_t *)segs[bad_segment].program.buf + 3 * bad_piece;
+        const int64_t *p = (const int64_t *)parts[bad_part].program.buf + 3 * bad_piece;
         PyErr_Format(PyExc_ValueError,
-                     "splice: piece %zd of segment %zd (key %lld, offset %lld, count %lld) is "
+                     "splice: piece %zd of part %zd (key %lld, offset %lld, count %lld) is "
                      "not inside its source",
-                     bad_piece, bad_segment, (long long)p[0], (long long)p[1], (long long)p[2]);
+                     bad_piece, bad_part, (long long)p[0], (long long)p[1], (long long)p[2]);
         Py_CLEAR(out);
     }
 done:
-    for (Py_ssize_t k = 0; k < got_segs; k++) {
-        PyBuffer_Release(&segs[k].program);
-        PyBuffer_Release(&segs[k].blob);
+    for (Py_ssize_t k = 0; k < got_parts; k++) {
+        PyBuffer_Release(&parts[k].program);
+        PyBuffer_Release(&parts[k].blob);
     }
     for (Py_ssize_t j = 0; j < got_views; j++)
         PyBuffer_Release(&bufs[j]);
     if (keys.obj != NULL)
         PyBuffer_Release(&keys);
-    PyMem_Free(segs);
+    PyMem_Free(parts);
     PyMem_Free(bufs);
-    Py_DECREF(segments);
+    Py_DECREF(parts_seq);
     Py_DECREF(views);
     return out;
 }
@@ -489,7 +491,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"splice", splice, METH_VARARGS,
-     "splice(segments, keys, views) -> bytes: see tokenfeed.server.splice."},
+     "splice(parts, keys, views) -> bytes: see tokenfeed.server.splice."},
     {"program", program, METH_VARARGS,
      "program(...) -> (int64 (n, 3) as bytes, int64 piece_lo as bytes): see "
      "tokenfeed.server.splice."},

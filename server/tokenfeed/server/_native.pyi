@@ -5,7 +5,7 @@ from typing import Any
 import numpy as np
 
 def splice(
-    segments: Sequence[tuple[np.ndarray, Any]], keys: np.ndarray, views: Sequence[Any]
+    parts: Sequence[tuple[np.ndarray, Any]], keys: np.ndarray, views: Sequence[Any]
 ) -> bytes: ...
 def frames(
     batch_tag: bytes,

@@ -24,6 +24,7 @@ from functools import partial
 import numpy as np
 
 from tokenfeed.core import sampling
+from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.server import splice
 from tokenfeed.server.cache import ChunkCache, Entry, count_by_dataset
 from tokenfeed.server.datasets import Dataset
@@ -58,8 +59,8 @@ class Pinned:
 
     def message(self, spans: list[Span]) -> bytes:
         """Batches [i, j) of each span's round, framed: a message."""
-        segments = [(lr.program[lr.piece_lo[i] : lr.piece_lo[j]], lr.frames) for lr, i, j in spans]
-        return splice.splice(segments, self.keys, self.views)
+        parts = [(lr.program[lr.piece_lo[i] : lr.piece_lo[j]], lr.frames) for lr, i, j in spans]
+        return splice.splice(parts, self.keys, self.views)
 
 
 def pin_views(ds: Dataset, cache: ChunkCache, chunks: list[int]) -> Pinned | None:
@@ -104,7 +105,7 @@ class MessageBuilder:
     def __init__(
         self,
         ds: Dataset,
-        plan: sampling.Plan | sampling.MixturePlan,
+        plan: sampling.DatasetSampler | MixtureSampler,
         rounds: Iterator[sampling.Round],
         per_message: int,
         cache: ChunkCache,
@@ -129,7 +130,7 @@ class MessageBuilder:
         # are written (service.SourceCounters).
         self.by_source: deque[list[Span]] | None = None
         sources = 0
-        if isinstance(plan, sampling.MixturePlan):
+        if isinstance(plan, MixtureSampler):
             self.by_source = deque()
             sources = len(plan.spec.sources)
         self.rounds = RoundQueue(ds, rounds, plan.seq_len, sources)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from tokenfeed.server import splice
+from tokenfeed.core import native
 from tokenfeed.server.app import run_until_stopped, serve
 from tokenfeed.server.config import ServerConfig
 from tokenfeed.server.supervisor import Supervisor
@@ -25,9 +25,9 @@ def run(config: ServerConfig) -> int:
     warning = config.insecure_warning()
     if warning:
         log.warning("\n%s\n%s\n%s", "!" * 78, warning, "!" * 78)  # hard to miss
-    if not splice.NATIVE:
+    if not (native.enabled() and native.built("tokenfeed.server._native")):
         log.warning(
-            "built without the C extensions (TOKENFEED_PURE_PYTHON=1): messages are spliced "
+            "without the C extensions (TOKENFEED_PURE_PYTHON=1): messages are spliced "
             "in Python and windows sampled in numpy, which costs about 30 % more server CPU "
             "per token"
         )

@@ -36,6 +36,7 @@ from functools import partial
 import numpy as np
 
 from tokenfeed.core import sampling
+from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.rounds import Reach, RoundQueue, Span, reach, spans_chunks
@@ -83,10 +84,10 @@ MAX_DEEP_BATCHES = 16384
 ASKED_LIMIT = 4096
 
 
-def group_batches(plan: sampling.Plan | sampling.MixturePlan) -> int:
+def group_batches(plan: sampling.DatasetSampler | MixtureSampler) -> int:
     """This rank's batches per shuffle group (a step takes batch_size x world_size
     windows); 0 for a mixture, whose sources have groups of their own."""
-    if not isinstance(plan, sampling.Plan):
+    if not isinstance(plan, sampling.DatasetSampler):
         return 0
     group_windows = plan.windows_per_block * (plan.spec.shuffle_blocks if plan.shuffle else 1)
     return -(-group_windows // (plan.batch_size * plan.world_size))
@@ -144,7 +145,7 @@ class ReadaheadPolicy:
     def __init__(
         self,
         ds: Dataset,
-        plan: sampling.Plan | sampling.MixturePlan,
+        plan: sampling.DatasetSampler | MixtureSampler,
         rounds: RoundQueue,
         cache: ChunkCache,
         burst_batches: int,

@@ -1,6 +1,6 @@
 """The Feeder gRPC service: requests -> sampling plans -> messages from the chunk cache.
 
-The servicer is thin on purpose: it turns a request into a `sampling.Plan` and an
+The servicer is thin on purpose: it turns a request into a `sampling.DatasetSampler` and an
 `assembly.MessageBuilder`, and writes out the messages it builds. Domain errors
 (errors.py) become gRPC status codes in one place, `_abort` (which code for which
 outcome: docs/request.md, "Status codes"). The sample order, the store format, the
@@ -33,7 +33,9 @@ import grpc
 
 from tokenfeed.core import sampling
 from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
-from tokenfeed.core.request import MAX_PARAM, SPLITS, SamplingSpec
+from tokenfeed.core.limits import MAX_PARAM
+from tokenfeed.core.mixture.sampler import MixtureSampler
+from tokenfeed.core.request import SPLITS, SamplingSpec
 from tokenfeed.server import documents
 from tokenfeed.server.assembly import Message, MessageBuilder
 from tokenfeed.server.cache import ChunkCache
@@ -69,15 +71,15 @@ def block_tokens(ds: Dataset) -> int:
     return max(1, min(tokens or sampling.DEFAULT_BLOCK_TOKENS, MAX_PARAM))
 
 
-def plan_for(spec: SamplingSpec, ds: Dataset) -> sampling.Plan:
-    """The spec's Plan over a dataset (FailedPrecondition if its split is too short)."""
-    return sampling.Plan(spec, ds.store.total_tokens, block_tokens=block_tokens(ds))
+def plan_for(spec: SamplingSpec, ds: Dataset) -> sampling.DatasetSampler:
+    """The spec's sampler over a dataset (FailedPrecondition if its split is too short)."""
+    return sampling.DatasetSampler(spec, ds.store.total_tokens, block_tokens=block_tokens(ds))
 
 
-def mixture_plan_for(spec: SamplingSpec, sources: list[Dataset]) -> sampling.MixturePlan:
+def mixture_plan_for(spec: SamplingSpec, sources: list[Dataset]) -> MixtureSampler:
     """A mixture spec's plan over its sources' stores (FailedPrecondition naming a
     source without a train window)."""
-    return sampling.MixturePlan(
+    return MixtureSampler(
         spec,
         tuple(ds.store.total_tokens for ds in sources),
         tuple(block_tokens(ds) for ds in sources),
@@ -317,7 +319,7 @@ class FeederService:
     def _prepare_stream(self, request: Any) -> MessageBuilder:
         request = self._decoded(request)
         spec = SamplingSpec.from_proto(request.params)
-        plan: sampling.Plan | sampling.MixturePlan
+        plan: sampling.DatasetSampler | MixtureSampler
         if spec.is_mixture:
             sources = self._sources(spec)
             ds: Dataset = MixtureSpace.of(sources)
@@ -335,7 +337,7 @@ class FeederService:
                 f"epoch and step must be non-negative, got epoch={request.epoch} "
                 f"step={request.step}"
             )
-        if isinstance(plan, sampling.MixturePlan):
+        if isinstance(plan, MixtureSampler):
             if request.epoch != 0:
                 raise InvalidArgument(
                     f"epoch: a mixture stream is endless and has no epochs; epoch must be 0, "
@@ -363,7 +365,7 @@ class FeederService:
                 "batches_per_message (or raise --max-batch-bytes)"
             )
         then = None  # a mixture has no epochs: its passes run on within one order
-        if isinstance(plan, sampling.MixturePlan):
+        if isinstance(plan, MixtureSampler):
             rounds = plan.rounds(request.rank, request.offset, request.step)
         else:
             rounds = plan.rounds(request.epoch, request.rank, request.offset, request.step)

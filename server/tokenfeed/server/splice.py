@@ -13,39 +13,41 @@ pieces, once per round; `splice` copies a message's pieces into its bytes:
   and tails' sizes in order, laid out one after another (wire.frames' blob); batch b is
   pieces [piece_lo[b], piece_lo[b + 1]).
 
-    splice(segments, keys, views) -> bytes
+    splice(parts, keys, views) -> bytes
 
-- `segments`: (program, blob) pairs, in order; a program is an int64 array of shape
+- `parts`: (program, blob) pairs, in order; a program is an int64 array of shape
   (n, 3), one (key, byte offset, byte count) row per piece;
-- key -1 reads the segment's `blob` (a round's frames); any other key reads the view
-  at that key's index in `keys` (ascending int64: pinned chunk ids), `views[i]` being
+- key -1 reads the part's `blob` (a round's frames); any other key reads the view at
+  that key's index in `keys` (ascending int64: pinned chunk ids), `views[i]` being
   chunk keys[i]'s bytes.
 
-The native versions (_native.c, built with the package) loop over rows in C, with no
-Python object per row: they took the per-row slicing, the join and the per-round numpy
-out of the server's CPU profile (issue 16). `program_py` and `splice_py` below are the
-references: they define the functions, serve where the extension is not built
-(TOKENFEED_PURE_PYTHON=1 at install), and the tests check the two agree.
+Both loop over rows in C (_native.c) when the extension is built, with no Python
+object per row: the per-row slicing, the join and the per-round numpy are what the
+server's CPU profile showed. `splice_py` and `program_py` are the loops' references:
+they define them, run when the compiled loops are off (tokenfeed.core.native), and the
+tests check the two agree.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-Segment = tuple[np.ndarray, Any]  # (program, blob)
+from tokenfeed.core import native
+
+Part = tuple[np.ndarray, Any]  # (program, blob): pieces, and the frames key -1 reads
 
 
-def splice_py(segments: Sequence[Segment], keys: np.ndarray, views: Sequence[Any]) -> bytes:
-    """The reference: what `splice` returns, in Python."""
+def splice_py(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> bytes:
+    """`splice`'s reference, in Python."""
     if len(keys) != len(views):
         raise ValueError(f"splice: {len(keys)} keys but {len(views)} views")
     at = {int(k): memoryview(v).cast("B") for k, v in zip(keys.tolist(), views, strict=True)}
-    parts: list[Any] = []
-    for program, blob in segments:
+    out: list[Any] = []
+    for program, blob in parts:
         data = memoryview(blob).cast("B")
         for key, offset, count in np.asarray(program, dtype=np.int64).reshape(-1, 3).tolist():
             src = data if key == -1 else at.get(key)
@@ -54,8 +56,8 @@ def splice_py(segments: Sequence[Segment], keys: np.ndarray, views: Sequence[Any
                     f"splice: piece (key {key}, offset {offset}, count {count}) is not inside "
                     "its source"
                 )
-            parts.append(src[offset : offset + count])
-    return b"".join(parts)
+            out.append(src[offset : offset + count])
+    return b"".join(out)
 
 
 def program_py(
@@ -66,8 +68,8 @@ def program_py(
     itemsize: int,
     frame_sizes: np.ndarray,
 ) -> tuple[bytes, bytes]:
-    """The reference: what _native.program returns (the program's and piece_lo's int64
-    bytes), in Python."""
+    """`program`'s loop in Python, the reference of _native.program: the program's and
+    piece_lo's int64 bytes."""
     bounds, sizes = chunk_starts.tolist(), frame_sizes.tolist()
     pieces: list[tuple[int, int, int]] = []
     piece_lo, at, r = [], 0, 0  # at: the next frame's offset in the frames' blob
@@ -92,13 +94,20 @@ def program_py(
     return np.array(pieces, dtype=np.int64).tobytes(), np.array(piece_lo, dtype=np.int64).tobytes()
 
 
+_splice_c: Callable[..., bytes] | None
+_program_c: Callable[..., tuple[bytes, bytes]] | None
 try:
-    from tokenfeed.server._native import program as _program
-    from tokenfeed.server._native import splice as splice
-except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1): the references
-    _program, splice = program_py, splice_py
+    from tokenfeed.server._native import program as _program_c
+    from tokenfeed.server._native import splice as _splice_c
+except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1 at install)
+    _splice_c = _program_c = None
 
-NATIVE = splice is not splice_py
+
+def splice(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> bytes:
+    """The parts' pieces, in order, copied into one bytes object (module docstring)."""
+    if _splice_c is None or not native.enabled():
+        return splice_py(parts, keys, views)
+    return _splice_c(parts, keys, views)
 
 
 def program(
@@ -111,7 +120,8 @@ def program(
 ) -> tuple[np.ndarray, list[int]]:
     """A round's splice program (see the module docstring) and where each batch's
     pieces begin."""
-    prog, lo = _program(
+    loop = program_py if _program_c is None or not native.enabled() else _program_c
+    prog, lo = loop(
         np.ascontiguousarray(starts, dtype=np.int64),
         np.ascontiguousarray(chunk_starts, dtype=np.int64),
         np.asarray(rows, dtype=np.int64),

@@ -12,18 +12,19 @@ many shapes); field numbers come from the generated descriptors, so the .proto s
 the only source of the wire format.
 
 The per-batch loop, a mixture's `sources` included, runs in C (_native.c's `frames`,
-given the tags) where the extension is built; `_frames_py` is its reference and the
-fallback.
+given the tags) where the extension is built; `frames_py` is its reference, run when
+the compiled loops are off (tokenfeed.core.native).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from tokenfeed.core import native
 from tokenfeed.v1 import feeder_pb2 as pb
 
 _VARINT, _LEN = 0, 2  # wire types
@@ -127,7 +128,8 @@ def frames(
     if cut is None:
         cut = np.zeros(len(rows_a) + 1, dtype=np.int64)  # batch i: starts[cut[i]:cut[i+1]]
         np.cumsum(rows_a, out=cut[1:])
-    blob, sizes = _encode(
+    loop = frames_py if _frames_c is None or not native.enabled() else _frames_c
+    blob, sizes = loop(
         _BATCH,
         _int_field(_EPOCH, epoch),
         _STEP,
@@ -145,7 +147,7 @@ def frames(
     return blob, np.frombuffer(sizes, dtype=np.int64)
 
 
-def _frames_py(
+def frames_py(
     batch_tag: bytes,
     epoch_field: bytes,
     step_tag: bytes,
@@ -160,10 +162,10 @@ def _frames_py(
     sources_tag: bytes,
     sources: np.ndarray | None,
 ) -> tuple[bytes, bytes]:
-    """The reference of _native.frames: every batch's head and tail, and their sizes
-    (int64 bytes). A batch's tail is its `starts` packed, then (`sources` given: a
-    mixture's) its rows' `sources` packed: starts[cut[i]:cut[i+1]] and the same slice of
-    sources."""
+    """`frames`' loop in Python, the reference of _native.frames: every batch's head and
+    tail, and their sizes (int64 bytes). A batch's tail is its `starts` packed, then
+    (`sources` given: a mixture's) its rows' `sources` packed: starts[cut[i]:cut[i+1]]
+    and the same slice of sources."""
     out, sizes = [], []
     values = starts.tolist()
     source_values = None if sources is None else sources.tolist()
@@ -187,10 +189,11 @@ def _frames_py(
     return b"".join(out), np.array(sizes, dtype=np.int64).tobytes()
 
 
+_frames_c: Callable[..., tuple[bytes, bytes]] | None
 try:
-    from tokenfeed.server._native import frames as _encode
-except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1)
-    _encode = _frames_py
+    from tokenfeed.server._native import frames as _frames_c
+except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1 at install)
+    _frames_c = None
 
 
 def _packed(tag: bytes, values: list[int]) -> bytes:

@@ -1,0 +1,19 @@
+"""The bounds every part checks a request against, each defined once.
+
+They keep the sampling math inside int64 (numpy's fast integers) and the wire's
+fields inside their types; docs/request.md, "SamplingParams: what defines an order"
+states them for users.
+"""
+
+from __future__ import annotations
+
+# Token offsets and positions * seq_len stay below this: with MAX_PARAM, every product
+# the sampling math forms fits int64.
+MAX_TOKENS = 1 << 62
+# seq_len, stride, batch_size, world_size, shuffle_blocks, block sizes, epochs: small
+# enough that a product of two of them with a position stays inside int64.
+MAX_PARAM = 1 << 40
+# A seed is any unsigned 64-bit integer: the key chain (keyed.py) reads it modulo 2**64.
+MAX_SEED = (1 << 64) - 1
+# Sources of a mixture: each costs work in every round (its counts, its passes).
+MAX_SOURCES = 1 << 12

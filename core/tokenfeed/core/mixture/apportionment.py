@@ -1,0 +1,504 @@
+"""Apportionment: which source each position of a mixture stream takes, in closed form.
+
+docs/mixtures.md, "Apportionment: which source each position draws from" is the
+contract. Pure, and never O(p): any count, due point or run costs
+O(sources x segments) whatever the position, O(k) memory.
+
+Definitions (p, x, q are global positions of the endless mixture stream, one window
+each; k is the number of sources; segment j's shares are a[j][i] / D[j], spec.py):
+
+* segments own positions: position p belongs to the last segment whose
+  ``from_tokens <= p*seq_len``, so segment j starts at position
+  ``P_j = ceil(from_tokens_j / seq_len)``. A segment that owns no position (its start
+  is the next one's, once rounded up) is dropped.
+* target: ``t_i(p)`` = source i's weight summed over positions 0..p-1 (exact).
+* due points: item n >= 1 of source i falls due at the first x with ``t_i(x) >= n``;
+  item 0 at the first position where the source's weight is positive. Position q
+  takes the q-th item in order of (due point, source index). ``c_i(p)`` counts the
+  items of source i among positions 0..p-1.
+
+Why this closed form, and how it is computed without walking:
+
+* ``N_i(x)``, the items of source i due at or before x, is
+  ``floor(t_i(x)) + [source i started by x]``; ``S(x) = sum_i N_i(x)``. Since
+  ``sum_i t_i(x) = x``, ``x < S(x) <= x + k`` (the item at position q is due in
+  [q-k+1, q]), and at most one item per source falls due at one x.
+* Precomputed once per segment j (exact Python ints): ``NB[j][i] = N_i(P_j - 1)``,
+  ``Q_j = S(P_j - 1)`` (positions [Q_j, Q_{j+1}) hold exactly the items due in
+  segment j), ``g[j][i] = floor(D * frac(t_i(P_j)))`` and ``h[j][i]`` (item due at
+  P_j itself). Inside segment j, with ``d = x - P_j >= 0``,
+  ``N_i(x) - NB[j][i] = M_i(d) = h_i + floor((g_i + a_i*d) / D)``: only the integer
+  ``g_i`` of the fractional start is needed, so all arithmetic is on integers.
+* ``c(p)``: find j with ``Q_j <= p < Q_{j+1}``, then the smallest d with
+  ``sum_i M_i(d) >= p - Q_j``; it lies in a window of k values (binary search), and
+  the items due at that d are taken in source order. O(k log k + log segments), no
+  dependence on p, O(1) memory.
+* The due point of a given item inverts M_i: ``d = ceil((D*u - g_i) / a_i)``.
+
+int64 and exactness: with ``D <= 2**31`` the kernels are int64, reducing d modulo D
+first when ``a*d`` could overflow (``a*d = a*D*(d//D) + a*(d%D)``, products < D**2).
+Weights with many significant digits (float shares like n_i/total) give D up to
+~10**20; there a call anchors at its smallest d with exact Python ints
+(``g + a*d0 = q0*D + r0``) and evaluates ``q0 + floor(r0/D + (a/D)*(d - d0))`` in
+float64 over a span of at most 2**32, recomputing exactly (Python ints) every element
+whose float lies within the float's error bound of an integer; wider spans use numpy
+object arrays of Python ints. Results are exact in every mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from tokenfeed.core.errors import InvalidArgument
+from tokenfeed.core.limits import MAX_TOKENS
+from tokenfeed.core.mixture.spec import Segment
+
+log = logging.getLogger(__name__)
+
+_FAST_D = 1 << 31  # D <= this: every product of the kernels fits int64
+_ANCHOR_SPAN = 1 << 32  # large D: floats near an exact anchor over at most this span
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A segment that owns positions, with everything the closed form needs (exact ints)."""
+
+    index: int  # index among all segments (0 = the base mixture)
+    P: int  # first position
+    D: int
+    a: tuple[int, ...]
+    g: tuple[int, ...]  # floor(D * frac(t_i(P)))
+    h: tuple[int, ...]  # 1 if an item of source i falls due at P itself
+    NB: tuple[int, ...]  # N_i(P - 1) = c_i(Q)
+    Q: int  # S(P - 1): first position whose item is due in this segment
+    Tn: tuple[int, ...]  # t_i(P) = Tn[i] / den
+    den: int
+
+    @property
+    def G(self) -> int:
+        return sum(self.g)
+
+    @property
+    def H(self) -> int:
+        return sum(self.h)
+
+
+class Apportionment:
+    """The closed form of a mixture's segments: counts c(p), due order, targets.
+
+    `segments` in order (segment 0 from token 0), each source's shares `a / D`;
+    `seq_len` turns their from_tokens into positions.
+    """
+
+    def __init__(self, segments: Sequence[Segment], seq_len: int) -> None:
+        self.segments = tuple(segments)
+        self.seq_len = seq_len
+        self.k = len(self.segments[0].a)
+        self._build()
+
+    def _build(self) -> None:
+        """Per segment that owns positions, the exact integers of the closed form (module
+        docstring).
+
+        t_i(P) is kept as an integer numerator over a running common denominator
+        (Fractions cost ~20x more here, and a stream open builds this)."""
+        k, L = self.k, self.seq_len
+        starts = [-(-s.from_tokens // L) for s in self.segments]  # first position of each
+        kept = [j for j in range(len(starts)) if j + 1 == len(starts) or starts[j + 1] > starts[j]]
+        segs: list[_Kept] = []
+        Tn, den = [0] * k, 1  # t_i(P) = Tn[i] / den
+        first: list[int | None] = [None] * k  # first position with positive weight
+        prev: tuple[tuple[int, ...], int] | None = None
+        prev_P = 0
+        for j in kept:
+            P = starts[j]
+            if prev is not None:
+                pa, pD = prev
+                new_den = math.lcm(den, pD)
+                up, add = new_den // den, (new_den // pD) * (P - prev_P)
+                Tn, den = [t * up + x * add for t, x in zip(Tn, pa, strict=True)], new_den
+            a, D = self.segments[j].a, self.segments[j].D
+            for i in range(k):
+                if first[i] is None and a[i] > 0:
+                    first[i] = P
+            F = [t // den for t in Tn]
+            g = [(t - f * den) * D // den for t, f in zip(Tn, F, strict=True)]
+            started_at = [f is not None and f <= P for f in first]
+            started_before = [f is not None and f <= P - 1 for f in first]
+            if prev is None:
+                NB = [0] * k
+            else:
+                pa, pD = prev  # t_i(P - 1) = Tn/den - pa/pD
+                NB = [
+                    (t * pD - x * den) // (den * pD) + int(b)
+                    for t, x, b in zip(Tn, pa, started_before, strict=True)
+                ]
+            N_at = [f + int(s) for f, s in zip(F, started_at, strict=True)]
+            h = [x - y for x, y in zip(N_at, NB, strict=True)]
+            segs.append(
+                _Kept(j, P, D, tuple(a), tuple(g), tuple(h), tuple(NB), sum(NB), tuple(Tn), den)
+            )
+            prev, prev_P = (a, D), P
+        self._segs = segs
+        self._P = [s.P for s in segs]
+        self._Q = [s.Q for s in segs]
+        m = len(segs)
+        self._Q_np = np.array(self._Q, dtype=np.int64)
+        self._P_np = np.array(self._P, dtype=np.int64)
+        self._fast = np.array([s.D <= _FAST_D for s in segs])
+        # Tables for the vectorized kernels; int64 where a segment is fast, and the same
+        # values as Python ints (object) for every segment.
+        self._tables: dict[str, dict[str, np.ndarray]] = {}
+        obj = {
+            "a": np.array([list(s.a) for s in segs], dtype=object).reshape(m, k),
+            "g": np.array([list(s.g) for s in segs], dtype=object).reshape(m, k),
+            "h": np.array([list(s.h) for s in segs], dtype=np.int64).reshape(m, k),
+            "NB": np.array([list(s.NB) for s in segs], dtype=np.int64).reshape(m, k),
+            "D": np.array([s.D for s in segs], dtype=object),
+            "H": np.array([s.H for s in segs], dtype=np.int64),
+        }
+        fast = {}
+        for field_name, arr in obj.items():
+            if arr.dtype == object:
+                masked = arr.copy()
+                masked[~self._fast] = 1 if field_name == "D" else 0
+                fast[field_name] = masked.astype(np.int64)
+            else:
+                fast[field_name] = arr
+        self._tables = {"fast": fast, "object": obj}
+        self._GD = np.array([s.G // s.D for s in segs], dtype=np.int64)  # < k
+        log.debug(
+            "mixture of %d sources, %d segments (%d kept), D max %d",
+            k,
+            len(self.segments),
+            m,
+            max(s.D for s in segs),
+        )
+
+    # ................................................................. exact, scalar
+
+    @property
+    def max_position(self) -> int:
+        """The last position whose tokens stay within MAX_TOKENS."""
+        return MAX_TOKENS // self.seq_len
+
+    def check_position(self, p: int, field: str = "position") -> int:
+        """`p` as an int, or InvalidArgument naming `field` unless it is a position."""
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)):
+            raise InvalidArgument.at(field, f"must be an integer, got {p!r}")
+        p = int(p)
+        if not 0 <= p <= self.max_position:
+            raise InvalidArgument.at(
+                field, f"must be in [0, {self.max_position}] (2**62 tokens / seq_len), got {p}"
+            )
+        return p
+
+    def segment_of(self, p: int) -> int:
+        """Index in `segments` of the segment that position p belongs to."""
+        p = self.check_position(p)
+        return self._segs[bisect_right(self._P, p) - 1].index
+
+    def target(self, p: int) -> tuple[Fraction, ...]:
+        """t_i(p): each source's weight summed over positions 0..p-1, exactly."""
+        p = self.check_position(p)
+        s = self._segs[bisect_right(self._P, p) - 1]
+        share = self.segments[s.index].shares
+        return tuple(Fraction(t, s.den) + w * (p - s.P) for t, w in zip(s.Tn, share, strict=True))
+
+    def counts(self, p: int) -> tuple[int, ...]:
+        """c_i(p): how many of positions 0..p-1 come from each source (exact ints).
+
+        O(k log k + log segments) time, O(k) memory, whatever p is.
+        """
+        p = self.check_position(p)
+        s = self._segs[bisect_right(self._Q, p) - 1]
+        r = p - s.Q
+        a, g, h, D, k = s.a, s.g, s.h, s.D, self.k
+
+        def M(d: int) -> list[int]:
+            if d < 0:
+                return [0] * k
+            return [h[i] + (g[i] + a[i] * d) // D for i in range(k)]
+
+        lo_u = r - s.H - s.G // D
+        lo, hi = max(0, lo_u), max(0, lo_u + k - 1)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if sum(M(mid)) >= r:
+                hi = mid
+            else:
+                lo = mid + 1
+        prev, cur = M(lo - 1), M(lo)
+        extra = r - sum(prev)
+        out = []
+        for i in range(k):
+            take = 1 if cur[i] > prev[i] and extra > 0 else 0
+            extra -= take
+            out.append(s.NB[i] + prev[i] + take)
+        return tuple(out)
+
+    # ........................................................... vectorized kernels
+
+    def _params(self, j: int) -> tuple[dict[str, Any], str]:
+        """Segment j's parameters as [1, k] arrays and scalars, and the kernel mode:
+        "fast" (int64, D <= 2**31) or "anchored" (a large D: floats near an exact
+        anchor, fixed up exactly wherever the float is ambiguous)."""
+        fast = bool(self._fast[j])
+        t = self._tables["fast" if fast else "object"]
+        return {
+            "a": t["a"][j][None, :],
+            "g": t["g"][j][None, :],
+            "h": t["h"][j][None, :],
+            "NB": t["NB"][j][None, :],
+            "D": t["D"][j],
+            "GD": int(self._GD[j]),
+            "H": int(t["H"][j]),
+            "P": int(self._P_np[j]),
+            "Q": int(self._Q_np[j]),
+            "seg": j,
+        }, "fast" if fast else "anchored"
+
+    def _floors(
+        self, prm: dict[str, Any], mode: str, d_min: int, d_max: int
+    ) -> Callable[[np.ndarray], np.ndarray]:
+        """A function d [m] -> floor((g_i + a_i*d) / D) [m, k] int64, exact, for d in
+        [d_min, d_max] (0 <= d, relative to the segment start)."""
+        a, g, D = prm["a"], prm["g"], prm["D"]
+        if mode == "fast":
+            # computed as [k, m] (a source's floors contiguous) and returned as its [m, k]
+            # view: numpy loops along the last axis, and k is a few sources against m
+            # positions (a [m, k] broadcast of [1, k] runs m loops of k: ~3x the time)
+            aT, gT = a.T, g.T
+            if int(a.max()) * d_max < 1 << 62:  # a*d fits int64 as it is
+
+                def direct_floors(d: np.ndarray) -> np.ndarray:
+                    return ((gT + aT * d) // D).T
+
+                return direct_floors
+
+            def reduced_floors(d: np.ndarray) -> np.ndarray:
+                q, rho = d // D, d % D  # a*rho < D**2 <= 2**62
+                return (aT * q + (gT + aT * rho) // D).T
+
+            return reduced_floors
+        s = self._segs[prm["seg"]]
+        if d_max - d_min <= _ANCHOR_SPAN:
+            # floor((g + a*d) / D) = q0 + floor(r0/D + (a/D)*(d - d_min)), q0 and r0 exact
+            Dp = s.D
+            q0, r0 = zip(
+                *(divmod(gi + ai * d_min, Dp) for ai, gi in zip(s.a, s.g, strict=True)), strict=True
+            )
+            q0_np = np.array(q0, dtype=np.int64)
+            # a = 0: y = 0.5, floor 0, never ambiguous (r0 < D, so the exact floor is 0)
+            r0f = np.array([x / Dp if ai else 0.5 for x, ai in zip(r0, s.a, strict=True)])
+            wf = np.array([x / Dp for x in s.a])
+            tol = (8 + 4 * (d_max - d_min)) * 2.0**-52  # > the float's error bound
+
+            def anchored_floors(d: np.ndarray) -> np.ndarray:
+                delta = d - d_min
+                y = r0f + wf * delta[:, None]
+                out = q0_np + np.floor(y).astype(np.int64)
+                amb = np.abs(y - np.rint(y)) <= tol
+                if amb.any():  # y within tol of an integer: decide exactly
+                    rows, cols = np.nonzero(amb)
+                    for rr, cc in zip(rows.tolist(), cols.tolist(), strict=True):
+                        out[rr, cc] = q0[cc] + (r0[cc] + s.a[cc] * int(delta[rr])) // Dp
+                return out
+
+            return anchored_floors
+
+        def object_floors(d: np.ndarray) -> np.ndarray:
+            dd = d.astype(object)
+            return ((g + a * dd[:, None]) // D).astype(np.int64)
+
+        return object_floors
+
+    def check_positions(self, p: np.ndarray, field: str) -> np.ndarray:
+        """`p` as int64, or InvalidArgument naming `field` unless all are positions."""
+        p = np.asarray(p)
+        if p.dtype.kind not in "iu":
+            raise InvalidArgument.at(field, f"must be integers, got dtype {p.dtype}")
+        p = p.astype(np.int64, copy=False)
+        if p.size and (int(p.min()) < 0 or int(p.max()) > self.max_position):
+            raise InvalidArgument.at(field, f"positions must be in [0, {self.max_position}]")
+        return p
+
+    def counts_at(self, positions: np.ndarray) -> np.ndarray:
+        """c(p) for an array of positions: int64 [len(positions), k]. A few numpy calls
+        on [len, k] arrays per segment touched (no dependence on the positions' size)."""
+        p = self.check_positions(positions, "positions").reshape(-1)
+        if p.size == 0:
+            return np.zeros((0, self.k), dtype=np.int64)
+        seg = np.searchsorted(self._Q_np, p, side="right") - 1
+        return self._counts_by_segment(p, seg)
+
+    def _counts_by_segment(self, p: np.ndarray, seg: np.ndarray) -> np.ndarray:
+        """c(p), p[n] computed in segment seg[n] (Q_seg <= p <= Q_{seg+1})."""
+        first = int(seg[0])
+        if (seg == first).all():
+            return self._counts_kernel(p, first)
+        out = np.empty((len(p), self.k), dtype=np.int64)
+        for j in np.unique(seg).tolist():
+            sel = seg == j
+            out[sel] = self._counts_kernel(p[sel], j)
+        return out
+
+    def _counts_kernel(self, p: np.ndarray, j: int) -> np.ndarray:
+        prm, mode = self._params(j)
+        k, h, H = self.k, prm["h"], prm["H"]
+        r = p - prm["Q"]
+        # the smallest d with sum_i M_i(d) >= r lies in [lo_u, lo_u + k - 1]
+        lo_u = r - H - prm["GD"]
+        lo = np.maximum(lo_u, 0)
+        hi = np.maximum(lo_u + (k - 1), lo)
+        floors = self._floors(prm, mode, max(0, int(lo.min()) - 1), int(hi.max()))
+        for _ in range(max(0, (k - 1).bit_length())):
+            mid = (lo + hi) // 2
+            ok = H + floors(mid).sum(axis=1) >= r
+            hi = np.where(ok, mid, hi)
+            lo = np.where(ok, lo, mid + 1)
+        d = lo
+        cur = h + floors(d)
+        prev = np.where((d >= 1)[:, None], h + floors(np.maximum(d - 1, 0)), 0)
+        due = cur - prev
+        extra = r - prev.sum(axis=1)
+        take = (due > 0) & (np.cumsum(due, axis=1) <= extra[:, None])
+        return prm["NB"] + prev + take
+
+    def _due(self, prm: dict[str, Any], mode: str, src: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Due point (relative to the segment start) of the item that needs u items from
+        the floor term: the least d with floor((g + a*d) / D) >= u; 0 where u <= 0."""
+        pos = u > 0
+        if not pos.any():
+            return np.zeros(len(u), dtype=np.int64)
+        a, g, D = prm["a"][0][src], prm["g"][0][src], prm["D"]
+        if mode == "fast":
+            safe_a = np.where(a > 0, a, 1)
+            qa, v = u // safe_a, u % safe_a  # D*v < D**2 <= 2**62
+            d = D * qa + (D * v - g + safe_a - 1) // safe_a
+            return np.where(pos, d, 0)
+        s, k, big = self._segs[prm["seg"]], self.k, np.iinfo(np.int64).max
+        # anchor: per source, its smallest u; (D*u0 - g) / a = e0 + f0/a exactly, and
+        # d(u) = e0 + ceil(f0/a + (u - u0) * D/a)
+        u0 = np.full(k, big, dtype=np.int64)
+        np.minimum.at(u0, src[pos], u[pos])
+        e0 = np.zeros(k, dtype=np.int64)
+        frac0, step = np.zeros(k), np.zeros(k)
+        for i in np.flatnonzero(u0 != big).tolist():
+            e, f = divmod(s.D * int(u0[i]) - s.g[i], s.a[i])  # a > 0: u > 0 needs it
+            e0[i], frac0[i], step[i] = e, f / s.a[i], s.D / s.a[i]
+        z = np.where(pos, frac0[src] + (u - np.where(pos, u0[src], 0)) * step[src], 0.0)
+        zmax = float(np.abs(z).max())
+        if zmax <= _ANCHOR_SPAN:
+            d = e0[src] + np.ceil(z).astype(np.int64)
+            amb = pos & (np.abs(z - np.rint(z)) <= (8 + 4 * zmax) * 2.0**-52)
+            for n in np.flatnonzero(amb).tolist():
+                i = int(src[n])
+                d[n] = -((s.g[i] - s.D * int(u[n])) // s.a[i])
+            return np.where(pos, d, 0)
+        uo = u.astype(object)
+        safe_a = np.where(a > 0, a, 1)
+        return np.where(pos, -((g - D * uo) // safe_a), 0).astype(np.int64)
+
+    def _split_runs(self, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Cut runs [start, stop) at segment boundaries (positions Q_j): each part's
+        items are due in one segment. Returns (starts, stops, segment) of the parts,
+        in run order."""
+        seg_a = np.searchsorted(self._Q_np, starts, side="right") - 1
+        seg_b = np.searchsorted(self._Q_np, stops - 1, side="right") - 1
+        if np.array_equal(seg_a, seg_b):
+            return starts, stops, seg_a
+        s_out, e_out, g_out = [], [], []
+        for a, b, ja, jb in zip(
+            starts.tolist(), stops.tolist(), seg_a.tolist(), seg_b.tolist(), strict=True
+        ):
+            for j in range(ja, jb + 1):
+                lo = a if j == ja else self._Q[j]
+                hi = b if j == jb else self._Q[j + 1]
+                if hi > lo:
+                    s_out.append(lo)
+                    e_out.append(hi)
+                    g_out.append(j)
+        return (
+            np.array(s_out, dtype=np.int64),
+            np.array(e_out, dtype=np.int64),
+            np.array(g_out, dtype=np.int64),
+        )
+
+    def runs(self, starts: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions [start, start + length) for each start, in due order: (source index,
+        item index) int64 arrays of shape [len(starts), length]."""
+        starts = self.check_positions(np.asarray(starts).reshape(-1), "starts")
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
+            raise InvalidArgument.at("length", f"must be a non-negative integer, got {length!r}")
+        R = len(starts)
+        if R == 0 or length == 0:
+            z = np.zeros((R, int(length)), dtype=np.int64)
+            return z, z.copy()
+        stops = starts + int(length)
+        self.check_positions(stops, "stops")
+        src, item = self._due_order(starts, stops)
+        return src.reshape(R, int(length)), item.reshape(R, int(length))
+
+    def items(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions [start, stop) in due order: (source index, item index) int64 arrays."""
+        start = self.check_position(start, "start")
+        stop = self.check_position(stop, "stop")
+        if stop < start:
+            raise InvalidArgument.at("stop", f"must be >= start={start}, got {stop}")
+        if stop == start:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return self._due_order(np.array([start], dtype=np.int64), np.array([stop], dtype=np.int64))
+
+    def _due_order(self, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Concatenated positions of the runs [starts, stops), in due order."""
+        starts, stops, seg = self._split_runs(starts, stops)
+        first = int(seg[0])
+        if (seg == first).all():
+            return self._due_order_in(starts, stops, first)
+        lengths = stops - starts
+        at = np.cumsum(lengths) - lengths
+        src = np.empty(int(lengths.sum()), dtype=np.int64)
+        item = np.empty_like(src)
+        for j in np.unique(seg).tolist():
+            sel = np.flatnonzero(seg == j)
+            s, i = self._due_order_in(starts[sel], stops[sel], j)
+            where = np.repeat(at[sel] - (np.cumsum(lengths[sel]) - lengths[sel]), lengths[sel])
+            where += np.arange(len(s))
+            src[where], item[where] = s, i
+        return src, item
+
+    def _due_order_in(
+        self, starts: np.ndarray, stops: np.ndarray, j: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Runs whose items all fall due in segment j, concatenated, in due order."""
+        k, n_runs = self.k, len(starts)
+        c = self._counts_kernel(np.concatenate([starts, stops]), j)
+        c_a, c_b = c[:n_runs], c[n_runs:]
+        cnt = (c_b - c_a).ravel()
+        total = int(cnt.sum())
+        lengths = stops - starts
+        flat_src = np.repeat(np.tile(np.arange(k, dtype=np.int64), n_runs), cnt)
+        first = np.cumsum(cnt) - cnt
+        within = np.arange(total, dtype=np.int64) - np.repeat(first, cnt)
+        item = np.repeat(c_a.ravel(), cnt) + within
+        prm, mode = self._params(j)
+        # u: items the floor term must supply (h covers an item due at d = 0)
+        u = item - (prm["NB"][0] + prm["h"][0] - 1)[flat_src]
+        d = self._due(prm, mode, flat_src, u)
+        # order: run, then due point, then source. Due points of a run [s, e) lie in
+        # [s - k + 1, e - 1], so (x - s + k - 1) is in [0, length + k - 1).
+        rel = (prm["P"] + d) - (np.repeat(starts, lengths) - (k - 1))
+        span = lengths + (k - 1)
+        base = (np.cumsum(span) - span) * k
+        key = np.repeat(base, lengths) + rel * k + flat_src
+        order = np.argsort(key, kind="stable")
+        return flat_src[order], item[order]

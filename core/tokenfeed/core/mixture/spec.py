@@ -1,0 +1,203 @@
+"""A mixture's sources and schedule as the user gives them -> exact, validated segments.
+
+Pure: no I/O (files.py reads mixture files), no float arithmetic on weights.
+docs/mixtures.md, "Weights and segments" is the contract:
+
+* a weight is the shortest decimal that round-trips its float
+  (``Fraction(repr(float(w)))``), so every language that prints floats the shortest
+  way computes the same stream;
+* segment 0 is the base mixture, from token 0; each schedule entry starts a segment at
+  its `from_tokens` (strictly increasing) and names every source;
+* a segment's weights are normalized with exact rationals: source i's share is
+  ``a[i] / D`` (integers in lowest terms, sum of a = D).
+
+Errors are InvalidArgument whose `field` names the request field at fault
+(``sources[0].name``, ``schedule[1].weights['web']``) and starts the message.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from tokenfeed.core.errors import InvalidArgument
+from tokenfeed.core.limits import MAX_SOURCES, MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A schedule segment: from token `from_tokens` of the mixture stream on, these
+    weights (in source order)."""
+
+    from_tokens: int
+    weights: tuple[Fraction, ...]  # as given: exact decimals
+    a: tuple[int, ...]  # normalized: share i = a[i] / D
+    D: int
+
+    @property
+    def shares(self) -> tuple[Fraction, ...]:
+        return tuple(Fraction(x, self.D) for x in self.a)
+
+
+def parse_weight(value: Any, field: str) -> Fraction:
+    """A weight as the shortest decimal that round-trips its float, exactly.
+
+    0.7 is 7/10 (not the binary float 0.6999...), so every language that prints floats
+    the shortest way computes the same stream.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, str, Decimal, Fraction, np.integer, np.floating)
+    ):
+        raise InvalidArgument.at(field, f"must be a number, got {type(value).__name__} {value!r}")
+    try:
+        f = float(value)
+    except (ValueError, OverflowError):
+        raise InvalidArgument.at(field, f"must be a finite number, got {value!r}") from None
+    if math.isnan(f) or math.isinf(f):
+        raise InvalidArgument.at(field, f"must be a finite number, got {value!r}")
+    if f < 0:
+        raise InvalidArgument.at(field, f"must be >= 0, got {value!r}")
+    return Fraction(repr(f))
+
+
+def normalize(weights: Sequence[Fraction]) -> tuple[tuple[int, ...], int]:
+    """Exact weights -> integers a_i and D with a_i / D = w_i / sum(w) in lowest common
+    terms (D is the least common denominator of the shares; sum of a = D)."""
+    common = math.lcm(*(Fraction(w).denominator for w in weights))
+    m = [int(w * common) for w in weights]
+    total = sum(m)
+    if total == 0:
+        raise ValueError("all weights are 0")
+    g = math.gcd(total, *m)
+    return tuple(x // g for x in m), total // g
+
+
+def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segment, ...]]:
+    """(source names in order, segments) of a mixture.
+
+    `sources` is the base mixture (segment 0, from token 0): a mapping name -> weight
+    or a list of (name, weight) pairs; its order is the source order. `schedule` lists
+    later segments, each ``(from_tokens, weights)`` or ``{"from_tokens": N, "weights":
+    {...}}``, whose weights name every source.
+    """
+    base = _pairs(sources, "sources")
+    if not base:
+        raise InvalidArgument.at("sources", "a mixture needs at least one source")
+    if len(base) > MAX_SOURCES:
+        raise InvalidArgument.at("sources", f"at most {MAX_SOURCES} sources, got {len(base)}")
+    names: list[str] = []
+    for n, (name, _) in enumerate(base):
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument.at(
+                f"sources[{n}].name", f"must be a non-empty string, got {name!r}"
+            )
+        if name in names:
+            raise InvalidArgument.at(f"sources[{n}].name", f"duplicate source {name!r}")
+        names.append(name)
+    raw = [(0, _weights(names, base, "sources"))]
+    if schedule is None:
+        schedule = ()
+    if isinstance(schedule, (str, bytes, Mapping)) or not isinstance(schedule, Sequence):
+        raise InvalidArgument.at(
+            "schedule", f"must be a list of segments, got {type(schedule).__name__}"
+        )
+    for n, entry in enumerate(schedule):
+        field = f"schedule[{n}]"
+        tokens, weights = _schedule_entry(entry, field)
+        tokens = _from_tokens(tokens, f"{field}.from_tokens")
+        if tokens <= raw[-1][0]:
+            before = "the base mixture's 0" if n == 0 else f"schedule[{n - 1}]'s {raw[-1][0]}"
+            raise InvalidArgument.at(
+                f"{field}.from_tokens",
+                f"must be greater than {before}, got {tokens} (from_tokens must strictly increase)",
+            )
+        pairs = _pairs(weights, f"{field}.weights")
+        raw.append((tokens, _weights(names, pairs, f"{field}.weights")))
+    segments = tuple(Segment(tok, tuple(w), *normalize(w)) for tok, w in raw)
+    return tuple(names), segments
+
+
+def _weights(names: list[str], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
+    """A segment's (name, weight) pairs -> its exact weights in source order."""
+    by_name: dict[str, Fraction] = {}
+    for n, (name, value) in enumerate(pairs):
+        if not isinstance(name, str):
+            raise InvalidArgument.at(f"{field}[{n}]", f"source names are strings, got {name!r}")
+        if name in by_name:
+            raise InvalidArgument.at(f"{field}[{name!r}]", f"duplicate source {name!r}")
+        if name not in names:
+            raise InvalidArgument.at(
+                f"{field}[{name!r}]", f"{name!r} is not a source of the mixture {names}"
+            )
+        by_name[name] = parse_weight(value, f"{field}[{name!r}]")
+    missing = [x for x in names if x not in by_name]
+    if missing:
+        raise InvalidArgument.at(field, f"must name every source of the mixture; missing {missing}")
+    weights = [by_name[x] for x in names]
+    if not any(weights):
+        raise InvalidArgument.at(field, "all weights are 0; at least one must be positive")
+    return weights
+
+
+def _pairs(value: Any, field: str) -> list[tuple[Any, Any]]:
+    """A mapping or a sequence of (name, weight) pairs -> list of pairs."""
+    if isinstance(value, Mapping):
+        return list(value.items())
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InvalidArgument.at(
+            field,
+            f"must be a mapping name -> weight or a list of (name, weight) pairs, "
+            f"got {type(value).__name__}",
+        )
+    out = []
+    for n, item in enumerate(value):
+        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
+            raise InvalidArgument.at(
+                f"{field}[{n}]", f"must be a (name, weight) pair, got {item!r}"
+            )
+        out.append((item[0], item[1]))
+    return out
+
+
+def _from_tokens(value: Any, field: str) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise InvalidArgument.at(field, f"must be an integer token count, got {value!r}")
+    if isinstance(value, str):  # "2e9" (YAML 1.1 reads it as a string) or "2_000_000"
+        try:
+            exact = Decimal(value.strip().replace("_", ""))
+        except ArithmeticError:
+            raise InvalidArgument.at(
+                field, f"must be an integer token count, got {value!r}"
+            ) from None
+        if not exact.is_finite() or exact != exact.to_integral_value():
+            raise InvalidArgument.at(field, f"must be an integer token count, got {value!r}")
+        value = int(exact)
+    if isinstance(value, (float, np.floating)):
+        if not math.isfinite(value) or value != int(value):
+            raise InvalidArgument.at(field, f"must be an integer token count, got {value!r}")
+        value = int(value)
+    if not isinstance(value, (int, np.integer)):
+        raise InvalidArgument.at(field, f"must be an integer token count, got {value!r}")
+    value = int(value)
+    if not 0 < value <= MAX_TOKENS:
+        raise InvalidArgument.at(field, f"must be in (0, 2**62], got {value}")
+    return value
+
+
+def _schedule_entry(entry: Any, field: str) -> tuple[Any, Any]:
+    if isinstance(entry, Mapping):
+        unknown = set(entry) - {"from_tokens", "weights"}
+        if unknown or "from_tokens" not in entry or "weights" not in entry:
+            raise InvalidArgument.at(
+                field, f"must have exactly the keys from_tokens and weights, got {sorted(entry)}"
+            )
+        return entry["from_tokens"], entry["weights"]
+    if isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) or len(entry) != 2:
+        raise InvalidArgument.at(field, f"must be a (from_tokens, weights) pair, got {entry!r}")
+    return entry[0], entry[1]
