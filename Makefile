@@ -39,7 +39,7 @@ $(GRPC_JS): tests/grpc_js/package.json tests/grpc_js/package-lock.json
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
-# types (mypy: the package, strict on the core), format, style, and the import
+# types (mypy, strict over the whole package), format, style, and the import
 # contracts that keep the architecture (ARCHITECTURE.md) true
 lint: $(STAMP)
 	$(BIN)/mypy

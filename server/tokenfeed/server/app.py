@@ -28,7 +28,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from tokenfeed.core import native
 from tokenfeed.core.atomic import write_atomic
 from tokenfeed.core.store import TokenStore
 from tokenfeed.core.store.objects import GET_BUFFER_BYTES, is_url

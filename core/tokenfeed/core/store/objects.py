@@ -356,10 +356,6 @@ class ObjectStore:
     def __repr__(self) -> str:
         return f"ObjectStore({str(self.url)!r})"
 
-    @property
-    def credentials_source(self) -> str:
-        return self._settings.source
-
     def full(self, key: str) -> str:
         """The object's full URL, for messages."""
         return f"{SCHEME}{self.url.bucket}/{self.url.prefix}{key}"
