@@ -26,7 +26,7 @@ from tokenfeed.prepare.output import PROGRESS_NAME
 from tokenfeed.prepare.pipeline import PrepareConfig, prepare
 from tokenfeed.prepare.sources import IterableSource
 from tokenfeed.server.datasets import Catalog
-from tokenfeed.server.service import plan_for
+from tokenfeed.server.service import sampler_for
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -52,7 +52,7 @@ def stream(address: str, p: pb.SamplingParams) -> list[pb.Batch]:
 
 def check_positional(batches: list[pb.Batch], root: str, p: pb.SamplingParams) -> None:
     """Every batch is what the plan says, token by token (token i == i)."""
-    plans = list(plan_for(SamplingSpec.from_proto(p), Catalog(root).get(p.dataset)).batches(0, 0))
+    plans = list(sampler_for(SamplingSpec.from_proto(p), Catalog(root).get(p.dataset)).batches(0, 0))
     assert len(batches) == len(plans) > 0
     for b, bp in zip(batches, plans, strict=True):
         assert list(b.starts) == bp.starts.tolist()
@@ -184,7 +184,7 @@ def test_read_ahead_on_s3_reaches_into_the_next_epoch(s3_root: str) -> None:
         check_positional(stream(f.address, p), s3_root, p)
         ds = f.server.catalog.get("epochs")
         spec = SamplingSpec.from_proto(p)
-        first = next(plan_for(spec, ds).batches(1, 0)).starts.tolist()
+        first = next(sampler_for(spec, ds).batches(1, 0)).starts.tolist()
         wanted = {ds.store.chunk_of(s) for s in first}
         cache = f.server.cache
         wait_until(lambda: all(ds.chunk_key(c) in cache for c in wanted), 30, "read-ahead")

@@ -5,7 +5,7 @@ Everything is real: `tokenfeed serve` processes or in-process feeders on loopbac
 trainer subprocesses killed with SIGKILL, files damaged on disk while served. Stores
 are positional (token i == i), so every delivered token is checkable, and
 exactly-once is checked by window `starts` against the epoch order the sampling
-engine plans (`service.plan_for`, the server's own request -> DatasetSampler mapping).
+engine plans (`service.sampler_for`, the server's own request -> DatasetSampler mapping).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tokenfeed.core.errors import DataLoss
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.store import META_NAME
 from tokenfeed.server.datasets import Catalog
-from tokenfeed.server.service import plan_for
+from tokenfeed.server.service import sampler_for
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -201,7 +201,7 @@ def plan_starts(
 ) -> list[int]:
     """The starts the sampling engine plans for `rank` from `offset` (to offset `until`)."""
     p = pb.SamplingParams(split="train", split_rate=1.0, world_size=world_size, **SAMPLING)
-    plan = plan_for(SamplingSpec.from_proto(p), Catalog(root).get(SAMPLING["dataset"]))
+    plan = sampler_for(SamplingSpec.from_proto(p), Catalog(root).get(SAMPLING["dataset"]))
     return [
         s
         for bp in plan.batches(0, rank, offset)

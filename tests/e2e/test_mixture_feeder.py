@@ -387,7 +387,7 @@ def test_source_counters_count_exactly_the_tokens_of_each_source(mix_root: Path,
     spec = SamplingSpec(
         "", sources=(("a", 0.7), ("b", 0.3)), seq_len=SEQ, batch_size=B, shuffle=True, seed=3
     )
-    plan = service.mixture_plan_for(spec, sources)
+    plan = service.mixture_sampler_for(spec, sources)
     pipe = MessageBuilder(
         MixtureSpace.of(sources), plan, plan.rounds(0), per_message, ChunkCache(1 << 24), metrics
     )

@@ -26,7 +26,7 @@ from tokenfeed.server import assembly, readahead, rounds
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
-from tokenfeed.server.service import plan_for
+from tokenfeed.server.service import sampler_for
 
 from support import wait_until
 from support.stores import make_positional_store
@@ -114,7 +114,7 @@ def benchmark_shaped(
 def drive(ds: Dataset, cache: ChunkCache, spec: SamplingSpec, epochs: int) -> list[int]:
     """Each epoch's bursts, every read-ahead landed before the next: the bursts that
     had to wait for a chunk anyway (their numbers, counted over all epochs)."""
-    plan = plan_for(spec, ds)
+    plan = sampler_for(spec, ds)
     metrics = ServerMetrics(CollectorRegistry())
     waited, n = [], 0
     for epoch in range(epochs):
@@ -161,7 +161,7 @@ def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
     ds, cache = benchmark_shaped(tmp_path, "s", readahead_threads=4)
     ds.store.files.remote = True
     spec = SamplingSpec(dataset="s", seq_len=64, batch_size=4, shuffle=True, seed=1)
-    plan = plan_for(spec, ds)
+    plan = sampler_for(spec, ds)
     metrics = ServerMetrics(CollectorRegistry())
     looks = 0
     try:
@@ -211,7 +211,7 @@ def test_a_quiet_readahead_asks_what_the_whole_loop_asks(small: Dataset, per_mes
     `_quiet` before each burst), and the caches must end alike. The cache holds 14 of
     the 29 chunks, so chunks are evicted and asked for again as the stream goes on."""
     spec = SamplingSpec(dataset="s", seq_len=16, batch_size=8, shuffle=True, seed=3)
-    plan = plan_for(spec, small)
+    plan = sampler_for(spec, small)
     metrics = ServerMetrics(CollectorRegistry())
     runs, quiet = [], 0
     for forget in (False, True):
@@ -254,7 +254,7 @@ def policy_over(
 ) -> tuple[rounds.RoundQueue, readahead.ReadaheadPolicy]:
     """A stream's round queue at the start of epoch 0 and its read-ahead policy (a
     burst of 4 batches), no message builder around them."""
-    plan = plan_for(spec, ds)
+    plan = sampler_for(spec, ds)
     queue = rounds.RoundQueue(ds, plan.rounds(0, 0), plan.seq_len)
     policy = readahead.ReadaheadPolicy(
         ds, plan, queue, cache, 4, plan.rounds(1, 0) if then else None
@@ -362,7 +362,7 @@ def test_a_deep_look_at_an_epochs_end_reaches_into_the_next_epoch(tmp_path: Path
     shaped.close()
     ds.store.files.remote = True
     spec = SamplingSpec(dataset="s", seq_len=64, batch_size=4, shuffle=True, seed=1)
-    plan = plan_for(spec, ds)
+    plan = sampler_for(spec, ds)
     cache = _Recording(shaped.capacity, readahead_bytes=shaped.readahead_capacity)
     queue, policy = policy_over(ds, spec, cache, then=True)
     try:

@@ -27,7 +27,7 @@ from tokenfeed.core.request import SamplingSpec
 from tokenfeed.server import assembly, readahead, rounds, service, wire
 from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.metrics import serve_http
-from tokenfeed.server.service import plan_for
+from tokenfeed.server.service import sampler_for
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -73,7 +73,7 @@ def check_positional(b: pb.Batch, modulo: int) -> None:
 
 def expected(root: Path, p: pb.SamplingParams, epoch=0, rank=0, offset=0, step=0):
     ds = Catalog(root).get(p.dataset)
-    return list(plan_for(SamplingSpec.from_proto(p), ds).batches(epoch, rank, offset, step))
+    return list(sampler_for(SamplingSpec.from_proto(p), ds).batches(epoch, rank, offset, step))
 
 
 def assert_matches(
@@ -114,7 +114,7 @@ def test_info_lists_every_store_with_metadata_and_split_counts(feeder_root: Path
         (d,) = resp.datasets
         ds = Catalog(feeder_root).get(FEEDER_DATASET)
         for s in d.splits:
-            plan = plan_for(SamplingSpec.from_proto(p).with_(split=s.name), ds)
+            plan = sampler_for(SamplingSpec.from_proto(p).with_(split=s.name), ds)
             assert (s.tokens, s.windows, s.steps) == (
                 plan.split_end - plan.split_begin,
                 plan.num_windows,
@@ -313,7 +313,7 @@ def test_resume_at_an_offset_and_every_rank(feeder) -> None:
             seen += list(b.starts)
     assert len(seen) == len(set(seen))  # every window of the epoch once across ranks
     ds = Catalog(feeder.data_root).get(FEEDER_DATASET)
-    assert len(seen) == plan_for(SamplingSpec.from_proto(p), ds).num_windows
+    assert len(seen) == sampler_for(SamplingSpec.from_proto(p), ds).num_windows
 
 
 def test_uint16_store_and_nested_name(tmp_path: Path) -> None:

@@ -179,14 +179,14 @@ def test_a_stream_is_byte_identical_without_the_extension(tmp_path) -> None:
     from tokenfeed.server.cache import ChunkCache
     from tokenfeed.server.datasets import Catalog
     from tokenfeed.server.metrics import ServerMetrics
-    from tokenfeed.server.service import plan_for
+    from tokenfeed.server.service import sampler_for
 
     from support.stores import make_positional_store
 
     make_positional_store(tmp_path / "s", 30_000, 1_000, dtype="uint16")
     ds = Catalog(tmp_path).get("s")
     spec = SamplingSpec(dataset="s", seq_len=300, batch_size=3, stride=70, shuffle=True, seed=5)
-    plan = plan_for(spec, ds)
+    plan = sampler_for(spec, ds)
 
     def messages() -> list[bytes]:
         cache = ChunkCache(1 << 22)

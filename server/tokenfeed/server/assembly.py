@@ -1,4 +1,4 @@
-"""A stream's batch plans -> serialized StreamBatches messages, from the shared chunk cache.
+"""A stream's rank batches -> serialized StreamBatches messages, from the shared chunk cache.
 
 The feeder's hot path. A stream's rounds are located once each (rounds.py: where
 every row lies in the chunks, every batch's frames, the round as a splice program), so
@@ -94,7 +94,7 @@ def gather(ds: Dataset, cache: ChunkCache, pieces: np.ndarray) -> bytes:
 
 
 class MessageBuilder:
-    """One stream's rounds of batch plans -> serialized messages, a burst at a time.
+    """One stream's rounds of rank batches -> serialized messages, a burst at a time.
 
     Called from one thread at a time. Rounds are located as they are reached
     (rounds.RoundQueue), and after each burst the stream's read-ahead asks for the
@@ -105,7 +105,7 @@ class MessageBuilder:
     def __init__(
         self,
         ds: Dataset,
-        plan: sampling.DatasetSampler | MixtureSampler,
+        sampler: sampling.DatasetSampler | MixtureSampler,
         rounds: Iterator[sampling.Round],
         per_message: int,
         cache: ChunkCache,
@@ -115,13 +115,13 @@ class MessageBuilder:
     ) -> None:
         """`then`: the rounds of this rank's next epoch from its start (lazy: only a
         remote store's deep read-ahead looks at its first batches, as this one ends)."""
-        self.ds, self.plan, self.cache, self.metrics = ds, plan, cache, metrics
+        self.ds, self.sampler, self.cache, self.metrics = ds, sampler, cache, metrics
         self.documents = documents  # each batch's document ends, when the request asks
         self.per_message = per_message
         self.message_bytes = (
             per_message
-            * plan.batch_size
-            * (plan.seq_len + plan.max_shift)
+            * sampler.batch_size
+            * (sampler.seq_len + sampler.max_shift)
             * ds.store.dtype.itemsize
         )
         self.burst_messages = max(1, min(BURST_MESSAGES, BURST_BYTES // self.message_bytes))
@@ -130,14 +130,14 @@ class MessageBuilder:
         # are written (service.SourceCounters).
         self.by_source: deque[list[Span]] | None = None
         sources = 0
-        if isinstance(plan, MixtureSampler):
+        if isinstance(sampler, MixtureSampler):
             self.by_source = deque()
-            sources = len(plan.spec.sources)
-        self.rounds = RoundQueue(ds, rounds, plan.seq_len, sources)
+            sources = len(sampler.spec.sources)
+        self.rounds = RoundQueue(ds, rounds, sampler.seq_len, sources)
         # the last burst's chunks, their keys and count by dataset, as an array (_pin)
         self._pins: tuple[list[int], list[Hashable], dict[str, int], np.ndarray] | None = None
         self.readahead = ReadaheadPolicy(
-            ds, plan, self.rounds, cache, self.burst_messages * per_message, then
+            ds, sampler, self.rounds, cache, self.burst_messages * per_message, then
         )
         self.readahead.look_ahead()
 

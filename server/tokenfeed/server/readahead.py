@@ -84,13 +84,15 @@ MAX_DEEP_BATCHES = 16384
 ASKED_LIMIT = 4096
 
 
-def group_batches(plan: sampling.DatasetSampler | MixtureSampler) -> int:
+def group_batches(sampler: sampling.DatasetSampler | MixtureSampler) -> int:
     """This rank's batches per shuffle group (a step takes batch_size x world_size
     windows); 0 for a mixture, whose sources have groups of their own."""
-    if not isinstance(plan, sampling.DatasetSampler):
+    if not isinstance(sampler, sampling.DatasetSampler):
         return 0
-    group_windows = plan.windows_per_block * (plan.spec.shuffle_blocks if plan.shuffle else 1)
-    return -(-group_windows // (plan.batch_size * plan.world_size))
+    group_windows = sampler.windows_per_block * (
+        sampler.spec.shuffle_blocks if sampler.shuffle else 1
+    )
+    return -(-group_windows // (sampler.batch_size * sampler.world_size))
 
 
 def deep_batches(group: int, near: int) -> int:
@@ -145,17 +147,17 @@ class ReadaheadPolicy:
     def __init__(
         self,
         ds: Dataset,
-        plan: sampling.DatasetSampler | MixtureSampler,
+        sampler: sampling.DatasetSampler | MixtureSampler,
         rounds: RoundQueue,
         cache: ChunkCache,
         burst_batches: int,
         then: Iterator[sampling.Round] | None = None,
     ) -> None:
         self.ds, self.rounds, self.cache = ds, rounds, cache
-        self.shuffle = plan.shuffle
+        self.shuffle = sampler.shuffle
         self.batches = max(READAHEAD_BATCHES, burst_batches)  # the near look's
-        self.deep = deep_batches(group_batches(plan), self.batches)  # a deep look's
-        self._then = RoundQueue(ds, iter(()) if then is None else then, plan.seq_len)
+        self.deep = deep_batches(group_batches(sampler), self.batches)  # a deep look's
+        self._then = RoundQueue(ds, iter(()) if then is None else then, sampler.seq_len)
         self._bursts = 0  # calls so far: one at the start, then one per burst
         self._at = 0  # the stream's batch the last call looked from
         self._asked: dict[int, int] = {}  # chunk -> call (`_bursts`) when last asked for

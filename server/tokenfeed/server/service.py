@@ -1,4 +1,4 @@
-"""The Feeder gRPC service: requests -> sampling plans -> messages from the chunk cache.
+"""The Feeder gRPC service: requests -> samplers -> messages from the chunk cache.
 
 The servicer is thin on purpose: it turns a request into a `sampling.DatasetSampler` and an
 `assembly.MessageBuilder`, and writes out the messages it builds. Domain errors
@@ -61,7 +61,7 @@ MAX_BATCHES_PER_MESSAGE = 1024  # docs/serving.md, "Limits"
 DEFAULT_CLIENT_MESSAGE_BYTES = 4 << 20
 
 
-# ----------------------------------------------------------------- requests -> plans
+# ----------------------------------------------------------------- requests -> samplers
 
 
 def block_tokens(ds: Dataset) -> int:
@@ -71,13 +71,13 @@ def block_tokens(ds: Dataset) -> int:
     return max(1, min(tokens or sampling.DEFAULT_BLOCK_TOKENS, MAX_PARAM))
 
 
-def plan_for(spec: SamplingSpec, ds: Dataset) -> sampling.DatasetSampler:
+def sampler_for(spec: SamplingSpec, ds: Dataset) -> sampling.DatasetSampler:
     """The spec's sampler over a dataset (FailedPrecondition if its split is too short)."""
     return sampling.DatasetSampler(spec, ds.store.total_tokens, block_tokens=block_tokens(ds))
 
 
-def mixture_plan_for(spec: SamplingSpec, sources: list[Dataset]) -> MixtureSampler:
-    """A mixture spec's plan over its sources' stores (FailedPrecondition naming a
+def mixture_sampler_for(spec: SamplingSpec, sources: list[Dataset]) -> MixtureSampler:
+    """A mixture spec's sampler over its sources' stores (FailedPrecondition naming a
     source without a train window)."""
     return MixtureSampler(
         spec,
@@ -283,10 +283,10 @@ class FeederService:
             )
         sources = self._sources(spec)
         MixtureSpace.of(sources)  # the dtype check
-        plan = mixture_plan_for(spec, sources)
-        budget = plan.budget(request.budget_tokens)
+        sampler = mixture_sampler_for(spec, sources)
+        budget = sampler.budget(request.budget_tokens)
         resp = pb.InfoResponse()
-        for ds, b, tokens in zip(sources, budget.sources, plan.train_tokens, strict=True):
+        for ds, b, tokens in zip(sources, budget.sources, sampler.train_tokens, strict=True):
             info = _describe(resp, ds)
             one = spec.with_(sources=(), schedule=(), dataset=ds.name)
             for split in SPLITS:
@@ -319,14 +319,14 @@ class FeederService:
     def _prepare_stream(self, request: Any) -> MessageBuilder:
         request = self._decoded(request)
         spec = SamplingSpec.from_proto(request.params)
-        plan: sampling.DatasetSampler | MixtureSampler
+        sampler: sampling.DatasetSampler | MixtureSampler
         if spec.is_mixture:
             sources = self._sources(spec)
             ds: Dataset = MixtureSpace.of(sources)
-            plan = mixture_plan_for(spec, sources)
+            sampler = mixture_sampler_for(spec, sources)
         else:
             ds = self.catalog.get(spec.dataset)
-            plan = plan_for(spec, ds)
+            sampler = sampler_for(spec, ds)
         if not 0 <= request.batches_per_message <= MAX_BATCHES_PER_MESSAGE:
             raise InvalidArgument(
                 f"batches_per_message must be in [0, {MAX_BATCHES_PER_MESSAGE}] (0 or 1 = one "
@@ -337,42 +337,42 @@ class FeederService:
                 f"epoch and step must be non-negative, got epoch={request.epoch} "
                 f"step={request.step}"
             )
-        if isinstance(plan, MixtureSampler):
+        if isinstance(sampler, MixtureSampler):
             if request.epoch != 0:
                 raise InvalidArgument(
                     f"epoch: a mixture stream is endless and has no epochs; epoch must be 0, "
                     f"got {request.epoch}",
                     field="epoch",
                 )
-            plan.check(request.rank, request.offset, request.step)
+            sampler.check(request.rank, request.offset, request.step)
         else:
-            plan.steps(request.rank, request.offset)  # validates rank and offset
-        cols = plan.seq_len + plan.max_shift
+            sampler.steps(request.rank, request.offset)  # validates rank and offset
+        cols = sampler.seq_len + sampler.max_shift
         per_message = _fit_client_limit(
             max(1, request.batches_per_message),
             request.max_message_bytes,
-            plan.batch_size,
+            sampler.batch_size,
             cols,
             ds.store.dtype.itemsize,
             request.document_ends,
         )
-        message_bytes = per_message * plan.batch_size * cols * ds.store.dtype.itemsize
+        message_bytes = per_message * sampler.batch_size * cols * ds.store.dtype.itemsize
         if message_bytes > self.max_batch_bytes:  # the same as MessageBuilder.message_bytes
             raise InvalidArgument(
-                f"a message of {per_message} batch(es) x {plan.batch_size} rows x {cols} tokens "
+                f"a message of {per_message} batch(es) x {sampler.batch_size} rows x {cols} tokens "
                 f"x {ds.store.dtype.itemsize} bytes = {message_bytes} bytes exceeds the server's "
                 f"--max-batch-bytes {self.max_batch_bytes}; lower batch_size or "
                 "batches_per_message (or raise --max-batch-bytes)"
             )
         then = None  # a mixture has no epochs: its passes run on within one order
-        if isinstance(plan, MixtureSampler):
-            rounds = plan.rounds(request.rank, request.offset, request.step)
+        if isinstance(sampler, MixtureSampler):
+            rounds = sampler.rounds(request.rank, request.offset, request.step)
         else:
-            rounds = plan.rounds(request.epoch, request.rank, request.offset, request.step)
-            then = plan.rounds(request.epoch + 1, request.rank)  # a generator: nothing runs yet
+            rounds = sampler.rounds(request.epoch, request.rank, request.offset, request.step)
+            then = sampler.rounds(request.epoch + 1, request.rank)  # a generator: nothing runs yet
         ends = documents.for_dataset(ds) if request.document_ends else None
         return MessageBuilder(
-            ds, plan, rounds, per_message, self.cache, self.metrics, ends, then=then
+            ds, sampler, rounds, per_message, self.cache, self.metrics, ends, then=then
         )
 
     async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -398,7 +398,7 @@ class FeederService:
     async def _stream(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         loop = asyncio.get_running_loop()
         pipe = await loop.run_in_executor(self.executor, self._prepare_stream, request)
-        labels = {"dataset": pipe.ds.name, "split": pipe.plan.split}
+        labels = {"dataset": pipe.ds.name, "split": pipe.sampler.split}
         batches_sent = self.metrics.batches_sent.labels(**labels)
         tokens_sent = self.metrics.tokens_sent.labels(**labels, source="")
         bytes_sent = self.metrics.bytes_sent.labels(**labels)
