@@ -101,7 +101,7 @@ def test_unknown_files_tokenizer_and_local_dataset(tmp_path, tok_dir, capsys):
         out,
     )
     assert "no file matches" in err
-    (tmp_path / "data.xml").write_text("<text>hello</text>\n")  # (.csv is read since issue 14)
+    (tmp_path / "data.xml").write_text("<text>hello</text>\n")  # (.csv is a format prepare reads)
     err = fails(
         capsys, "prepare", "--files", tmp_path / "data.xml", "--tokenizer", tok_dir, "--output", out
     )

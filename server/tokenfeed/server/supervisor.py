@@ -19,7 +19,7 @@ FeederServer, and stays out of the data path:
   more than --cache-bytes (a chunk several workers map is counted once per worker in
   that bound and held once in memory). A worker evicting a chunk unmaps it; mapping it
   again while the page cache still holds it costs a page-table fill, not a read or a
-  checksum. Measured against N private copies, see the README ("Several cores").
+  checksum. Measured against N private copies: benchmarks/workers_memory.py.
   The alternative, a shared-memory arena with one cross-process LRU, would count a
   shared chunk once but needs locks and pins that survive a worker killed while
   holding them; the page cache already is that arena, kept by the kernel.
