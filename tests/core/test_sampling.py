@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tokenfeed.core import keyed
@@ -90,7 +90,6 @@ def test_readme_example_literally() -> None:
     assert rows[0][:8].reshape(8 // 2, 2).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-@settings(max_examples=300, deadline=None)
 @given(plans())
 def test_every_window_exactly_once_per_epoch(plan: Plan) -> None:
     delivered = Counter(s for rank in epoch_starts(plan) for b in rank for s in b[3])
@@ -104,7 +103,6 @@ def test_every_window_exactly_once_per_epoch(plan: Plan) -> None:
         assert set(delivered) == windows
 
 
-@settings(max_examples=200, deadline=None)
 @given(plans())
 def test_windows_stay_inside_the_split(plan: Plan) -> None:
     for rank in epoch_starts(plan):
@@ -115,7 +113,6 @@ def test_windows_stay_inside_the_split(plan: Plan) -> None:
                 assert (s - plan.split_begin) % plan.stride == 0
 
 
-@settings(max_examples=200, deadline=None)
 @given(plans())
 def test_step_layout_and_len(plan: Plan) -> None:
     """Step s covers [o_s, o_s + B*W); len() matches what is delivered."""
@@ -130,7 +127,6 @@ def test_step_layout_and_len(plan: Plan) -> None:
             assert 1 <= len(starts) <= plan.batch_size
 
 
-@settings(max_examples=200, deadline=None)
 @given(plans(), st.integers(0, 2**32))
 def test_deterministic_and_resumable_at_any_step(plan: Plan, pick: int) -> None:
     full = epoch_starts(plan, epoch=3)
@@ -143,7 +139,6 @@ def test_deterministic_and_resumable_at_any_step(plan: Plan, pick: int) -> None:
     assert resumed == [r[k:] for r in full]
 
 
-@settings(max_examples=300, deadline=None)
 @given(plans(), st.integers(1, 6), st.integers(0, 2**32))
 def test_elastic_resume_is_exactly_once(plan: Plan, new_world: int, pick: int) -> None:
     """W ranks up to a step boundary, then another world size from that offset."""
@@ -173,7 +168,6 @@ def _with(plan: Plan, **changes) -> Plan:
     return make_plan(**(spec | sizes | changes))
 
 
-@settings(max_examples=100, deadline=None)
 @given(plans(auto=True))
 def test_auto_shift_is_one_proper_divisor_per_step_shared_by_ranks(plan: Plan) -> None:
     by_offset: dict[int, set[int]] = {}
@@ -222,7 +216,6 @@ def test_epochs_and_seeds_give_different_orders() -> None:
     assert flat != sorted(flat)
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5000), st.integers(0, 2**64 - 1))
 def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
     perm = _Permutation(n, key)
@@ -232,7 +225,6 @@ def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
     assert np.array_equal(perm.inverse(y), x)
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.integers(1, 2**62), min_size=1, max_size=40),
     st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40),
@@ -269,7 +261,6 @@ def test_the_c_permutation_refuses_what_it_cannot_map() -> None:
         keyed.permute(np.array([1, 2]), 3, rk[:4])
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     st.integers(1, 3000),
     st.integers(1, 200),
@@ -285,7 +276,6 @@ def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> 
     np.testing.assert_array_equal(order.windows(np.array(positions)), ascending[positions])
 
 
-@settings(max_examples=200, deadline=None)
 @given(plans(), st.integers(0, 2**32))
 def test_rounds_are_the_batches_in_bulk(plan: Plan, pick: int) -> None:
     """Rounds (what the server assembles) are consecutive steps, full but for the
@@ -305,7 +295,6 @@ def test_rounds_are_the_batches_in_bulk(plan: Plan, pick: int) -> None:
     assert all(r.starts.shape == (len(r), plan.batch_size) for r in rounds)
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 3000), st.integers(1, 200), st.integers(1, 10), st.integers(0, 99))
 def test_block_shuffle_touches_only_its_group_blocks(
     n: int, wpb: int, shuffle_blocks: int, seed: int

@@ -10,11 +10,13 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.feather as feather
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.prepare.readers import iter_arrow_texts, iter_csv_texts
+
+from support import fewer_examples
 
 DOCS = ["first doc", "", 'multi\nline, with "quotes"', "ünïcödé ✓", "last"]
 
@@ -102,7 +104,7 @@ def test_csv_gzip_bom_and_bad_utf8(tmp_path: Path) -> None:
     assert list(iter_csv_texts(p, "text")) == ["ok", "bad \ufffd byte"]
 
 
-@settings(max_examples=40, deadline=None)
+@fewer_examples(4)  # a file written and read each
 @given(
     st.lists(
         st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r")),

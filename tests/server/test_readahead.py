@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
@@ -65,7 +65,6 @@ def row_chunks(ds: Dataset, lr: assembly.LocatedRound, r: int, cols: int) -> lis
     ]
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),
     seq_len=st.sampled_from([16, 300, 900, 1500]),  # rows within one chunk .. over three

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core import sampling
@@ -202,7 +202,6 @@ def test_worker_thread_path_sends_the_same(feeder_root, monkeypatch, per_message
         assert f.server.cache.stats.evictions > 0 and f.server.cache.pinned_count == 0
 
 
-@settings(max_examples=300, deadline=None)
 @given(
     st.integers(0, 2**62),
     st.integers(0, 2**40),

@@ -1,6 +1,7 @@
 """Helpers shared by the tests, one home each (fixtures live in tests/conftest.py):
 
-- here: free ports, waits with deadlines, the metric series our classes register;
+- here: free ports, waits with deadlines, the metric series our classes register,
+  fewer Hypothesis examples for an expensive test (profiles: tests/conftest.py);
 - `stores`: positional, document and Megatron stores, a sampling Plan;
 - `feeders`: a real feeder in process or as a `tokenfeed serve` subprocess;
 - `pki`, `seaweed` (a real S3 server), `faultproxy` / `s3faultproxy` (faults on the
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hypothesis import settings
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.client.metrics import ClientMetrics
@@ -37,6 +39,12 @@ def wait_until(ready: Callable[[], object], timeout: float, what: str, poll: flo
     while not ready():
         assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
         time.sleep(poll)
+
+
+def fewer_examples(by: int) -> settings:
+    """Settings for a test whose every example is expensive: the loaded profile's
+    max_examples divided by `by` (at least one), so a profile scales it too."""
+    return settings(max_examples=max(1, settings.default.max_examples // by))
 
 
 _SUFFIXES = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
