@@ -156,7 +156,7 @@ def test_streams_opened_together_share_one_head_of_a_remote_store(
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         catalog = Catalog(s3_root)
         first = catalog.get("x")
-        time.sleep(2.1)  # the probe is out of date: the next get makes one
+        time.sleep(2.1)  # time passing is under test: the probe is stale, the next get makes one
         proxy.configure(latency=0.1)  # a slow HEAD, so the threads below arrive during it
         heads = proxy.methods_seen.get("HEAD", 0)
         got: list[datasets.Dataset] = []

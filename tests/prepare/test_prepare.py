@@ -1,6 +1,6 @@
 """`tokenfeed prepare`: sources, chunking, EOS, resume, shards + merge, offline GPT-2.
 
-All offline: generated corpora and a BPE trained in the test session (prepare_support).
+All offline: generated corpora and a BPE trained in the test session (tests/support/prepare.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tokenfeed.prepare.output import PROGRESS_NAME
 from tokenfeed.prepare.pipeline import PrepareConfig, prepare
 from tokenfeed.prepare.sources import IterableSource
 
+from support import wait_until
 from support.prepare import (
     expected_tokens,
     make_documents,
@@ -395,7 +396,6 @@ def test_sigkilled_prepare_resumes(tmp_path, tok_dir):
     """A real crash: SIGKILL the CLI once chunks are on disk, then re-run the command."""
     import subprocess
     import sys
-    import time
 
     src = write_jsonl(tmp_path / "big.jsonl", make_documents(6_000, seed=3))
     argv = [
@@ -415,12 +415,14 @@ def test_sigkilled_prepare_resumes(tmp_path, tok_dir):
     out = tmp_path / "crashed"
     proc = subprocess.Popen([*argv, "--output", str(out)], stderr=subprocess.DEVNULL)
     progress = out / PROGRESS_NAME
+
+    def three_chunks_or_ended() -> bool:
+        return proc.poll() is not None or (
+            progress.exists() and len(json.loads(progress.read_text())["chunks"]) >= 3
+        )
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if progress.exists() and len(json.loads(progress.read_text())["chunks"]) >= 3:
-                break
-            time.sleep(0.01)
+        wait_until(three_chunks_or_ended, 120, "three chunks in the progress file", poll=0.01)
         assert proc.poll() is None, "the run ended before it could be killed"
         proc.kill()
     finally:

@@ -120,7 +120,7 @@ class FaultProxy:
                 ready, _, _ = select.select([down, up], [], [], 0.1)
                 with self._lock:
                     mode, delay = self._mode, self._delay
-                if mode == "blackhole":
+                if mode == "blackhole":  # forward nothing, without spinning on readable sockets
                     time.sleep(0.05)
                     continue
                 for src in ready:

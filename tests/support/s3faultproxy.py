@@ -34,11 +34,14 @@ forwards bytes unchanged, so SigV4 still verifies upstream.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import random
 import socket
 import struct
+import termios
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 
@@ -281,11 +284,28 @@ class S3FaultProxy:
         elif kind == "truncate":
             w.close()
         else:  # reset: RST, not FIN
-            await asyncio.sleep(0.01)  # let the partial body leave the send buffer
             sock = w.get_extra_info("socket")
+            await _delivered(w)  # an RST drops what the peer has not acknowledged
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             w.transport.abort()
+
+
+async def _delivered(w: asyncio.StreamWriter) -> None:
+    """Until the peer has acknowledged every byte written to `w` (5 s at most: a peer
+    that stopped reading gets its reset anyway)."""
+    sock = w.get_extra_info("socket")
+
+    def unacknowledged() -> int:  # in asyncio's buffer, then in the kernel's send queue
+        queued = w.transport.get_write_buffer_size()
+        if sock is not None:
+            raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4)
+            queued += struct.unpack("i", raw)[0]
+        return queued
+
+    deadline = time.monotonic() + 5.0
+    while unacknowledged() and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
 
 
 async def _drain_body(r: asyncio.StreamReader, head: _Head, w: asyncio.StreamWriter | None) -> None:
