@@ -162,7 +162,13 @@ def test_prepare_reads_arrow_feather_and_csv_like_jsonl(tmp_path: Path, tok_dir:
     """The same documents as .jsonl, .arrow, .feather and .csv make the same tokens."""
     from tokenfeed.cli import main
 
-    from support.prepare import expected_tokens, make_documents, store_tokens, write_jsonl
+    from support.prepare import (
+        expected_tokens,
+        make_documents,
+        prepare_argv,
+        store_tokens,
+        write_jsonl,
+    )
 
     docs = make_documents(120, seed=5)
     t = pa.table({"id": list(range(len(docs))), "body": docs})
@@ -173,8 +179,7 @@ def test_prepare_reads_arrow_feather_and_csv_like_jsonl(tmp_path: Path, tok_dir:
     want = expected_tokens(tok_dir, docs)
     for name in ("d.jsonl", "d.arrow", "d.feather", "d.csv"):
         out = tmp_path / f"store-{name}"
-        argv = ["prepare", "--files", str(tmp_path / name), "--tokenizer", str(tok_dir)]
-        argv += ["--output", str(out), "--text-field", "body", "--no-progress"]
+        argv = prepare_argv(tmp_path / name, tok_dir, out, "--text-field", "body", "--no-progress")
         assert main(argv) == 0
         np.testing.assert_array_equal(store_tokens(out), want)
     assert main([*argv[:-3], "--text-field", "nope", "--output", str(tmp_path / "x")]) == 2
