@@ -195,7 +195,7 @@ def test_a_stream_from_s3_never_waits_once_its_read_aheads_land(s3_root: str) ->
     """test_readahead.py's policy check over real object storage: every read-ahead of
     a stream is let land (GETs from SeaweedFS) before its next burst; then no burst waits
     for a chunk: each was asked for in time and none needed soon was evicted."""
-    from test_readahead import benchmark_shaped, drive
+    from support.readahead import benchmark_shaped, drive
 
     ds, cache = benchmark_shaped(s3_root, "groups", readahead_threads=8)
     assert ds.store.remote
