@@ -32,21 +32,8 @@ from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 from support import registered_series, wait_until
 from support.feeders import FEEDER_DATASET, running_feeder
+from support.feeders import feeder_params as params
 from support.stores import make_positional_store, positional_rows
-
-
-def params(**kw) -> pb.SamplingParams:
-    base = dict(
-        dataset=FEEDER_DATASET,
-        split="train",
-        split_rate=0.9,
-        seq_len=64,
-        stride=48,
-        batch_size=4,
-        world_size=1,
-    )
-    base.update(kw)
-    return pb.SamplingParams(**base)
 
 
 def stub(address: str) -> pb_grpc.FeederStub:

@@ -6,6 +6,7 @@
 - `stores`: positional, document and Megatron stores, a sampling Plan;
 - `feeders`: a real feeder in process or as a `tokenfeed serve` subprocess;
 - `load`: many streams on one event loop, clients that vanish (test_load, benchmarks);
+- `readahead`: a stream's bursts against a real cache, read-aheads let land;
 - `pki`, `seaweed` (a real S3 server), `faultproxy` / `s3faultproxy` (faults on the
   wire), `prepare` (offline corpora and tokenizers), `documents_reference` (loop
   references of the document outputs).

@@ -20,6 +20,7 @@ from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
 
 from support.faultproxy import FaultProxy
+from support.feeders import feeder_params
 from support.stores import make_positional_store
 
 RANKS = 64  # the world size of every stream; 190 steps each in an epoch of the big store
@@ -31,19 +32,9 @@ def make_big_store(root: Path) -> None:
     make_positional_store(root / "big", 50_000_000, 1_000_000)
 
 
-def params(**changes: object) -> pb.SamplingParams:
-    base = dict(
-        dataset="big",
-        split="train",
-        split_rate=1.0,
-        seq_len=256,
-        stride=256,
-        batch_size=16,
-        world_size=RANKS,
-        shuffle=True,
-        seed=1,
-    )
-    return pb.SamplingParams(**(base | changes))
+# every stream: one of 64 ranks, steps of 16 shuffled 256-token windows, the whole store
+_WINDOWS = dict(seq_len=256, stride=256, batch_size=16, world_size=RANKS)
+PARAMS = feeder_params(dataset="big", split_rate=1.0, shuffle=True, seed=1, **_WINDOWS)
 
 
 async def stream(
@@ -56,7 +47,7 @@ async def stream(
     options = [("grpc.use_local_subchannel_pool", 1)]
     async with grpc.aio.insecure_channel(address, options=options) as ch:
         stub = feeder_pb2_grpc.FeederStub(ch)
-        call = stub.StreamBatches(pb.StreamBatchesRequest(params=params(), rank=rank))
+        call = stub.StreamBatches(pb.StreamBatchesRequest(params=PARAMS, rank=rank))
         starts: list[int] = []
         async for msg in call:
             for b in msg.batches:
@@ -82,7 +73,7 @@ def vanish(proxy: FaultProxy, n: int) -> None:
             proxy.address, options=[("grpc.use_local_subchannel_pool", 1)]
         )
         call = feeder_pb2_grpc.FeederStub(ch).StreamBatches(
-            pb.StreamBatchesRequest(params=params(), rank=i % RANKS)
+            pb.StreamBatchesRequest(params=PARAMS, rank=i % RANKS)
         )
         try:
             await call.read()

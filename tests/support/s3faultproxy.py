@@ -330,6 +330,19 @@ async def _copy_body(
             w.write(data)
         return left is not None and left <= 0
 
+    async def copy(n: int) -> bool:
+        """Copy the next `n` bytes; True if the limit ran out first."""
+        while n:
+            data = await r.read(min(n, 1 << 16))
+            if not data:
+                raise asyncio.IncompleteReadError(b"", n)
+            n -= len(data)
+            if emit(data):
+                return True
+            if w is not None:
+                await w.drain()
+        return False
+
     if head.chunked():
         while True:
             line = await r.readuntil(b"\r\n")
@@ -341,16 +354,8 @@ async def _copy_body(
                     t = await r.readuntil(b"\r\n")
                     if emit(t) or t == b"\r\n":
                         return False
-            remaining = size + 2  # data + CRLF
-            while remaining:
-                data = await r.read(min(remaining, 1 << 16))
-                if not data:
-                    raise asyncio.IncompleteReadError(b"", remaining)
-                remaining -= len(data)
-                if emit(data):
-                    return False
-                if w is not None:
-                    await w.drain()
+            if await copy(size + 2):  # data + CRLF
+                return False
     n = head.content_length()
     if n is None:
         if head.start.startswith("HTTP/"):  # a response with no length: until close
@@ -361,13 +366,5 @@ async def _copy_body(
                     await w.drain()
             return True
         return False  # a request with no body
-    while n:
-        data = await r.read(min(n, 1 << 16))
-        if not data:
-            raise asyncio.IncompleteReadError(b"", n)
-        n -= len(data)
-        if emit(data):
-            return False
-        if w is not None:
-            await w.drain()
+    await copy(n)
     return False
