@@ -126,14 +126,15 @@ def test_a_thousand_vanishing_clients_leak_nothing(big_root: Path) -> None:
 
         def settled() -> tuple[int, int, float]:
             # A handler's task outlives its `finally` by the status sent to a dead peer:
-            # settled once no stream is active and the server runs no more tasks than idle.
+            # settled once no stream is active, the server runs no more tasks than idle
+            # and the proxy's connection threads (in this process too) have ended.
             def active() -> float:
                 return f.registry.get_sample_value("tokenfeed_server_streams_active")
 
             wait_until(
-                lambda: active() == 0 and f.call(tasks_on_server()) <= idle_tasks,
+                lambda: active() == 0 and f.call(tasks_on_server()) <= idle_tasks and proxy.quiet(),
                 30,
-                f"no active stream and the {idle_tasks} tasks of an idle server",
+                f"no active stream, the {idle_tasks} tasks of an idle server, a quiet proxy",
             )
             gc.collect()
             return threading.active_count(), _fds(), active()
