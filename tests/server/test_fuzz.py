@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FeederError, InvalidArgument
-from tokenfeed.core.request import SamplingSpec
-from tokenfeed.core.sampling import MixturePlan
+from tokenfeed.core.request import MAX_PARAM, SamplingSpec
+from tokenfeed.core.sampling import MAX_TOKENS, MixturePlan
 from tokenfeed.core.store import write_store
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
@@ -178,6 +178,9 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
         )
         _check_position(req)
         plan.steps(req.rank, req.offset)
+        # the first round checks what keeps the sampling math inside int64
+        if req.epoch > MAX_PARAM or req.step > MAX_TOKENS:
+            raise InvalidArgument("epoch or step too large")
     except FeederError as e:
         return e.code
     return _message_status(req, plan.batch_size * (plan.seq_len + plan.max_shift))
