@@ -82,7 +82,7 @@ def test_unknown_files_tokenizer_and_local_dataset(tmp_path, tok_dir, capsys):
     out = tmp_path / "out"
     err = fails(capsys, *prepare_argv(tmp_path / "nope*.jsonl", tok_dir, out))
     assert "no file matches" in err
-    (tmp_path / "data.xml").write_text("<text>hello</text>\n")  # (.csv is read since issue 14)
+    (tmp_path / "data.xml").write_text("<text>hello</text>\n")  # (.csv is a format read)
     err = fails(capsys, *prepare_argv(tmp_path / "data.xml", tok_dir, out))
     assert "unsupported file type" in err and ".jsonl" in err
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
