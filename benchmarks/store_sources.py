@@ -329,7 +329,7 @@ def main() -> int:
     ahead = parse_size(args.readahead_bytes) if args.readahead_bytes else 10 * 2 * per
     flags: dict[str, object] = {"cache_bytes": cache, "readahead_bytes": ahead}
     sys.path.insert(0, str(TESTS))
-    from seaweed import SeaweedS3
+    from support.seaweed import SeaweedS3
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 50_000, n, dtype=np.uint16)

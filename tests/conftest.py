@@ -1,15 +1,36 @@
-"""Shared fixtures: real stores on disk (no mocks of our own components)."""
+"""Shared fixtures: real stores on disk (no mocks of our own components).
+
+Hypothesis settings live here, once, as profiles; `TOKENFEED_HYPOTHESIS_PROFILE`
+picks one (pytest's `--hypothesis-profile NAME` too):
+
+- `default`: 150 examples a test, no deadline (a loaded machine must not fail a
+  test), the too_slow health check off (some strategies draw whole mixtures);
+- `ci`: 4 times the examples, and a failure prints the blob that replays it;
+- `thorough`: 30 times the examples, for a change to the sampling math or the wire.
+
+A test whose every example is expensive (attention in torch, files written) asks
+for a share of the profile's count with `support.fewer_examples`, never for a number.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tokenfeed.core.store import TokenStore
 
 from support.feeders import FEEDER_DATASET, running_feeder
 from support.stores import make_positional_store
+
+settings.register_profile(
+    "default", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("ci", settings.get_profile("default"), max_examples=600, print_blob=True)
+settings.register_profile("thorough", settings.get_profile("default"), max_examples=4500)
+settings.load_profile(os.environ.get("TOKENFEED_HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture

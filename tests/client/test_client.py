@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter
 
@@ -660,7 +660,6 @@ def test_stall_window_leaves_first_batch_waits_out_of_the_wall_time() -> None:
     assert w.value() == 0.0
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.tuples(st.floats(0, 3), st.floats(0, 0.5), st.booleans()), max_size=40),
     st.floats(1, 20),

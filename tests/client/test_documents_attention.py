@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core import documents as D
+
+from support import fewer_examples
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -53,7 +55,7 @@ def _per_document(lengths: list[int], q, k, v, seed: int | None = None):
 doc_lengths = st.lists(st.one_of(st.just(1), st.integers(1, 40)), min_size=1, max_size=6)
 
 
-@settings(max_examples=40, deadline=None)
+@fewer_examples(4)  # attention in torch, twice each
 @given(doc_lengths, st.integers(0, 2**31 - 1), st.booleans())
 def test_document_mask_equals_attention_per_document(lengths, seed, embed) -> None:
     seq_len, out, q, k, v = _packed_row(lengths, heads=2, dim=8, seed=seed)
@@ -67,7 +69,7 @@ def test_document_mask_equals_attention_per_document(lengths, seed, embed) -> No
     torch.testing.assert_close(packed, lone, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=40, deadline=None)
+@fewer_examples(4)  # attention in torch, per segment and per document
 @given(doc_lengths, st.integers(0, 2**31 - 1))
 def test_varlen_segments_are_the_documents(lengths, seed) -> None:
     seq_len, out, q, k, v = _packed_row(lengths, heads=2, dim=8, seed=seed)
@@ -84,7 +86,7 @@ def test_varlen_segments_are_the_documents(lengths, seed) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@settings(max_examples=10, deadline=None)
+@fewer_examples(15)  # a block mask built and flex attention run in eager mode each
 @given(doc_lengths, st.integers(0, 2**31 - 1))
 def test_flex_attention_document_mask(lengths, seed) -> None:
     flex = pytest.importorskip("torch.nn.attention.flex_attention")

@@ -10,6 +10,8 @@ import pytest
 
 from tokenfeed.client.handoff import Handoff
 
+from support import wait_until
+
 
 def test_fifo_bounded_and_queue_compatible() -> None:
     h = Handoff(2)
@@ -33,7 +35,7 @@ def test_a_waiting_loop_is_woken_by_the_reader() -> None:
     got: list[int] = []
     t = threading.Thread(target=lambda: got.append(h.get(timeout=30)))
     t.start()
-    time.sleep(0.05)  # the loop is waiting now (not required for correctness)
+    wait_until(lambda: h._waiting, 30, "the loop to wait for an item")
     h.put(7, timeout=1)
     t.join(30)
     assert got == [7]
@@ -56,7 +58,13 @@ def test_a_timed_out_get_or_a_stale_wake_leaves_no_trap() -> None:
         with pytest.raises(queue.Empty):
             h.get(timeout=0.001)
     h._wake.put(None)  # left by a put that raced with a loop that found its item anyway
-    t = threading.Thread(target=lambda: (time.sleep(0.05), h.put(1, timeout=1)))
+
+    def put_once_the_token_is_spent() -> None:
+        # the loop took the stale token, looked again and waits once more
+        wait_until(lambda: h._wake.empty() and h._waiting, 30, "the loop to wait again")
+        h.put(1, timeout=1)
+
+    t = threading.Thread(target=put_once_the_token_is_spent)
     t.start()
     assert h.get(timeout=30) == 1  # the stale token only made it look again
     t.join(30)
@@ -71,6 +79,7 @@ def test_a_loop_and_a_reader_at_uneven_paces_lose_nothing() -> None:
     n = 500
     pauses = [rng.choice((0, 0, 0, 1e-4)) for _ in range(2 * n)]
 
+    # the pauses are the uneven paces under test, not waits for anything
     def produce() -> None:
         for i in range(n):
             if pauses[i]:

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core import documents as D
@@ -85,7 +85,6 @@ def check(out: dict, ref: dict, rows: int, seq_len: int) -> None:
         np.testing.assert_array_equal(out["labels"], ref["labels"])
 
 
-@settings(max_examples=200, deadline=None)
 @given(corpora())
 def test_eos_batches_match_both_references(c: dict) -> None:
     buf = batch_of(c)
@@ -118,7 +117,6 @@ def test_eos_batches_match_both_references(c: dict) -> None:
     )
 
 
-@settings(max_examples=200, deadline=None)
 @given(corpora())
 def test_offsets_give_the_eos_ends(c: dict) -> None:
     buf = batch_of(c)
@@ -128,7 +126,6 @@ def test_offsets_give_the_eos_ends(c: dict) -> None:
     )
 
 
-@settings(max_examples=150, deadline=None)
 @given(corpora(), st.lists(st.integers(0, 39), max_size=5), st.randoms(use_true_random=False))
 def test_offsets_store_without_eos(c: dict, empty: list[int], rnd) -> None:
     """A store that records offsets needs no EOS: the tokens are arbitrary (EOS-valued
@@ -149,7 +146,6 @@ def test_offsets_store_without_eos(c: dict, empty: list[int], rnd) -> None:
     )
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 30), st.integers(1, 8), st.data())
 def test_cu_seqlens_invariants(rows: int, seq_len: int, shift: int, data) -> None:
     cols = seq_len + shift
@@ -168,7 +164,6 @@ def test_cu_seqlens_invariants(rows: int, seq_len: int, shift: int, data) -> Non
         np.testing.assert_array_equal(flat_pos[a:b], np.arange(b - a))
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5), st.integers(1, 30), st.integers(1, 8), st.data())
 def test_the_loop_and_numpy_paths_agree(rows: int, seq_len: int, shift: int, data) -> None:
     """sequences() loops over few ends and uses numpy for many: the same results."""
@@ -187,7 +182,6 @@ def test_the_loop_and_numpy_paths_agree(rows: int, seq_len: int, shift: int, dat
     np.testing.assert_array_equal(D.masked_labels(labels, loop), D.masked_labels(labels, vec))
 
 
-@settings(max_examples=100, deadline=None)
 @given(corpora(), st.booleans())
 def test_every_batch_gets_arrays_of_its_own(c: dict, loop: bool) -> None:
     """The outputs are contiguous, share no memory with each other, with the batch's

@@ -14,7 +14,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
@@ -33,8 +33,7 @@ from tokenfeed.core.mixture.passes import divmod_items
 from tokenfeed.core.mixture.steps import rank_steps, rounds
 from tokenfeed.core.shuffle import EpochOrder
 
-SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
+from support import fewer_examples
 
 # ------------------------------------------------------------------ the reference
 
@@ -133,7 +132,6 @@ def build(spec):
 # --------------------------------------------------------- closed form == definition
 
 
-@SETTINGS
 @given(mixtures(), st.integers(1, 250))
 def test_counts_equal_the_walk(spec, n):
     mix, ref = build(spec)
@@ -143,7 +141,6 @@ def test_counts_equal_the_walk(spec, n):
     assert mix.counts_at(np.arange(n + 1)).tolist() == [list(c) for c in expected]
 
 
-@SETTINGS
 @given(mixtures(), st.integers(0, 200), st.integers(0, 60))
 def test_a_jump_to_any_range_equals_walking_there(spec, a, length):
     mix, ref = build(spec)
@@ -152,7 +149,6 @@ def test_a_jump_to_any_range_equals_walking_there(spec, a, length):
     assert list(zip(src.tolist(), item.tolist(), strict=True)) == seq[a:]
 
 
-@SETTINGS
 @given(mixtures(), st.lists(st.integers(0, 200), min_size=1, max_size=6), st.integers(1, 20))
 def test_runs_equal_the_walk(spec, starts, length):
     mix, ref = build(spec)
@@ -162,7 +158,6 @@ def test_runs_equal_the_walk(spec, starts, length):
         assert list(zip(src[row].tolist(), item[row].tolist(), strict=True)) == seq[s : s + length]
 
 
-@SETTINGS
 @given(mixtures(), st.integers(1, 250))
 def test_bound_monotone_adds_up(spec, n):
     mix, ref = build(spec)
@@ -181,7 +176,6 @@ def test_bound_monotone_adds_up(spec, n):
         prev = c
 
 
-@SETTINGS
 @given(mixtures(max_k=5), st.integers(0, 300))
 def test_a_source_with_weight_zero_since_the_start_is_never_drawn(spec, n):
     mix, _ = build(spec)
@@ -190,7 +184,6 @@ def test_a_source_with_weight_zero_since_the_start_is_never_drawn(spec, n):
     assert all(c[i] == 0 for i in never)
 
 
-@SETTINGS
 @given(mixtures(max_segments=3), st.integers(1, 120), st.data())
 def test_appending_a_future_segment_changes_nothing_before_it(spec, gap, data):
     base, schedule, seq_len = spec
@@ -211,7 +204,6 @@ def test_appending_a_future_segment_changes_nothing_before_it(spec, gap, data):
 # --------------------------------------------------------- far offsets, big numbers
 
 
-@SETTINGS
 @given(
     st.lists(st.sampled_from(WEIGHTS[3:]), min_size=1, max_size=16),
     st.lists(st.integers(1, 1 << 40), min_size=0, max_size=5),
@@ -315,7 +307,6 @@ def delivered(rows):
     return out
 
 
-@SETTINGS
 @given(
     mixtures(),
     st.integers(1, 4),
@@ -333,7 +324,6 @@ def test_every_item_exactly_once_across_ranks(spec, B, W, steps, seed, shuffle, 
     assert got == want
 
 
-@SETTINGS
 @given(
     mixtures(),
     st.integers(1, 4),
@@ -357,7 +347,6 @@ def test_each_sources_passes_are_delivered_exactly_once(spec, B, W, steps, seed,
         }
 
 
-@SETTINGS
 @given(
     mixtures(),
     st.integers(1, 4),
@@ -380,7 +369,7 @@ def test_elastic_resume_continues_every_source(spec, B1, W1, s1, B2, W2, s2, see
     assert first + second == Counter((i, n) for i in range(mix.k) for n in range(end[i]))
 
 
-@SETTINGS
+@fewer_examples(2)  # every rank's steps of two mixtures walked each
 @given(
     mixtures(max_segments=3),
     st.integers(1, 4),
@@ -414,7 +403,6 @@ def test_elastic_resume_across_an_extended_schedule(
     assert first + second == Counter((i, n) for i in range(new.k) for n in range(end[i]))
 
 
-@SETTINGS
 @given(mixtures(), st.integers(1, 4), st.integers(1, 4), st.integers(1, 6), st.integers(0, 100))
 def test_shuffle_off_is_due_order_without_any_permutation(spec, B, W, steps, offset):
     mix, ref = build(spec)
@@ -426,7 +414,6 @@ def test_shuffle_off_is_due_order_without_any_permutation(spec, B, W, steps, off
             assert list(zip(src[s].tolist(), item[s].tolist(), strict=True)) == seq[lo : lo + B]
 
 
-@SETTINGS
 @given(
     mixtures(),
     st.integers(1, 4),
@@ -473,7 +460,6 @@ def test_step_permutation_is_a_bijection(n):
         assert np.array_equal(y, permute(np.arange(n), n, sk[row]))
 
 
-@SETTINGS
 @given(
     st.lists(st.sampled_from([0, 1, 2, 0.5, 0.3, 0.001]), min_size=1, max_size=40),
     st.integers(1, 8),
@@ -509,7 +495,7 @@ def test_step_order_is_the_keyed_bijection_of_the_source_major_layout(
             ]
 
 
-@SETTINGS
+@fewer_examples(2)  # an EpochOrder built per element drawn
 @given(
     st.lists(
         st.tuples(st.integers(1, 300), st.integers(1, 40), st.integers(0, 2**64 - 1)),
@@ -739,7 +725,6 @@ def test_anchored_floats_are_fixed_up_where_they_are_ambiguous():
     assert wrong_floats > 0 and wrong_dues > 0
 
 
-@SETTINGS
 @given(
     st.lists(
         st.tuples(

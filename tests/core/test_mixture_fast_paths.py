@@ -19,7 +19,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core import keyed, native
@@ -34,7 +34,6 @@ compiled = pytest.mark.skipif(
 
 
 @compiled
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.sampled_from([0, 1, 2, 3, 0.5, 0.001]), min_size=1, max_size=40),
     st.integers(1, 12),
@@ -88,7 +87,6 @@ def test_the_c_step_rows_refuses_bad_arrays():
         step_rows(sk, 8, 0, np.zeros((2, 3), dtype=np.int64).T, counts, out, out.copy())
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.tuples(st.integers(1, 5), st.integers(20, 3000)), min_size=1, max_size=10),
     st.integers(1, 8),

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tokenfeed.core import keyed, native
@@ -97,7 +97,6 @@ def test_readme_example_literally() -> None:
     assert rows[0][:8].reshape(8 // 2, 2).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-@settings(max_examples=300, deadline=None)
 @given(plans())
 def test_every_window_exactly_once_per_epoch(plan: DatasetSampler) -> None:
     delivered = Counter(s for rank in epoch_starts(plan) for b in rank for s in b[3])
@@ -111,7 +110,6 @@ def test_every_window_exactly_once_per_epoch(plan: DatasetSampler) -> None:
         assert set(delivered) == windows
 
 
-@settings(max_examples=200, deadline=None)
 @given(plans())
 def test_windows_stay_inside_the_split(plan: DatasetSampler) -> None:
     for rank in epoch_starts(plan):
@@ -122,7 +120,6 @@ def test_windows_stay_inside_the_split(plan: DatasetSampler) -> None:
                 assert (s - plan.split_begin) % plan.stride == 0
 
 
-@settings(max_examples=200, deadline=None)
 @given(plans())
 def test_step_layout_and_len(plan: DatasetSampler) -> None:
     """Step s covers [o_s, o_s + B*W); len() matches what is delivered."""
@@ -137,7 +134,6 @@ def test_step_layout_and_len(plan: DatasetSampler) -> None:
             assert 1 <= len(starts) <= plan.batch_size
 
 
-@settings(max_examples=200, deadline=None)
 @given(plans(), st.integers(0, 2**32))
 def test_deterministic_and_resumable_at_any_step(plan: DatasetSampler, pick: int) -> None:
     full = epoch_starts(plan, epoch=3)
@@ -150,7 +146,6 @@ def test_deterministic_and_resumable_at_any_step(plan: DatasetSampler, pick: int
     assert resumed == [r[k:] for r in full]
 
 
-@settings(max_examples=300, deadline=None)
 @given(plans(), st.integers(1, 6), st.integers(0, 2**32))
 def test_elastic_resume_is_exactly_once(plan: DatasetSampler, new_world: int, pick: int) -> None:
     """W ranks up to a step boundary, then another world size from that offset."""
@@ -180,7 +175,6 @@ def _with(plan: DatasetSampler, **changes) -> DatasetSampler:
     return make_plan(**(spec | sizes | changes))
 
 
-@settings(max_examples=100, deadline=None)
 @given(plans(auto=True))
 def test_auto_shift_is_one_proper_divisor_per_step_shared_by_ranks(plan: DatasetSampler) -> None:
     by_offset: dict[int, set[int]] = {}
@@ -229,7 +223,6 @@ def test_epochs_and_seeds_give_different_orders() -> None:
     assert flat != sorted(flat)
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 5000), st.integers(0, 2**64 - 1))
 def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
     perm = _Permutation(n, key)
@@ -240,7 +233,6 @@ def test_permutation_is_a_bijection_with_an_inverse(n: int, key: int) -> None:
 
 
 @compiled
-@settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.integers(1, 2**62), min_size=1, max_size=40),
     st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40),
@@ -276,7 +268,6 @@ def test_the_c_permutation_refuses_what_it_cannot_map() -> None:
         keyed.permute(np.array([1, 2]), 3, sk[:4])
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     st.integers(1, 3000),
     st.integers(1, 200),
@@ -292,7 +283,6 @@ def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> 
     np.testing.assert_array_equal(order.windows(np.array(positions)), ascending[positions])
 
 
-@settings(max_examples=200, deadline=None)
 @given(plans(), st.integers(0, 2**32))
 def test_rounds_are_the_batches_in_bulk(plan: DatasetSampler, pick: int) -> None:
     """Rounds (what the server assembles) are consecutive steps, full but for the
@@ -312,7 +302,6 @@ def test_rounds_are_the_batches_in_bulk(plan: DatasetSampler, pick: int) -> None
     assert all(r.starts.shape == (len(r), plan.batch_size) for r in rounds)
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 3000), st.integers(1, 200), st.integers(1, 10), st.integers(0, 99))
 def test_block_shuffle_touches_only_its_group_blocks(
     n: int, wpb: int, shuffle_blocks: int, seed: int

@@ -52,7 +52,9 @@ def stream(address: str, p: pb.SamplingParams) -> list[pb.Batch]:
 
 def check_positional(batches: list[pb.Batch], root: str, p: pb.SamplingParams) -> None:
     """Every batch is what the plan says, token by token (token i == i)."""
-    plans = list(sampler_for(SamplingSpec.from_proto(p), Catalog(root).get(p.dataset)).batches(0, 0))
+    plans = list(
+        sampler_for(SamplingSpec.from_proto(p), Catalog(root).get(p.dataset)).batches(0, 0)
+    )
     assert len(batches) == len(plans) > 0
     for b, bp in zip(batches, plans, strict=True):
         assert list(b.starts) == bp.starts.tolist()
@@ -156,7 +158,7 @@ def test_streams_opened_together_share_one_head_of_a_remote_store(
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         catalog = Catalog(s3_root)
         first = catalog.get("x")
-        time.sleep(2.1)  # the probe is out of date: the next get makes one
+        time.sleep(2.1)  # time passing is under test: the probe is stale, the next get makes one
         proxy.configure(latency=0.1)  # a slow HEAD, so the threads below arrive during it
         heads = proxy.methods_seen.get("HEAD", 0)
         got: list[datasets.Dataset] = []
@@ -195,7 +197,7 @@ def test_a_stream_from_s3_never_waits_once_its_read_aheads_land(s3_root: str) ->
     """test_readahead.py's policy check over real object storage: every read-ahead of
     a stream is let land (GETs from SeaweedFS) before its next burst; then no burst waits
     for a chunk: each was asked for in time and none needed soon was evicted."""
-    from test_readahead import benchmark_shaped, drive
+    from support.readahead import benchmark_shaped, drive
 
     ds, cache = benchmark_shaped(s3_root, "groups", readahead_threads=8)
     assert ds.store.remote

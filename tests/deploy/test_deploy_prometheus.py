@@ -46,7 +46,7 @@ from tokenfeed.client import FeederClient
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
-from support.feeders import FeederProcess
+from support.feeders import FeederProcess, feeder_params
 from support.stores import make_positional_store
 
 PROMETHEUS = shutil.which("prometheus")
@@ -206,17 +206,7 @@ def stack(tmp_path: Path) -> Iterator[Prometheus]:
         for t in trainers:
             t.start()
         with grpc.insecure_channel(feeder.address) as ch:  # an error counted by code
-            bad = pb.StreamBatchesRequest(
-                params=pb.SamplingParams(
-                    dataset="no-such-dataset",
-                    split="train",
-                    split_rate=1.0,
-                    seq_len=64,
-                    stride=64,
-                    batch_size=1,
-                    world_size=1,
-                )
-            )
+            bad = pb.StreamBatchesRequest(params=feeder_params(dataset="no-such-dataset"))
             with pytest.raises(grpc.RpcError) as info:
                 list(pb_grpc.FeederStub(ch).StreamBatches(bad, timeout=10))
             assert info.value.code() == grpc.StatusCode.NOT_FOUND

@@ -17,7 +17,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from tokenfeed.server.service import sampler_for
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
-from support import free_port
+from support import free_port, wait_until
 from support.feeders import FeederProcess, running_feeder
 from support.stores import assert_positional_batch, make_positional_store
 
@@ -90,9 +89,9 @@ with open(log_path, "a") as log:
         os.replace(tmp, ckpt_path)
         if batch["step"] + 1 == cfg.get("hang_after"):
             (work / "hanging").touch()
-            while True:
+            while True:  # a hung rank: the behaviour under test
                 time.sleep(1)
-        time.sleep(cfg["step_seconds"])
+        time.sleep(cfg["step_seconds"])  # the training step's time
 loader.close()
 (work / "done").touch()
 """
@@ -158,14 +157,14 @@ class Trainer:
         return (self.work / "stderr").read_text(errors="replace")
 
     def wait_for(self, done, what: str) -> None:
-        deadline = time.monotonic() + WAIT_SECONDS
-        while not done():
+        def ready() -> bool:
             assert self.proc is not None and self.proc.poll() is None, (
                 f"rank {self.cfg['rank']} exited ({self.proc.returncode}) before {what}:\n"
                 f"{self.stderr()}"
             )
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.01)
+            return bool(done())
+
+        wait_until(ready, WAIT_SECONDS, what, poll=0.01)
 
     def wait_step(self, step: int) -> None:
         self.wait_for(

@@ -35,26 +35,10 @@ def test_nanogpt_train_and_val(tmp_path, capsys):
     train.tofile(tmp_path / "train.bin")
     val.tofile(tmp_path / "val.bin")
     out = tmp_path / "store"
-    assert (
-        run(
-            "import",
-            "--format",
-            "nanogpt",
-            tmp_path / "train.bin",
-            tmp_path / "val.bin",
-            "--output",
-            out,
-            "--tokens-per-chunk",
-            1024,
-            "--tokenizer",
-            "gpt2",
-            "--eos-token-id",
-            50256,
-            "--vocab-size",
-            50257,
-        )
-        == 0
-    )
+    argv = ["import", "--format", "nanogpt", tmp_path / "train.bin", tmp_path / "val.bin"]
+    argv += ["--output", out, "--tokens-per-chunk", 1024, "--tokenizer", "gpt2"]
+    argv += ["--eos-token-id", 50256, "--vocab-size", 50257]
+    assert run(*argv) == 0
     assert "5000 uint16 tokens in 5 chunks" in capsys.readouterr().out
     np.testing.assert_array_equal(store_tokens(out / "train"), train)
     np.testing.assert_array_equal(store_tokens(out / "val"), val)
@@ -67,26 +51,7 @@ def test_nanogpt_train_and_val(tmp_path, capsys):
     )
     assert TokenStore.open(out / "val").verify() == []
     # the same command again: complete, nothing to do
-    assert (
-        run(
-            "import",
-            "--format",
-            "nanogpt",
-            tmp_path / "train.bin",
-            tmp_path / "val.bin",
-            "--output",
-            out,
-            "--tokens-per-chunk",
-            1024,
-            "--tokenizer",
-            "gpt2",
-            "--eos-token-id",
-            50256,
-            "--vocab-size",
-            50257,
-        )
-        == 0
-    )
+    assert run(*argv) == 0
 
 
 @pytest.mark.parametrize("magic,dtype", [(20240520, "uint16"), (20240801, "uint32")])

@@ -1,6 +1,6 @@
 """`tokenfeed prepare`: sources, chunking, EOS, resume, shards + merge, offline GPT-2.
 
-All offline: generated corpora and a BPE trained in the test session (prepare_support).
+All offline: generated corpora and a BPE trained in the test session (tests/support/prepare.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from tokenfeed.prepare.output import PROGRESS_NAME
 from tokenfeed.prepare.pipeline import PrepareConfig, prepare
 from tokenfeed.prepare.sources import IterableSource
 
+from support import wait_until
 from support.prepare import (
     expected_tokens,
     make_documents,
+    prepare_argv,
     store_tokens,
     write_jsonl,
     write_parquet,
@@ -40,22 +42,8 @@ def run(*argv: object) -> int:
 def test_jsonl_store_holds_every_document_then_eos(tmp_path, tok_dir, expected, capsys):
     src = write_jsonl(tmp_path / "corpus.jsonl", DOCS)
     out = tmp_path / "store"
-    assert (
-        run(
-            "prepare",
-            "--files",
-            src,
-            "--tokenizer",
-            tok_dir,
-            "--output",
-            out,
-            "--tokens-per-chunk",
-            500,
-            "--batch-size",
-            16,
-        )
-        == 0
-    )
+    argv = prepare_argv(src, tok_dir, out, "--tokens-per-chunk", 500, "--batch-size", 16)
+    assert main(argv) == 0
     assert f"{len(expected)} tokens, {len(DOCS)} documents" in capsys.readouterr().out
     store = TokenStore.open(out)
     meta = store.meta
@@ -72,19 +60,8 @@ def test_jsonl_store_holds_every_document_then_eos(tmp_path, tok_dir, expected, 
 
 def test_parquet_and_txt_sources(tmp_path, tok_dir, expected):
     pq = write_parquet(tmp_path / "corpus.parquet", DOCS, field="body")
-    run(
-        "prepare",
-        "--files",
-        pq,
-        "--text-field",
-        "body",
-        "--tokenizer",
-        tok_dir,
-        "--output",
-        tmp_path / "pq",
-        "--tokens-per-chunk",
-        1000,
-    )
+    flags = ["--text-field", "body", "--tokens-per-chunk", 1000]
+    main(prepare_argv(pq, tok_dir, tmp_path / "pq", *flags))
     np.testing.assert_array_equal(store_tokens(tmp_path / "pq"), expected)
 
     # a .txt file is one document: the glob's matches are read in sorted order
@@ -93,9 +70,7 @@ def test_parquet_and_txt_sources(tmp_path, tok_dir, expected):
     for i, doc in enumerate(DOCS[:12]):
         (texts / f"doc{i:03d}.txt").write_text(doc)
     (texts / "empty.txt").write_text("")  # an empty document adds nothing, not a lone EOS
-    run(
-        "prepare", "--files", f"{texts}/*.txt", "--tokenizer", tok_dir, "--output", tmp_path / "txt"
-    )
+    main(prepare_argv(f"{texts}/*.txt", tok_dir, tmp_path / "txt"))
     np.testing.assert_array_equal(
         store_tokens(tmp_path / "txt"), expected_tokens(tok_dir, DOCS[:12])
     )
@@ -106,21 +81,8 @@ def test_max_samples_and_batch_size(tmp_path, tok_dir):
     stores = []
     for i, batch in enumerate((1, 7, 1000)):
         out = tmp_path / f"s{i}"
-        run(
-            "prepare",
-            "--files",
-            src,
-            "--tokenizer",
-            tok_dir,
-            "--output",
-            out,
-            "--max-samples",
-            50,
-            "--batch-size",
-            batch,
-            "--tokens-per-chunk",
-            333,
-        )
+        flags = ["--max-samples", 50, "--batch-size", batch, "--tokens-per-chunk", 333]
+        main(prepare_argv(src, tok_dir, out, *flags))
         stores.append(out)
     ref = expected_tokens(tok_dir, DOCS[:50])
     for out in stores:  # the batch size changes speed, never bytes
@@ -130,24 +92,8 @@ def test_max_samples_and_batch_size(tmp_path, tok_dir):
 def test_num_proc_gives_the_same_store(tmp_path, tok_dir, expected):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "par"
-    assert (
-        run(
-            "prepare",
-            "--files",
-            src,
-            "--tokenizer",
-            tok_dir,
-            "--output",
-            out,
-            "--num-proc",
-            2,
-            "--batch-size",
-            9,
-            "--tokens-per-chunk",
-            400,
-        )
-        == 0
-    )
+    flags = ["--num-proc", 2, "--batch-size", 9, "--tokens-per-chunk", 400]
+    assert main(prepare_argv(src, tok_dir, out, *flags)) == 0
     np.testing.assert_array_equal(store_tokens(out), expected)
 
 
@@ -214,7 +160,7 @@ def _stats(docs: list[str]) -> dict[str, int]:
 def test_rerun_existing_output(tmp_path, tok_dir, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "store"
-    args = ["prepare", "--files", src, "--tokenizer", tok_dir, "--output", out]
+    args = prepare_argv(src, tok_dir, out)
     assert run(*args) == 0
     before = (out / META_NAME).read_text()
     capsys.readouterr()
@@ -252,19 +198,7 @@ def test_demo_with_max_samples_records_what_it_wrote(tmp_path):
 def test_shards_and_merge(tmp_path, tok_dir, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "sharded"
-    base = [
-        "prepare",
-        "--files",
-        src,
-        "--tokenizer",
-        tok_dir,
-        "--output",
-        out,
-        "--num-shards",
-        3,
-        "--tokens-per-chunk",
-        300,
-    ]
+    base = prepare_argv(src, tok_dir, out, "--num-shards", 3, "--tokens-per-chunk", 300)
     for i in (0, 2):
         assert run(*base, "--shard-index", i) == 0
     assert (out / "part-00000" / META_NAME).is_file()
@@ -287,22 +221,7 @@ def test_shards_and_merge(tmp_path, tok_dir, capsys):
 def test_merge_refuses_an_unfinished_part(tmp_path, tok_dir, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     out = tmp_path / "sharded"
-    assert (
-        run(
-            "prepare",
-            "--files",
-            src,
-            "--tokenizer",
-            tok_dir,
-            "--output",
-            out,
-            "--num-shards",
-            2,
-            "--shard-index",
-            0,
-        )
-        == 0
-    )
+    assert main(prepare_argv(src, tok_dir, out, "--num-shards", 2, "--shard-index", 0)) == 0
     cfg = PrepareConfig(
         source=_source(DOCS, 60),
         tokenizer=str(tok_dir),
@@ -338,10 +257,7 @@ def test_offline_gpt2_is_the_real_gpt2_bpe(tmp_path, monkeypatch):
 
     src = tmp_path / "doc.txt"
     src.write_text("Hello world")
-    assert (
-        run("prepare", "--files", src, "--tokenizer", "gpt2-offline", "--output", tmp_path / "g")
-        == 0
-    )
+    assert main(prepare_argv(src, "gpt2-offline", tmp_path / "g")) == 0
     store = TokenStore.open(tmp_path / "g")
     assert store.meta.tokenizer == "gpt2" and store.meta.dtype == "uint16"
     assert store.read_chunk(0).tolist() == [15496, 995, 50256]
@@ -395,41 +311,33 @@ def test_sigkilled_prepare_resumes(tmp_path, tok_dir):
     """A real crash: SIGKILL the CLI once chunks are on disk, then re-run the command."""
     import subprocess
     import sys
-    import time
 
     src = write_jsonl(tmp_path / "big.jsonl", make_documents(6_000, seed=3))
-    argv = [
-        sys.executable,
-        "-m",
-        "tokenfeed",
-        "prepare",
-        "--files",
-        str(src),
-        "--tokenizer",
-        str(tok_dir),
-        "--tokens-per-chunk",
-        "2000",
-        "--batch-size",
-        "1",
-    ]
+
+    def argv(out: Path) -> list[str]:
+        flags = ["--tokens-per-chunk", 2000, "--batch-size", 1]
+        return [sys.executable, "-m", "tokenfeed", *prepare_argv(src, tok_dir, out, *flags)]
+
     out = tmp_path / "crashed"
-    proc = subprocess.Popen([*argv, "--output", str(out)], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv(out), stderr=subprocess.DEVNULL)
     progress = out / PROGRESS_NAME
+
+    def three_chunks_or_ended() -> bool:
+        return proc.poll() is not None or (
+            progress.exists() and len(json.loads(progress.read_text())["chunks"]) >= 3
+        )
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if progress.exists() and len(json.loads(progress.read_text())["chunks"]) >= 3:
-                break
-            time.sleep(0.01)
+        wait_until(three_chunks_or_ended, 120, "three chunks in the progress file", poll=0.01)
         assert proc.poll() is None, "the run ended before it could be killed"
         proc.kill()
     finally:
         proc.kill()
         proc.wait(30)
     assert not (out / META_NAME).exists()
-    done = subprocess.run([*argv, "--output", str(out)], capture_output=True, text=True)
+    done = subprocess.run(argv(out), capture_output=True, text=True)
     assert done.returncode == 0 and "resumed after" in done.stdout, done.stderr
-    clean = subprocess.run([*argv, "--output", str(tmp_path / "clean")], capture_output=True)
+    clean = subprocess.run(argv(tmp_path / "clean"), capture_output=True)
     assert clean.returncode == 0
     assert [c.checksum for c in TokenStore.open(out).meta.chunks] == [
         c.checksum for c in TokenStore.open(tmp_path / "clean").meta.chunks

@@ -17,6 +17,7 @@ from tokenfeed.cli import main
 
 from support.prepare import (
     make_documents,
+    prepare_argv,
     sparse_tokenizer,
     train_tokenizer,
     write_jsonl,
@@ -38,12 +39,12 @@ def fails(capsys: pytest.CaptureFixture[str], *argv: object) -> str:
 def test_missing_text_field_names_the_fields(tmp_path, tok_dir, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS, field="content")
     out = tmp_path / "out"
-    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok_dir, "--output", out)
+    err = fails(capsys, *prepare_argv(src, tok_dir, out))
     assert "no text field 'text'" in err and "content, id" in err and "--text-field" in err
     assert not out.exists()
 
     pq = write_parquet(tmp_path / "c.parquet", DOCS, field="body")
-    err = fails(capsys, "prepare", "--files", pq, "--tokenizer", tok_dir, "--output", out)
+    err = fails(capsys, *prepare_argv(pq, tok_dir, out))
     assert "'text'" in err and "body, id" in err
     assert not out.exists()
 
@@ -55,18 +56,7 @@ def test_field_missing_midway_removes_written_chunks(tmp_path, tok_dir, capsys):
     out = tmp_path / "existing"
     out.mkdir()  # existed before: stays, but empty again
     err = fails(
-        capsys,
-        "prepare",
-        "--files",
-        src,
-        "--tokenizer",
-        tok_dir,
-        "--output",
-        out,
-        "--tokens-per-chunk",
-        50,
-        "--batch-size",
-        4,
+        capsys, *prepare_argv(src, tok_dir, out, "--tokens-per-chunk", 50, "--batch-size", 4)
     )
     assert f"c.jsonl:{len(rows)}" in err and "title" in err
     assert list(out.iterdir()) == []
@@ -75,7 +65,7 @@ def test_field_missing_midway_removes_written_chunks(tmp_path, tok_dir, capsys):
 def test_tokenizer_without_eos(tmp_path, capsys):
     tok = train_tokenizer(tmp_path / "no-eos", DOCS, eos=None)
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok, "--output", tmp_path / "out")
+    err = fails(capsys, *prepare_argv(src, tok, tmp_path / "out"))
     assert "no EOS token" in err
     assert not (tmp_path / "out").exists()
 
@@ -83,33 +73,20 @@ def test_tokenizer_without_eos(tmp_path, capsys):
 def test_token_ids_overflowing_the_dtype(tmp_path, capsys):
     tok = sparse_tokenizer(tmp_path / "sparse")  # 4 entries (uint16), but "big" is id 70000
     src = write_jsonl(tmp_path / "c.jsonl", ["small small", "small big small"])
-    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok, "--output", tmp_path / "out")
+    err = fails(capsys, *prepare_argv(src, tok, tmp_path / "out"))
     assert "token id 70000" in err and "uint16" in err
     assert not (tmp_path / "out").exists()
 
 
 def test_unknown_files_tokenizer_and_local_dataset(tmp_path, tok_dir, capsys):
     out = tmp_path / "out"
-    err = fails(
-        capsys,
-        "prepare",
-        "--files",
-        tmp_path / "nope*.jsonl",
-        "--tokenizer",
-        tok_dir,
-        "--output",
-        out,
-    )
+    err = fails(capsys, *prepare_argv(tmp_path / "nope*.jsonl", tok_dir, out))
     assert "no file matches" in err
     (tmp_path / "data.xml").write_text("<text>hello</text>\n")  # (.csv is a format prepare reads)
-    err = fails(
-        capsys, "prepare", "--files", tmp_path / "data.xml", "--tokenizer", tok_dir, "--output", out
-    )
+    err = fails(capsys, *prepare_argv(tmp_path / "data.xml", tok_dir, out))
     assert "unsupported file type" in err and ".jsonl" in err
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    err = fails(
-        capsys, "prepare", "--files", src, "--tokenizer", tmp_path / "no-such-tok", "--output", out
-    )
+    err = fails(capsys, *prepare_argv(src, tmp_path / "no-such-tok", out))
     assert "tokenizer directory" in err and "does not exist" in err
     err = fails(
         capsys,
@@ -158,19 +135,17 @@ def test_non_empty_output_without_overwrite(tmp_path, tok_dir, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    err = fails(capsys, "prepare", "--files", src, "--tokenizer", tok_dir, "--output", out)
+    err = fails(capsys, *prepare_argv(src, tok_dir, out))
     assert "not empty" in err and "--overwrite" in err
     # --overwrite deletes store files only, never a file tokenfeed did not write
-    err = fails(
-        capsys, "prepare", "--files", src, "--tokenizer", tok_dir, "--output", out, "--overwrite"
-    )
+    err = fails(capsys, *prepare_argv(src, tok_dir, out, "--overwrite"))
     assert "notes.txt" in err and "refusing to delete" in err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def test_bad_arguments(tmp_path, tok_dir, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
-    base = ["prepare", "--files", src, "--tokenizer", tok_dir, "--output", tmp_path / "o"]
+    base = prepare_argv(src, tok_dir, tmp_path / "o")
     assert "--shard-index" in fails(capsys, *base, "--num-shards", 2, "--shard-index", 2)
     assert "--tokens-per-chunk" in fails(capsys, *base, "--tokens-per-chunk", 0)
     assert "--output" in fails(capsys, "prepare", "--files", src, "--tokenizer", tok_dir)

@@ -16,7 +16,7 @@ import pytest
 
 from tokenfeed.core.store import META_NAME, TokenStore
 
-from support.prepare import make_documents, write_jsonl
+from support.prepare import make_documents, prepare_argv, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -38,15 +38,7 @@ def _prepare(corpus: Path, tok_dir: Path, out: Path) -> subprocess.CompletedProc
             sys.executable,
             "-m",
             "tokenfeed",
-            "prepare",
-            "--files",
-            str(corpus),
-            "--tokenizer",
-            str(tok_dir),
-            "--output",
-            str(out),
-            "--tokens-per-chunk",
-            "10000",
+            *prepare_argv(corpus, tok_dir, out, "--tokens-per-chunk", 10000),
         ],
         capture_output=True,
         text=True,

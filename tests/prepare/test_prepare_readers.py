@@ -10,11 +10,13 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.feather as feather
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.prepare.readers import iter_arrow_texts, iter_csv_texts
+
+from support import fewer_examples
 
 DOCS = ["first doc", "", 'multi\nline, with "quotes"', "ünïcödé ✓", "last"]
 
@@ -102,7 +104,7 @@ def test_csv_gzip_bom_and_bad_utf8(tmp_path: Path) -> None:
     assert list(iter_csv_texts(p, "text")) == ["ok", "bad \ufffd byte"]
 
 
-@settings(max_examples=40, deadline=None)
+@fewer_examples(4)  # a file written and read each
 @given(
     st.lists(
         st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r")),
@@ -160,7 +162,13 @@ def test_prepare_reads_arrow_feather_and_csv_like_jsonl(tmp_path: Path, tok_dir:
     """The same documents as .jsonl, .arrow, .feather and .csv make the same tokens."""
     from tokenfeed.cli import main
 
-    from support.prepare import expected_tokens, make_documents, store_tokens, write_jsonl
+    from support.prepare import (
+        expected_tokens,
+        make_documents,
+        prepare_argv,
+        store_tokens,
+        write_jsonl,
+    )
 
     docs = make_documents(120, seed=5)
     t = pa.table({"id": list(range(len(docs))), "body": docs})
@@ -171,8 +179,7 @@ def test_prepare_reads_arrow_feather_and_csv_like_jsonl(tmp_path: Path, tok_dir:
     want = expected_tokens(tok_dir, docs)
     for name in ("d.jsonl", "d.arrow", "d.feather", "d.csv"):
         out = tmp_path / f"store-{name}"
-        argv = ["prepare", "--files", str(tmp_path / name), "--tokenizer", str(tok_dir)]
-        argv += ["--output", str(out), "--text-field", "body", "--no-progress"]
+        argv = prepare_argv(tmp_path / name, tok_dir, out, "--text-field", "body", "--no-progress")
         assert main(argv) == 0
         np.testing.assert_array_equal(store_tokens(out), want)
     assert main([*argv[:-3], "--text-field", "nope", "--output", str(tmp_path / "x")]) == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -164,9 +163,7 @@ def test_readahead_does_not_push_out_chunks_in_use() -> None:
         pass
     assert 1 not in cache and 2 in cache and 3 in cache and 4 in cache
     assert cache.readahead(5, 100, lambda: chunk(5, 100))  # evicts 2
-    deadline = time.monotonic() + 30
-    while 5 not in cache and time.monotonic() < deadline:  # loaded (a load in flight stays)
-        time.sleep(0.01)
+    loaded(cache, 5)  # (a load in flight stays)
     assert cache.readahead(6, 100, lambda: chunk(6, 100))  # evicts 5, never used, not 3 or 4
     with cache.pinned(6, 100, lambda: chunk(6, 100)):
         pass
@@ -175,10 +172,7 @@ def test_readahead_does_not_push_out_chunks_in_use() -> None:
 
 
 def loaded(cache: ChunkCache, key: object) -> None:
-    deadline = time.monotonic() + 30
-    while key not in cache and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert key in cache
+    wait_until(lambda: key in cache, 30, f"chunk {key!r} to load")
 
 
 def test_readahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:

@@ -19,17 +19,18 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenfeed.core.errors import FeederError, InvalidArgument
+from tokenfeed.core.limits import MAX_PARAM, MAX_TOKENS
 from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.store import write_store
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
 
-from support.feeders import running_feeder
+from support.feeders import feeder_params, running_feeder
 from support.stores import make_plan, make_positional_store
 
 TOTAL = 10_000
@@ -104,6 +105,18 @@ SIZES = {"positions": TOTAL, "nested/small": 300}
 BLOCKS = {"positions": 1000, "nested/small": 100}
 
 
+def _check_position(req: pb.StreamBatchesRequest) -> None:
+    """The position's own bounds, checked before the plan's (InvalidArgument)."""
+    if not 0 <= req.batches_per_message <= 1024 or req.epoch < 0 or req.step < 0:
+        raise InvalidArgument("position")
+
+
+def _message_status(req: pb.StreamBatchesRequest, batch_tokens: int) -> str:
+    """The last check: a message of the request's batches (uint32) fits the limit."""
+    per_message = max(1, req.batches_per_message)
+    return "INVALID_ARGUMENT" if per_message * batch_tokens * 4 > MAX_BATCH_BYTES else "OK"
+
+
 def expected_mixture_status(req: pb.StreamBatchesRequest) -> str:
     """A mixture's status, in the server's order: the request's values (SamplingSpec
     is the oracle), each source's name, its train windows, the stream position, the
@@ -123,17 +136,13 @@ def expected_mixture_status(req: pb.StreamBatchesRequest) -> str:
             tuple(SIZES[n] for n in spec.source_names),
             tuple(BLOCKS[n] for n in spec.source_names),
         )
-        if not 0 <= req.batches_per_message <= 1024 or req.epoch < 0 or req.step < 0:
-            raise InvalidArgument("position")
+        _check_position(req)
         if req.epoch != 0:
             raise InvalidArgument("epoch")
         plan.check(req.rank, req.offset, req.step)
     except FeederError as e:
         return e.code
-    per_message = max(1, req.batches_per_message)
-    if per_message * spec.batch_size * (spec.seq_len + spec.max_shift) * 4 > MAX_BATCH_BYTES:
-        return "INVALID_ARGUMENT"
-    return "OK"
+    return _message_status(req, spec.batch_size * (spec.seq_len + spec.max_shift))
 
 
 def expected_status(req: pb.StreamBatchesRequest) -> str:
@@ -146,25 +155,16 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
     except FeederError as e:
         return e.code
     name = p.dataset
-    sizes = {"positions": TOTAL, "nested/small": 300}
-    parts = name.split("/")
-    if (
-        not name
-        or len(name) > 1024
-        or name.startswith("/")
-        or "\\" in name
-        or any(ord(c) < 32 or ord(c) == 127 for c in name)
-        or any(x in ("", ".", "..") for x in parts)
-    ):
+    if _bad_name(name):
         return "INVALID_ARGUMENT"
-    if name not in sizes:
+    if name not in SIZES:
         return "NOT_FOUND"
     mode = p.WhichOneof("shift_mode")
     shift = int(p.shift) if mode == "shift" else ("auto" if mode and p.auto_shift else 1)
     try:
         # The .proto's documented defaults for unset fields.
         plan = make_plan(
-            total_tokens=sizes[name],
+            total_tokens=SIZES[name],
             split=p.split or "train",
             split_rate=p.split_rate if p.HasField("split_rate") else 1.0,
             seq_len=p.seq_len,
@@ -175,17 +175,16 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
             seed=p.seed,
             shuffle=p.shuffle,
             shuffle_blocks=p.shuffle_blocks or 8,
-            block_tokens=1000 if name == "positions" else 100,
+            block_tokens=BLOCKS[name],
         )
-        if not 0 <= req.batches_per_message <= 1024 or req.epoch < 0 or req.step < 0:
-            raise InvalidArgument("position")
+        _check_position(req)
         plan.steps(req.rank, req.offset)
+        # the first round checks what keeps the sampling math inside int64
+        if req.epoch > MAX_PARAM or req.step > MAX_TOKENS:
+            raise InvalidArgument("epoch or step too large")
     except FeederError as e:
         return e.code
-    per_message = max(1, req.batches_per_message)
-    if per_message * plan.batch_size * (plan.seq_len + plan.max_shift) * 4 > MAX_BATCH_BYTES:
-        return "INVALID_ARGUMENT"
-    return "OK"
+    return _message_status(req, plan.batch_size * (plan.seq_len + plan.max_shift))
 
 
 @st.composite
@@ -267,15 +266,8 @@ class Canary:
         self._thread.start()
 
     def _run(self) -> None:
-        params = pb.SamplingParams(
-            dataset="positions",
-            split="validation",
-            split_rate=0.5,
-            seq_len=16,
-            stride=8,
-            batch_size=4,
-            world_size=1,
-            shuffle=True,
+        params = feeder_params(
+            split="validation", split_rate=0.5, seq_len=16, stride=8, shuffle=True
         )
         with grpc.insecure_channel(self.address) as ch:
             stub = feeder_pb2_grpc.FeederStub(ch)
@@ -326,15 +318,13 @@ def _check(stub, req: pb.StreamBatchesRequest) -> None:
 def test_thousands_of_random_requests_get_the_right_status(fuzz_feeder) -> None:
     canary = Canary(fuzz_feeder.address)
     counter = {"n": 0}
+    examples = int(os.environ.get("TOKENFEED_FUZZ_EXAMPLES", "10000"))
     with grpc.insecure_channel(fuzz_feeder.address) as ch:
         stub = feeder_pb2_grpc.FeederStub(ch)
 
-        @settings(
-            max_examples=int(os.environ.get("TOKENFEED_FUZZ_EXAMPLES", "10000")),
-            deadline=None,
-            derandomize=True,
-            suppress_health_check=list(HealthCheck),
-        )
+        # a campaign of its own size (the profile's count is for property tests), the
+        # same requests each run
+        @settings(max_examples=examples, derandomize=True)
         @given(stream_requests())
         def fuzz(req: pb.StreamBatchesRequest) -> None:
             counter["n"] += 1
@@ -342,7 +332,7 @@ def test_thousands_of_random_requests_get_the_right_status(fuzz_feeder) -> None:
 
         fuzz()
     canary.stop()
-    assert counter["n"] >= int(os.environ.get("TOKENFEED_FUZZ_EXAMPLES", "10000"))
+    assert counter["n"] >= examples
     assert canary.errors == []
     assert canary.batches > 0
 
@@ -408,18 +398,9 @@ def test_non_utf8_names_are_invalid_argument(fuzz_feeder, name: bytes) -> None:
         assert "UTF-8" in err.value.details()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(name=NAMES, with_params=st.booleans(), rank=INT64)
 def test_info_fuzz(fuzz_feeder, name: str, with_params: bool, rank: int) -> None:
-    params = pb.SamplingParams(
-        dataset=name,
-        split="train",
-        split_rate=0.9,
-        seq_len=16,
-        stride=16,
-        batch_size=2,
-        world_size=1,
-    )
+    params = feeder_params(dataset=name, seq_len=16, stride=16, batch_size=2)
     req = pb.InfoRequest(dataset=name, rank=rank)
     if with_params:
         req.params.CopyFrom(params)

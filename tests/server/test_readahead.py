@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
@@ -29,6 +29,7 @@ from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.service import sampler_for
 
 from support import wait_until
+from support.readahead import benchmark_shaped, drive
 from support.stores import make_positional_store
 
 TOKENS, PER_CHUNK = 20_000, 700
@@ -66,7 +67,6 @@ def row_chunks(ds: Dataset, lr: rounds.LocatedRound, r: int, cols: int) -> list[
     ]
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),
     seq_len=st.sampled_from([16, 300, 900, 1500]),  # rows within one chunk .. over three
@@ -93,43 +93,6 @@ def test_chunk_uses_counts_like_rows_one_by_one(
         i = data.draw(st.integers(0, batches - 1))
         spans.append((lr, i, data.draw(st.integers(i + 1, batches))))
     assert readahead.chunk_uses(spans) == by_rows(small, spans)
-
-
-def benchmark_shaped(
-    root: str | Path, name: str, readahead_threads: int
-) -> tuple[Dataset, ChunkCache]:
-    """The shape of benchmarks/store_sources.py: store `name` of 24 chunks under `root`
-    (a local folder or an s3:// prefix), and a cache that holds 18 of them with a
-    read-ahead budget of 10."""
-    per = 16_384
-    make_positional_store(f"{root}/{name}", 24 * per, per)  # type: ignore[arg-type]
-    ds = Catalog(root).get(name)
-    nbytes = ds.store.chunk_nbytes(0)
-    cache = ChunkCache(
-        18 * nbytes, readahead_bytes=10 * nbytes, readahead_threads=readahead_threads
-    )
-    return ds, cache
-
-
-def drive(ds: Dataset, cache: ChunkCache, spec: SamplingSpec, epochs: int) -> list[int]:
-    """Each epoch's bursts, every read-ahead landed before the next: the bursts that
-    had to wait for a chunk anyway (their numbers, counted over all epochs)."""
-    plan = sampler_for(spec, ds)
-    metrics = ServerMetrics(CollectorRegistry())
-    waited, n = [], 0
-    for epoch in range(epochs):
-        mb = assembly.MessageBuilder(
-            ds, plan, plan.rounds(epoch, 0), 1, cache, metrics, then=plan.rounds(epoch + 1, 0)
-        )
-        while True:
-            wait_until(lambda: cache.loading == 0, 30, "read-aheads")
-            misses = cache.stats.misses
-            if not mb.next_burst():
-                break
-            n += 1
-            if cache.stats.misses > misses:
-                waited.append(n)
-    return waited
 
 
 def test_a_remote_stream_never_waits_once_its_read_aheads_land(tmp_path: Path) -> None:

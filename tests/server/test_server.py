@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core import native, sampling
@@ -33,21 +33,8 @@ from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 from support import registered_series, wait_until
 from support.feeders import FEEDER_DATASET, running_feeder
+from support.feeders import feeder_params as params
 from support.stores import make_positional_store, positional_rows
-
-
-def params(**kw) -> pb.SamplingParams:
-    base = dict(
-        dataset=FEEDER_DATASET,
-        split="train",
-        split_rate=0.9,
-        seq_len=64,
-        stride=48,
-        batch_size=4,
-        world_size=1,
-    )
-    base.update(kw)
-    return pb.SamplingParams(**base)
 
 
 def stub(address: str) -> pb_grpc.FeederStub:
@@ -203,7 +190,6 @@ def test_worker_thread_path_sends_the_same(feeder_root, monkeypatch, per_message
         assert f.server.cache.stats.evictions > 0 and f.server.cache.pinned_count == 0
 
 
-@settings(max_examples=300, deadline=None)
 @given(
     st.integers(0, 2**62),
     st.integers(0, 2**40),

@@ -13,20 +13,10 @@ from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 from support import free_port, registered_series, wait_until
-from support.feeders import FEEDER_DATASET, FeederProcess
+from support.feeders import FEEDER_DATASET, FeederProcess, feeder_params
 
 # one step per message, ~8,900 of them: a stream that is still open when SIGTERM comes
-LONG = pb.StreamBatchesRequest(
-    params=pb.SamplingParams(
-        dataset=FEEDER_DATASET,
-        split="train",
-        split_rate=0.9,
-        seq_len=64,
-        stride=1,
-        batch_size=1,
-        world_size=1,
-    )
-)
+LONG = pb.StreamBatchesRequest(params=feeder_params(stride=1, batch_size=1))
 
 
 def wait_for_log(proc: FeederProcess, text: str) -> None:

@@ -14,6 +14,7 @@ from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 from support.feeders import FEEDER_DATASET, running_feeder
+from support.pki import server_tls
 
 INFO = pb.InfoRequest(dataset=FEEDER_DATASET)
 
@@ -61,9 +62,7 @@ def _info(address: str, creds: grpc.ChannelCredentials) -> pb.InfoResponse:
 
 
 def test_tls_server_certificate(feeder_root: Path, pki) -> None:
-    with running_feeder(
-        feeder_root, tls_cert=pki["server_cert_path"], tls_key=pki["server_key_path"]
-    ) as f:
+    with running_feeder(feeder_root, **server_tls(pki)) as f:
         assert _info(f.address, grpc.ssl_channel_credentials(pki["ca"])).datasets
         with grpc.insecure_channel(f.address) as ch, pytest.raises(grpc.RpcError) as info:
             pb_grpc.FeederStub(ch).Info(INFO, timeout=10)  # plaintext to a TLS port
@@ -71,12 +70,7 @@ def test_tls_server_certificate(feeder_root: Path, pki) -> None:
 
 
 def test_tls_client_certificates_required(feeder_root: Path, pki) -> None:
-    with running_feeder(
-        feeder_root,
-        tls_cert=pki["server_cert_path"],
-        tls_key=pki["server_key_path"],
-        tls_client_ca=pki["ca_path"],
-    ) as f:
+    with running_feeder(feeder_root, **server_tls(pki, client_certificates=True)) as f:
         with_cert = grpc.ssl_channel_credentials(
             pki["ca"], private_key=pki["client_key"], certificate_chain=pki["client_cert"]
         )

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core import native
@@ -75,7 +75,6 @@ def programs(draw: st.DrawFn) -> tuple[list[tuple[np.ndarray, bytes]], np.ndarra
     return parts, np.array(keys, dtype=np.int64), mem, want
 
 
-@settings(max_examples=300, deadline=None)
 @given(programs())
 def test_splice_copies_every_piece_in_order(case) -> None:
     parts, keys, views, want = case
@@ -119,7 +118,6 @@ def rounds(draw: st.DrawFn):
     return sizes, batches, frame_sizes[: 2 * len(batches)]
 
 
-@settings(max_examples=300, deadline=None)
 @given(rounds(), st.sampled_from([1, 2, 4]))
 def test_the_program_splices_each_row_from_its_chunks(case, itemsize) -> None:
     """Spliced over the chunks, a round's program gives every batch's frames with its

@@ -15,10 +15,13 @@ from collections.abc import Callable, Sequence
 IGNORE = -100
 
 
-def _pack(rows_docs: list[list[int]]) -> tuple[list[int], int]:
-    """cu_seqlens and max_seqlen from each row's per-token document ids."""
+def _outputs(
+    positions: list[list[int]], documents: list[list[int]], labels: list[list[int]]
+) -> dict[str, object]:
+    """The batch's outputs from its rows' lists; cu_seqlens and max_seqlen follow from
+    each row's per-token document ids."""
     cu, at, longest = [], 0, 0
-    for docs in rows_docs:
+    for docs in documents:
         run = 0
         for j, d in enumerate(docs):
             if j == 0 or d != docs[j - 1]:
@@ -28,7 +31,13 @@ def _pack(rows_docs: list[list[int]]) -> tuple[list[int], int]:
             longest = max(longest, run)
         at += len(docs)
     cu.append(at)
-    return cu, longest
+    return {
+        "position_ids": positions,
+        "document_ids": documents,
+        "labels": labels,
+        "cu_seqlens": cu,
+        "max_seqlen": longest,
+    }
 
 
 def from_tokens(
@@ -55,14 +64,7 @@ def from_tokens(
         positions.append(pos)
         documents.append(doc)
         labels.append(lab)
-    cu, longest = _pack(documents)
-    return {
-        "position_ids": positions,
-        "document_ids": documents,
-        "labels": labels,
-        "cu_seqlens": cu,
-        "max_seqlen": longest,
-    }
+    return _outputs(positions, documents, labels)
 
 
 def from_documents(
@@ -87,11 +89,4 @@ def from_documents(
         positions.append(pos)
         documents.append(doc)
         labels.append(lab)
-    cu, longest = _pack(documents)
-    return {
-        "position_ids": positions,
-        "document_ids": documents,
-        "labels": labels,
-        "cu_seqlens": cu,
-        "max_seqlen": longest,
-    }
+    return _outputs(positions, documents, labels)

@@ -41,7 +41,7 @@ class FaultProxy:
         return f"{self.host}:{self.port}"
 
     def start(self) -> FaultProxy:
-        self._spawn(self._accept_loop)
+        self._spawn(self._accept_loop)  # _threads[0]; then one thread per connection
         return self
 
     # ---------------------------------------------------------------- faults
@@ -69,6 +69,11 @@ class FaultProxy:
             conns, self._conns = self._conns, []
         for pair in conns:
             self._reset(pair)
+
+    def quiet(self) -> bool:
+        """Every connection closed and its thread ended (the accept loop runs on)."""
+        with self._lock:
+            return not self._conns and not any(t.is_alive() for t in self._threads[1:])
 
     def stop(self) -> None:
         self._stop.set()
@@ -120,7 +125,7 @@ class FaultProxy:
                 ready, _, _ = select.select([down, up], [], [], 0.1)
                 with self._lock:
                     mode, delay = self._mode, self._delay
-                if mode == "blackhole":
+                if mode == "blackhole":  # forward nothing, without spinning on readable sockets
                     time.sleep(0.05)
                     continue
                 for src in ready:

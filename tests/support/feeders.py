@@ -3,6 +3,7 @@
 
     def test_x(feeder):                        # in-process server on 127.0.0.1:<free port>
         FeederClient(feeder.address, dataset="positions", ...)   # feeder.data_root holds it
+        pb.StreamBatchesRequest(params=feeder_params(seq_len=16))  # raw requests for it
 
     with running_feeder(data_root, cache_bytes=1 << 20) as f:   # your own data / config
         ...f.address, f.port, f.server (the FeederServer), f.registry (its metrics)
@@ -21,6 +22,23 @@ import contextlib
 from pathlib import Path
 
 FEEDER_DATASET = "positions"  # 10,000 tokens in chunks of 1,000 (uint32, token == position)
+
+
+def feeder_params(**changes: object):  # -> pb.SamplingParams
+    """SamplingParams over FEEDER_DATASET: train split of 0.9, 64-token windows at
+    stride 48, batches of 4, one rank; `changes` set other fields."""
+    from tokenfeed.v1 import feeder_pb2 as pb
+
+    base = dict(
+        dataset=FEEDER_DATASET,
+        split="train",
+        split_rate=0.9,
+        seq_len=64,
+        stride=48,
+        batch_size=4,
+        world_size=1,
+    )
+    return pb.SamplingParams(**(base | changes))
 
 
 class InProcessFeeder:

@@ -67,3 +67,10 @@ def make_pki(d: Path) -> dict[str, bytes | Path]:
         out[name] = data
         out[name + "_path"] = d / f"{name}.pem"
     return out
+
+
+def server_tls(pki: dict, client_certificates: bool = False) -> dict[str, object]:
+    """A feeder's TLS settings (ServerConfig keywords) for `make_pki`'s server
+    certificate; with `client_certificates`, a client must show one its CA signed."""
+    tls = {"tls_cert": pki["server_cert_path"], "tls_key": pki["server_key_path"]}
+    return tls | ({"tls_client_ca": pki["ca_path"]} if client_certificates else {})

@@ -1,4 +1,5 @@
-"""Offline test material for prepare/import tests: generated corpora and tiny tokenizers.
+"""Offline test material for prepare/import tests: generated corpora, tiny tokenizers,
+and `prepare_argv`, the `tokenfeed prepare --files` command line.
 
 Everything here is made on the spot (a BPE trained in milliseconds with `tokenizers`
 and saved as a transformers-loadable directory), so no test reaches a hub and none
@@ -98,3 +99,9 @@ def store_tokens(path: Path) -> np.ndarray:
     store = TokenStore.open(path)
     parts = list(iter_tokens(store))
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def prepare_argv(files: object, tokenizer: object, output: object, *flags: object) -> list[str]:
+    """`tokenfeed prepare --files F --tokenizer T --output O FLAGS...` as CLI arguments."""
+    argv = ["prepare", "--files", files, "--tokenizer", tokenizer, "--output", output, *flags]
+    return [str(a) for a in argv]

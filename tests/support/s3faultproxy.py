@@ -34,11 +34,14 @@ forwards bytes unchanged, so SigV4 still verifies upstream.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import random
 import socket
 import struct
+import termios
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 
@@ -281,11 +284,28 @@ class S3FaultProxy:
         elif kind == "truncate":
             w.close()
         else:  # reset: RST, not FIN
-            await asyncio.sleep(0.01)  # let the partial body leave the send buffer
             sock = w.get_extra_info("socket")
+            await _delivered(w)  # an RST drops what the peer has not acknowledged
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             w.transport.abort()
+
+
+async def _delivered(w: asyncio.StreamWriter) -> None:
+    """Until the peer has acknowledged every byte written to `w` (5 s at most: a peer
+    that stopped reading gets its reset anyway)."""
+    sock = w.get_extra_info("socket")
+
+    def unacknowledged() -> int:  # in asyncio's buffer, then in the kernel's send queue
+        queued = w.transport.get_write_buffer_size()
+        if sock is not None:
+            raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4)
+            queued += struct.unpack("i", raw)[0]
+        return queued
+
+    deadline = time.monotonic() + 5.0
+    while unacknowledged() and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
 
 
 async def _drain_body(r: asyncio.StreamReader, head: _Head, w: asyncio.StreamWriter | None) -> None:
@@ -310,6 +330,19 @@ async def _copy_body(
             w.write(data)
         return left is not None and left <= 0
 
+    async def copy(n: int) -> bool:
+        """Copy the next `n` bytes; True if the limit ran out first."""
+        while n:
+            data = await r.read(min(n, 1 << 16))
+            if not data:
+                raise asyncio.IncompleteReadError(b"", n)
+            n -= len(data)
+            if emit(data):
+                return True
+            if w is not None:
+                await w.drain()
+        return False
+
     if head.chunked():
         while True:
             line = await r.readuntil(b"\r\n")
@@ -321,16 +354,8 @@ async def _copy_body(
                     t = await r.readuntil(b"\r\n")
                     if emit(t) or t == b"\r\n":
                         return False
-            remaining = size + 2  # data + CRLF
-            while remaining:
-                data = await r.read(min(remaining, 1 << 16))
-                if not data:
-                    raise asyncio.IncompleteReadError(b"", remaining)
-                remaining -= len(data)
-                if emit(data):
-                    return False
-                if w is not None:
-                    await w.drain()
+            if await copy(size + 2):  # data + CRLF
+                return False
     n = head.content_length()
     if n is None:
         if head.start.startswith("HTTP/"):  # a response with no length: until close
@@ -341,13 +366,5 @@ async def _copy_body(
                     await w.drain()
             return True
         return False  # a request with no body
-    while n:
-        data = await r.read(min(n, 1 << 16))
-        if not data:
-            raise asyncio.IncompleteReadError(b"", n)
-        n -= len(data)
-        if emit(data):
-            return False
-        if w is not None:
-            await w.drain()
+    await copy(n)
     return False
