@@ -18,7 +18,7 @@ response with protobuf to count its tokens (benchmarks/serve_throughput.py's loa
 generator, `stream_load`). Rows run at 1 batch per message (the per-batch costs:
 sampling, assembly, one message each) and at the client's default message size (7
 batches, ~256 KiB), with 1 stream and with 4. The
-plan runs `--repeat` times, rows interleaved; each row reports its median tokens/s
+schedule of rows runs `--repeat` times, rows interleaved; each row reports its median tokens/s
 and server CPU seconds per 10^9 tokens, and each mixture row its ratio to the dataset
 row beside it (median, and each run's) and its tokens per server CPU second as a ratio
 to the dataset's (median CPU per token): on a machine shared with other work the
@@ -130,8 +130,8 @@ def main() -> None:
     if args.client:
         return run_client(args.client, args.mixture, args.streams, args.seconds, args.per_message)
 
-    plan = [(1, 1), (1, DEFAULT_PER_MESSAGE), (4, DEFAULT_PER_MESSAGE)]  # streams, per message
-    runs: dict[tuple, list[dict]] = {(m, *row): [] for row in plan for m in (False, True)}
+    schedule = [(1, 1), (1, DEFAULT_PER_MESSAGE), (4, DEFAULT_PER_MESSAGE)]  # streams, per message
+    runs: dict[tuple, list[dict]] = {(m, *row): [] for row in schedule for m in (False, True)}
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as d:
         tmp = Path(d)
         make_stores(tmp / "data", args.tokens)
@@ -161,7 +161,7 @@ def main() -> None:
         f"{'vs dataset':>10s} {'per cpu':>8s}  each run"
     )
     print(f"{'':36s}{'s/Gtok':>10s}")
-    for streams, per in plan:
+    for streams, per in schedule:
         one, mix = runs[(False, streams, per)], runs[(True, streams, per)]
         for name, rs in (("dataset", one), ("mixture", mix)):
             r = median(rs)

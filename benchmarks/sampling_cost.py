@@ -81,16 +81,16 @@ def per_batch(rounds, batches: int) -> float:
 
 def main() -> None:
     quick = "--quick" in sys.argv
-    plan = DatasetSampler(spec(), TOKENS)
-    global_batch = plan.batch_size * plan.world_size
+    sampler = DatasetSampler(spec(), TOKENS)
+    global_batch = sampler.batch_size * sampler.world_size
     rng = random.Random(0)
     first = []
     tracemalloc.start()
     for _ in range(200):
-        step = rng.randrange(plan.num_windows // global_batch)
+        step = rng.randrange(sampler.num_windows // global_batch)
         t = time.perf_counter()
         next(
-            plan.batches(
+            sampler.batches(
                 epoch=rng.randrange(100),
                 rank=rng.randrange(64),
                 offset=step * global_batch,
@@ -102,8 +102,8 @@ def main() -> None:
     tracemalloc.stop()
     first.sort()
 
-    middle = plan.num_windows // 2 // global_batch * global_batch
-    it = plan.batches(epoch=3, rank=5, offset=middle)
+    middle = sampler.num_windows // 2 // global_batch * global_batch
+    it = sampler.batches(epoch=3, rank=5, offset=middle)
     t = time.perf_counter()
     for _ in range(STEADY_BATCHES):
         next(it)
@@ -114,7 +114,7 @@ def main() -> None:
     n = 4096 if quick else 16384
     best = {"one": float("inf"), "mix": float("inf")}
     for _ in range(2 if quick else REPEATS):  # interleaved: a noisy minute hits both
-        best["one"] = min(best["one"], per_batch(plan.rounds(3, 5, middle), n))
+        best["one"] = min(best["one"], per_batch(sampler.rounds(3, 5, middle), n))
         best["mix"] = min(best["mix"], per_batch(mplan.rounds(5, mix_offset), n))
     steady, mixed = best["one"], best["mix"]
     m_first = []
@@ -126,7 +126,7 @@ def main() -> None:
     m_first.sort()
 
     print(
-        f"virtual store: {TOKENS:.0e} tokens, {plan.num_windows:.3e} windows, "
+        f"virtual store: {TOKENS:.0e} tokens, {sampler.num_windows:.3e} windows, "
         f"batch 16 x 1024, 64 ranks, block shuffle"
     )
     print(

@@ -30,7 +30,7 @@ client processes spent ~190 us of CPU per message (~140 for one asyncio process)
 the 4-stream row measured clients fighting the server for the cores, not the server.
 Client CPU per 1e9 tokens is printed beside the server's so the split stays visible.
 
-The whole plan runs `--repeat` times, rows interleaved, and each row reports its
+The whole schedule of rows runs `--repeat` times, rows interleaved, and each row reports its
 median: this machine is noisy (+-15 % between identical runs). Reported: total
 tokens/s, messages/s, server and client CPU seconds per 10^9 tokens, and the ratio to
 the bare ceiling at the same message size (batches per message).
@@ -378,7 +378,7 @@ def main() -> None:
     servers = ["bare", "tokenfeed", *(["base"] if args.baseline else [])]
 
     k = args.stretch
-    plan = [
+    schedule = [
         ("bare", 1, 1),
         ("tokenfeed", 1, 1),
         ("bare", 4, 1),
@@ -389,7 +389,7 @@ def main() -> None:
     ]
     if args.workers_rows:
         d = DEFAULT_PER_MESSAGE
-        plan = [
+        schedule = [
             ("tokenfeed", 1, d),
             ("tokenfeed-w2", 1, d),
             ("tokenfeed", 4, d),
@@ -397,19 +397,19 @@ def main() -> None:
             ("tokenfeed-r2", 4, d),
         ]
     if args.cpu:
-        plan = [(kind, 1, m) for m in (1, DEFAULT_PER_MESSAGE) for kind in servers]
+        schedule = [(kind, 1, m) for m in (1, DEFAULT_PER_MESSAGE) for kind in servers]
     elif args.baseline:
-        plan += [("base", 1, 1), ("base", 1, k)]
+        schedule += [("base", 1, 1), ("base", 1, k)]
     if args.only:
-        plan = [
+        schedule = [
             (k_, int(s_), int(m_)) for k_, s_, m_ in (x.split(":") for x in args.only.split(","))
         ]
-    runs: dict[tuple, list[dict]] = {row: [] for row in plan}
+    runs: dict[tuple, list[dict]] = {row: [] for row in schedule}
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as d:
         tmp = Path(d)
         make_store(tmp / "data", args.tokens)
         for i in range(args.repeat):  # interleaved, so a noisy minute hits every row alike
-            for row in plan:
+            for row in schedule:
                 r = measure(*row, args.seconds, tmp / "data", tmp)
                 runs[row].append(r)
                 print(
@@ -417,9 +417,9 @@ def main() -> None:
                     f"batches/msg={row[2]}: {r['tokens_s'] / 1e6:8.1f} M tokens/s",
                     flush=True,
                 )
-    rows = [median_row(runs[row]) for row in plan]
+    rows = [median_row(runs[row]) for row in schedule]
     if args.only:
-        for row in plan:
+        for row in schedule:
             cpu = " ".join(f"{r['cpu_per_gtok']:.2f}" for r in runs[row])
             print(f"{':'.join(map(str, row))}: server CPU s/Gtok per run {cpu}")
         return

@@ -74,10 +74,10 @@ TICK = os.sysconf("SC_CLK_TCK")
 def epoch_starts(store: TokenStore) -> np.ndarray:
     """The window starts of epoch 0 in the feeder's order (world size 1)."""
     spec = SamplingSpec(dataset=DATASET, seq_len=SEQ_LEN, batch_size=BATCH, shuffle=True)
-    plan = DatasetSampler(
+    sampler = DatasetSampler(
         spec, store.total_tokens, store.meta.tokens_per_chunk or DEFAULT_BLOCK_TOKENS
     )
-    return np.concatenate([bp.starts for bp in plan.batches(0, 0)])
+    return np.concatenate([bp.starts for bp in sampler.batches(0, 0)])
 
 
 class MemmapWindows:

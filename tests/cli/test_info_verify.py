@@ -16,7 +16,7 @@ import pytest
 from tokenfeed.cli import main
 from tokenfeed.core.store import TokenStore
 
-from support.stores import make_plan, make_positional_store
+from support.stores import make_positional_store, make_sampler
 
 
 def run(capsys, *argv: object) -> tuple[int, str, str]:
@@ -97,7 +97,7 @@ def test_info_text_and_windows_match_the_sampling_engine(positional_store, capsy
     assert code == 0
     assert "total_tokens" in out and "10000" in out and "uint32" in out
     for split in ("train", "validation"):
-        plan = make_plan(
+        sampler = make_sampler(
             total_tokens=10_000,
             split=split,
             split_rate=0.9,
@@ -108,8 +108,8 @@ def test_info_text_and_windows_match_the_sampling_engine(positional_store, capsy
             shift="auto",
         )
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(split))
-        assert f"{plan.num_windows} windows" in line
-        assert f"{plan.steps(0)} steps/epoch" in line
+        assert f"{sampler.num_windows} windows" in line
+        assert f"{sampler.steps(0)} steps/epoch" in line
     code, out, _ = run(capsys, "info", path, "--seq-len", 8000, "--json")
     splits = json.loads(out)["sampling"]["splits"]
     assert [s["windows"] for s in splits] == [1, 0]  # validation too short: 0, not an error

@@ -111,15 +111,15 @@ def test_mixture_starts_source_by_source_equal_the_general_path(
         shuffle_blocks=shuffle_blocks,
     )
     totals = tuple(t for _, t in sources)
-    plan = sampler.MixtureSampler(spec, totals, tuple(max(16, t // 5) for t in totals))
+    ms = sampler.MixtureSampler(spec, totals, tuple(max(16, t // 5) for t in totals))
     offset = offset // (B * W) * (B * W)
     for rank in range(W):
         batches = rounds(
-            plan.mixture, rank, offset, 0, batch_size=B, world_size=W, seed=seed, shuffle=True
+            ms.mixture, rank, offset, 0, batch_size=B, world_size=W, seed=seed, shuffle=True
         )
         for r in itertools.islice(batches, 6):  # up to 63 steps: small sources wrap passes
-            fast = plan.starts(r.sources, r.items)
+            fast = ms.starts(r.sources, r.items)
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(sampler, "_SOURCES_ONE_BY_ONE", 0)
-                general = plan.starts(r.sources, r.items)
+                general = ms.starts(r.sources, r.items)
             assert fast.shape == general.shape and np.array_equal(fast, general)

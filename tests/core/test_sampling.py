@@ -23,7 +23,7 @@ from tokenfeed.core.sampling import (
 )
 from tokenfeed.core.shuffle import EpochOrder
 
-from support.stores import make_plan
+from support.stores import make_sampler
 
 compiled = pytest.mark.skipif(
     not (native.enabled() and native.built("tokenfeed.core._keyed")),
@@ -32,24 +32,24 @@ compiled = pytest.mark.skipif(
 
 
 def epoch_starts(
-    plan: DatasetSampler, epoch: int = 0, offset: int = 0, step: int = 0
+    sampler: DatasetSampler, epoch: int = 0, offset: int = 0, step: int = 0
 ) -> list[list]:
     """Per rank, the list of (step, offset, shift, starts tuple) of one epoch."""
     return [
         [
             (b.step, b.offset, b.shift, tuple(b.starts.tolist()))
-            for b in plan.batches(epoch, rank, offset, step)
+            for b in sampler.batches(epoch, rank, offset, step)
         ]
-        for rank in range(plan.world_size)
+        for rank in range(sampler.world_size)
     ]
 
 
-def all_windows(plan: DatasetSampler) -> list[int]:
-    return [plan.split_begin + k * plan.stride for k in range(plan.num_windows)]
+def all_windows(sampler: DatasetSampler) -> list[int]:
+    return [sampler.split_begin + k * sampler.stride for k in range(sampler.num_windows)]
 
 
 @st.composite
-def plans(draw, auto=False):
+def samplers(draw, auto=False):
     seq_len = draw(st.sampled_from([4, 6, 8, 12, 16] if auto else [1, 2, 4, 6, 8, 12, 16]))
     divisors = [1, *proper_divisors(seq_len)] + ([seq_len] if seq_len > 1 else [])
     shift = draw(st.sampled_from(divisors + (["auto"] if proper_divisors(seq_len) else [])))
@@ -69,7 +69,7 @@ def plans(draw, auto=False):
         block_tokens=draw(st.integers(1, 400)),
     )
     try:
-        return make_plan(**kwargs)
+        return make_sampler(**kwargs)
     except FailedPrecondition:
         assume(False)
 
@@ -77,7 +77,7 @@ def plans(draw, auto=False):
 def test_readme_example_literally() -> None:
     # seq_len 8, stride 4, shift 2 over T = 0, 1, 2, ...
     T = np.arange(1000)
-    plan = make_plan(
+    sampler = make_sampler(
         total_tokens=1000,
         split="train",
         split_rate=1.0,
@@ -87,7 +87,7 @@ def test_readme_example_literally() -> None:
         world_size=1,
         shift=2,
     )
-    batch = next(plan.batches(epoch=0, rank=0))
+    batch = next(sampler.batches(epoch=0, rank=0))
     rows = [T[s : s + 8 + 2] for s in batch.starts]
     assert rows[0][:8].tolist() == list(range(0, 8))
     assert rows[0][2:].tolist() == list(range(2, 10))
@@ -97,97 +97,99 @@ def test_readme_example_literally() -> None:
     assert rows[0][:8].reshape(8 // 2, 2).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-@given(plans())
-def test_every_window_exactly_once_per_epoch(plan: DatasetSampler) -> None:
-    delivered = Counter(s for rank in epoch_starts(plan) for b in rank for s in b[3])
+@given(samplers())
+def test_every_window_exactly_once_per_epoch(sampler: DatasetSampler) -> None:
+    delivered = Counter(s for rank in epoch_starts(sampler) for b in rank for s in b[3])
     assert all(c == 1 for c in delivered.values())
-    windows = set(all_windows(plan))
+    windows = set(all_windows(sampler))
     assert set(delivered) <= windows
-    global_batch = plan.batch_size * plan.world_size
-    if plan.split == "train":
-        assert len(delivered) == plan.num_windows // global_batch * global_batch
+    global_batch = sampler.batch_size * sampler.world_size
+    if sampler.split == "train":
+        assert len(delivered) == sampler.num_windows // global_batch * global_batch
     else:
         assert set(delivered) == windows
 
 
-@given(plans())
-def test_windows_stay_inside_the_split(plan: DatasetSampler) -> None:
-    for rank in epoch_starts(plan):
+@given(samplers())
+def test_windows_stay_inside_the_split(sampler: DatasetSampler) -> None:
+    for rank in epoch_starts(sampler):
         for _, _, shift, starts in rank:
             for s in starts:
-                assert plan.split_begin <= s
-                assert s + plan.seq_len + shift <= plan.split_end
-                assert (s - plan.split_begin) % plan.stride == 0
+                assert sampler.split_begin <= s
+                assert s + sampler.seq_len + shift <= sampler.split_end
+                assert (s - sampler.split_begin) % sampler.stride == 0
 
 
-@given(plans())
-def test_step_layout_and_len(plan: DatasetSampler) -> None:
+@given(samplers())
+def test_step_layout_and_len(sampler: DatasetSampler) -> None:
     """Step s covers [o_s, o_s + B*W); len() matches what is delivered."""
-    global_batch = plan.batch_size * plan.world_size
-    for rank, batches in enumerate(epoch_starts(plan)):
-        assert len(batches) == plan.steps(rank)
+    global_batch = sampler.batch_size * sampler.world_size
+    for rank, batches in enumerate(epoch_starts(sampler)):
+        assert len(batches) == sampler.steps(rank)
         assert len(batches) == steps_per_epoch(
-            plan.num_windows, plan.batch_size, plan.world_size, rank, plan.split
+            sampler.num_windows, sampler.batch_size, sampler.world_size, rank, sampler.split
         )
         for i, (step, offset, _, starts) in enumerate(batches):
             assert step == i and offset == i * global_batch
-            assert 1 <= len(starts) <= plan.batch_size
+            assert 1 <= len(starts) <= sampler.batch_size
 
 
-@given(plans(), st.integers(0, 2**32))
-def test_deterministic_and_resumable_at_any_step(plan: DatasetSampler, pick: int) -> None:
-    full = epoch_starts(plan, epoch=3)
-    assert full == epoch_starts(plan, epoch=3)
-    global_batch = plan.batch_size * plan.world_size
+@given(samplers(), st.integers(0, 2**32))
+def test_deterministic_and_resumable_at_any_step(sampler: DatasetSampler, pick: int) -> None:
+    full = epoch_starts(sampler, epoch=3)
+    assert full == epoch_starts(sampler, epoch=3)
+    global_batch = sampler.batch_size * sampler.world_size
     steps = max(len(r) for r in full)
     k = pick % (steps + 1)
     # after the last (maybe short) step the position is the end of the epoch
-    resumed = epoch_starts(plan, epoch=3, offset=min(k * global_batch, plan.num_windows), step=k)
+    resumed = epoch_starts(
+        sampler, epoch=3, offset=min(k * global_batch, sampler.num_windows), step=k
+    )
     assert resumed == [r[k:] for r in full]
 
 
-@given(plans(), st.integers(1, 6), st.integers(0, 2**32))
-def test_elastic_resume_is_exactly_once(plan: DatasetSampler, new_world: int, pick: int) -> None:
+@given(samplers(), st.integers(1, 6), st.integers(0, 2**32))
+def test_elastic_resume_is_exactly_once(sampler: DatasetSampler, new_world: int, pick: int) -> None:
     """W ranks up to a step boundary, then another world size from that offset."""
-    global_batch = plan.batch_size * plan.world_size
-    steps_before = pick % (plan.num_windows // global_batch + 1)
+    global_batch = sampler.batch_size * sampler.world_size
+    steps_before = pick % (sampler.num_windows // global_batch + 1)
     offset = steps_before * global_batch
-    before = [s for r in epoch_starts(plan, 1) for b in r[:steps_before] for s in b[3]]
+    before = [s for r in epoch_starts(sampler, 1) for b in r[:steps_before] for s in b[3]]
     try:
-        after_plan = _with(plan, world_size=new_world)
+        after_plan = _with(sampler, world_size=new_world)
     except FailedPrecondition:
         assume(False)
     after = [s for r in epoch_starts(after_plan, 1, offset, steps_before) for b in r for s in b[3]]
     delivered = Counter(before + after)
     assert all(c == 1 for c in delivered.values())
-    if plan.split == "validation":
-        assert set(delivered) == set(all_windows(plan))
+    if sampler.split == "validation":
+        assert set(delivered) == set(all_windows(sampler))
     else:
-        rest = plan.num_windows - offset
-        assert len(delivered) == offset + rest // (plan.batch_size * new_world) * (
-            plan.batch_size * new_world
+        rest = sampler.num_windows - offset
+        assert len(delivered) == offset + rest // (sampler.batch_size * new_world) * (
+            sampler.batch_size * new_world
         )
 
 
-def _with(plan: DatasetSampler, **changes) -> DatasetSampler:
-    spec = {f.name: getattr(plan.spec, f.name) for f in fields(plan.spec) if f.init}
-    sizes = {"total_tokens": plan.total_tokens, "block_tokens": plan.block_tokens}
-    return make_plan(**(spec | sizes | changes))
+def _with(sampler: DatasetSampler, **changes) -> DatasetSampler:
+    spec = {f.name: getattr(sampler.spec, f.name) for f in fields(sampler.spec) if f.init}
+    sizes = {"total_tokens": sampler.total_tokens, "block_tokens": sampler.block_tokens}
+    return make_sampler(**(spec | sizes | changes))
 
 
-@given(plans(auto=True))
-def test_auto_shift_is_one_proper_divisor_per_step_shared_by_ranks(plan: DatasetSampler) -> None:
+@given(samplers(auto=True))
+def test_auto_shift_is_one_proper_divisor_per_step_shared_by_ranks(sampler: DatasetSampler) -> None:
     by_offset: dict[int, set[int]] = {}
-    for rank in epoch_starts(plan):
+    for rank in epoch_starts(sampler):
         for _, offset, shift, _ in rank:
             by_offset.setdefault(offset, set()).add(shift)
     for shifts in by_offset.values():
         assert len(shifts) == 1
-        assert shifts <= set(proper_divisors(plan.seq_len))
+        assert shifts <= set(proper_divisors(sampler.seq_len))
 
 
 def test_auto_shift_draws_every_divisor() -> None:
-    plan = make_plan(
+    sampler = make_sampler(
         total_tokens=100_000,
         split="train",
         split_rate=1.0,
@@ -198,13 +200,13 @@ def test_auto_shift_draws_every_divisor() -> None:
         shift="auto",
         seed=7,
     )
-    seen = Counter(b.shift for b, _ in zip(plan.batches(0, 0), range(2000), strict=False))
+    seen = Counter(b.shift for b, _ in zip(sampler.batches(0, 0), range(2000), strict=False))
     assert set(seen) == {2, 3, 4, 6}
     assert min(seen.values()) > 350  # about 500 each if uniform
 
 
 def test_epochs_and_seeds_give_different_orders() -> None:
-    plan = make_plan(
+    sampler = make_sampler(
         total_tokens=50_000,
         split="train",
         split_rate=1.0,
@@ -216,9 +218,9 @@ def test_epochs_and_seeds_give_different_orders() -> None:
         shuffle_blocks=4,
         block_tokens=2000,
     )
-    e0, e1 = epoch_starts(plan, 0), epoch_starts(plan, 1)
+    e0, e1 = epoch_starts(sampler, 0), epoch_starts(sampler, 1)
     assert e0 != e1
-    assert epoch_starts(_with(plan, seed=1), 0) != e0
+    assert epoch_starts(_with(sampler, seed=1), 0) != e0
     flat = [s for b in e0[0] for s in b[3]]
     assert flat != sorted(flat)
 
@@ -283,23 +285,25 @@ def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> 
     np.testing.assert_array_equal(order.windows(np.array(positions)), ascending[positions])
 
 
-@given(plans(), st.integers(0, 2**32))
-def test_rounds_are_the_batches_in_bulk(plan: DatasetSampler, pick: int) -> None:
+@given(samplers(), st.integers(0, 2**32))
+def test_rounds_are_the_batches_in_bulk(sampler: DatasetSampler, pick: int) -> None:
     """Rounds (what the server assembles) are consecutive steps, full but for the
     epoch's last batch, and flatten to exactly `batches()`."""
-    rank = pick % plan.world_size
-    steps = plan.steps(rank)
-    offset = min((pick // 7 % (steps + 1)) * plan.batch_size * plan.world_size, plan.num_windows)
-    rounds = list(plan.rounds(3, rank, offset, step=5))
+    rank = pick % sampler.world_size
+    steps = sampler.steps(rank)
+    offset = min(
+        (pick // 7 % (steps + 1)) * sampler.batch_size * sampler.world_size, sampler.num_windows
+    )
+    rounds = list(sampler.rounds(3, rank, offset, step=5))
     flat = [b for r in rounds for b in r.batches()]
-    want = list(plan.batches(3, rank, offset, step=5))
+    want = list(sampler.batches(3, rank, offset, step=5))
     assert [(b.step, b.offset, b.shift, b.starts.tolist()) for b in flat] == [
         (b.step, b.offset, b.shift, b.starts.tolist()) for b in want
     ]
     assert [b.step for b in flat] == list(range(5, 5 + len(flat)))
     rows = [n for r in rounds for n in r.rows]
-    assert all(n == plan.batch_size for n in rows[:-1])
-    assert all(r.starts.shape == (len(r), plan.batch_size) for r in rounds)
+    assert all(n == sampler.batch_size for n in rows[:-1])
+    assert all(r.starts.shape == (len(r), sampler.batch_size) for r in rounds)
 
 
 @given(st.integers(1, 3000), st.integers(1, 200), st.integers(1, 10), st.integers(0, 99))
@@ -319,7 +323,7 @@ def test_block_shuffle_touches_only_its_group_blocks(
 
 
 def test_no_shuffle_is_index_order() -> None:
-    plan = make_plan(
+    sampler = make_sampler(
         total_tokens=1000,
         split="validation",
         split_rate=0.5,
@@ -328,14 +332,14 @@ def test_no_shuffle_is_index_order() -> None:
         batch_size=2,
         world_size=2,
     )
-    r0, r1 = epoch_starts(plan)
+    r0, r1 = epoch_starts(sampler)
     assert [b[3] for b in r0][:2] == [(500, 503), (512, 515)]
     assert [b[3] for b in r1][:2] == [(506, 509), (518, 521)]
 
 
 def test_validation_short_last_step_goes_to_ranks_in_order() -> None:
     # 11 windows, B=2, W=3: steps of 6; the last step has 5 windows: rank0 2, rank1 2, rank2 1
-    plan = make_plan(
+    sampler = make_sampler(
         total_tokens=15,
         split="validation",
         split_rate=0.0,
@@ -344,11 +348,11 @@ def test_validation_short_last_step_goes_to_ranks_in_order() -> None:
         batch_size=2,
         world_size=3,
     )
-    assert plan.num_windows == 11
-    sizes = [[len(b[3]) for b in r] for r in epoch_starts(plan)]
+    assert sampler.num_windows == 11
+    sizes = [[len(b[3]) for b in r] for r in epoch_starts(sampler)]
     assert sizes == [[2, 2], [2, 2], [2, 1]]
-    plan = _with(plan, total_tokens=12)  # 8 windows: last step 2 -> rank 0 only
-    sizes = [[len(b[3]) for b in r] for r in epoch_starts(plan)]
+    sampler = _with(sampler, total_tokens=12)  # 8 windows: last step 2 -> rank 0 only
+    sizes = [[len(b[3]) for b in r] for r in epoch_starts(sampler)]
     assert sizes == [[2, 2], [2], [2]]
 
 
@@ -369,13 +373,15 @@ def test_split_rate_is_the_decimal_the_user_wrote(rate: float) -> None:
             0,
             total * d.numerator // d.denominator,
         )
-    plan = make_plan(total_tokens=10**6, split="train", split_rate=0.7, seq_len=1, batch_size=1)
-    assert plan.split_end == 700_000
+    sampler = make_sampler(
+        total_tokens=10**6, split="train", split_rate=0.7, seq_len=1, batch_size=1
+    )
+    assert sampler.split_end == 700_000
 
 
 def test_virtual_store_of_a_trillion_tokens() -> None:
     """Deep offsets in a 10^12-token store: valid windows, no list of starts built."""
-    plan = make_plan(
+    sampler = make_sampler(
         total_tokens=10**12,
         split="train",
         split_rate=0.99,
@@ -387,10 +393,10 @@ def test_virtual_store_of_a_trillion_tokens() -> None:
         shuffle=True,
         seed=3,
     )
-    offset = plan.num_windows // 2 // 1024 * 1024
-    batch = next(plan.batches(epoch=9, rank=63, offset=offset, step=offset // 1024))
+    offset = sampler.num_windows // 2 // 1024 * 1024
+    batch = next(sampler.batches(epoch=9, rank=63, offset=offset, step=offset // 1024))
     assert len(batch.starts) == 16 and len(set(batch.starts.tolist())) == 16
-    assert all(s % 512 == 0 and s + 1024 + batch.shift <= plan.split_end for s in batch.starts)
+    assert all(s % 512 == 0 and s + 1024 + batch.shift <= sampler.split_end for s in batch.starts)
     assert batch.shift in proper_divisors(1024)
 
 
@@ -425,11 +431,11 @@ def test_bad_parameters_are_clear_errors(kwargs, error, text) -> None:
         world_size=1,
     )
     with pytest.raises(error, match=text):
-        make_plan(**(base | kwargs))
+        make_sampler(**(base | kwargs))
 
 
 def test_bad_rank_and_offset() -> None:
-    plan = make_plan(
+    sampler = make_sampler(
         total_tokens=100,
         split="train",
         split_rate=1.0,
@@ -439,12 +445,12 @@ def test_bad_rank_and_offset() -> None:
         world_size=2,
     )
     with pytest.raises(InvalidArgument, match="rank"):
-        next(plan.batches(0, 2))
+        next(sampler.batches(0, 2))
     with pytest.raises(InvalidArgument, match="offset"):
-        next(plan.batches(0, 0, offset=plan.num_windows + 1))
+        next(sampler.batches(0, 0, offset=sampler.num_windows + 1))
     with pytest.raises(InvalidArgument, match="offset"):
-        plan.steps(0, offset=-1)
-    assert list(plan.batches(0, 0, offset=plan.num_windows)) == []
+        sampler.steps(0, offset=-1)
+    assert list(sampler.batches(0, 0, offset=sampler.num_windows)) == []
 
 
 def test_shuffle_spreads_windows_evenly_over_positions() -> None:

@@ -51,12 +51,12 @@ def stream(address: str, p: pb.SamplingParams) -> list[pb.Batch]:
 
 
 def check_positional(batches: list[pb.Batch], root: str, p: pb.SamplingParams) -> None:
-    """Every batch is what the plan says, token by token (token i == i)."""
-    plans = list(
+    """Every batch is what the sampler says, token by token (token i == i)."""
+    expected = list(
         sampler_for(SamplingSpec.from_proto(p), Catalog(root).get(p.dataset)).batches(0, 0)
     )
-    assert len(batches) == len(plans) > 0
-    for b, bp in zip(batches, plans, strict=True):
+    assert len(batches) == len(expected) > 0
+    for b, bp in zip(batches, expected, strict=True):
         assert list(b.starts) == bp.starts.tolist()
         rows = np.frombuffer(b.tokens, dtype=np.dtype(b.dtype)).reshape(b.rows, b.cols)
         np.testing.assert_array_equal(rows, np.array(b.starts)[:, None] + np.arange(b.cols))

@@ -5,7 +5,7 @@ Everything is real: `tokenfeed serve` processes or in-process feeders on loopbac
 trainer subprocesses killed with SIGKILL, files damaged on disk while served. Stores
 are positional (token i == i), so every delivered token is checkable, and
 exactly-once is checked by window `starts` against the epoch order the sampling
-engine plans (`service.sampler_for`, the server's own request -> DatasetSampler mapping).
+engine computes (`service.sampler_for`, the server's own request -> DatasetSampler mapping).
 """
 
 from __future__ import annotations
@@ -198,19 +198,19 @@ class Trainer:
 def plan_starts(
     root: Path, world_size: int, rank: int, offset: int = 0, until: int | None = None
 ) -> list[int]:
-    """The starts the sampling engine plans for `rank` from `offset` (to offset `until`)."""
+    """The starts the sampling engine gives `rank` from `offset` (to offset `until`)."""
     p = pb.SamplingParams(split="train", split_rate=1.0, world_size=world_size, **SAMPLING)
-    plan = sampler_for(SamplingSpec.from_proto(p), Catalog(root).get(SAMPLING["dataset"]))
+    sampler = sampler_for(SamplingSpec.from_proto(p), Catalog(root).get(SAMPLING["dataset"]))
     return [
         s
-        for bp in plan.batches(0, rank, offset)
+        for bp in sampler.batches(0, rank, offset)
         if until is None or bp.offset < until
         for s in bp.starts.tolist()
     ]
 
 
 def assert_exactly_once(got: list[int], expected: list[int]) -> None:
-    assert len(set(expected)) == len(expected)  # the plan itself repeats nothing
+    assert len(set(expected)) == len(expected)  # the sampler itself repeats nothing
     assert len(set(got)) == len(got), "a window was trained twice"
     assert sorted(got) == sorted(expected), "windows lost or foreign windows delivered"
 

@@ -387,9 +387,14 @@ def test_source_counters_count_exactly_the_tokens_of_each_source(mix_root: Path,
     spec = SamplingSpec(
         "", sources=(("a", 0.7), ("b", 0.3)), seq_len=SEQ, batch_size=B, shuffle=True, seed=3
     )
-    plan = service.mixture_sampler_for(spec, sources)
+    sampler = service.mixture_sampler_for(spec, sources)
     pipe = MessageBuilder(
-        MixtureSpace.of(sources), plan, plan.rounds(0), per_message, ChunkCache(1 << 24), metrics
+        MixtureSpace.of(sources),
+        sampler,
+        sampler.rounds(0),
+        per_message,
+        ChunkCache(1 << 24),
+        metrics,
     )
     counters = service.SourceCounters.of(metrics, pipe)
     assert counters is not None

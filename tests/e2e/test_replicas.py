@@ -19,7 +19,7 @@ from tokenfeed.client import Backoff, FeederClient
 
 from support import free_port
 from support.feeders import FeederProcess
-from support.stores import assert_positional_batch, make_plan, make_positional_store
+from support.stores import assert_positional_batch, make_positional_store, make_sampler
 
 pytestmark = pytest.mark.slow
 
@@ -79,8 +79,8 @@ def _run_ranks(addresses: list[str], world: int, hook=None) -> list[list[int]]: 
 
 
 def _expected(world: int) -> list[int]:
-    plan = make_plan(100_000, block_tokens=10_000, world_size=world, shuffle=True, **SAMPLING)
-    return sorted(s for r in range(world) for b in plan.batches(0, r) for s in b.starts.tolist())
+    sampler = make_sampler(100_000, block_tokens=10_000, world_size=world, shuffle=True, **SAMPLING)
+    return sorted(s for r in range(world) for b in sampler.batches(0, r) for s in b.starts.tolist())
 
 
 @pytest.mark.parametrize(("replicas", "world"), [(2, 4), (3, 6)])

@@ -31,7 +31,7 @@ from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
 
 from support.feeders import feeder_params, running_feeder
-from support.stores import make_plan, make_positional_store
+from support.stores import make_positional_store, make_sampler
 
 TOTAL = 10_000
 MAX_BATCH_BYTES = 1 << 20
@@ -131,7 +131,7 @@ def expected_mixture_status(req: pb.StreamBatchesRequest) -> str:
         if name not in SIZES:
             return "NOT_FOUND"
     try:
-        plan = MixtureSampler(
+        sampler = MixtureSampler(
             spec,
             tuple(SIZES[n] for n in spec.source_names),
             tuple(BLOCKS[n] for n in spec.source_names),
@@ -139,7 +139,7 @@ def expected_mixture_status(req: pb.StreamBatchesRequest) -> str:
         _check_position(req)
         if req.epoch != 0:
             raise InvalidArgument("epoch")
-        plan.check(req.rank, req.offset, req.step)
+        sampler.check(req.rank, req.offset, req.step)
     except FeederError as e:
         return e.code
     return _message_status(req, spec.batch_size * (spec.seq_len + spec.max_shift))
@@ -163,7 +163,7 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
     shift = int(p.shift) if mode == "shift" else ("auto" if mode and p.auto_shift else 1)
     try:
         # The .proto's documented defaults for unset fields.
-        plan = make_plan(
+        sampler = make_sampler(
             total_tokens=SIZES[name],
             split=p.split or "train",
             split_rate=p.split_rate if p.HasField("split_rate") else 1.0,
@@ -178,13 +178,13 @@ def expected_status(req: pb.StreamBatchesRequest) -> str:
             block_tokens=BLOCKS[name],
         )
         _check_position(req)
-        plan.steps(req.rank, req.offset)
+        sampler.steps(req.rank, req.offset)
         # the first round checks what keeps the sampling math inside int64
         if req.epoch > MAX_PARAM or req.step > MAX_TOKENS:
             raise InvalidArgument("epoch or step too large")
     except FeederError as e:
         return e.code
-    return _message_status(req, plan.batch_size * (plan.seq_len + plan.max_shift))
+    return _message_status(req, sampler.batch_size * (sampler.seq_len + sampler.max_shift))
 
 
 @st.composite

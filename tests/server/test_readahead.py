@@ -124,13 +124,19 @@ def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
     ds, cache = benchmark_shaped(tmp_path, "s", readahead_threads=4)
     ds.store.files.remote = True
     spec = SamplingSpec(dataset="s", seq_len=64, batch_size=4, shuffle=True, seed=1)
-    plan = sampler_for(spec, ds)
+    sampler = sampler_for(spec, ds)
     metrics = ServerMetrics(CollectorRegistry())
     looks = 0
     try:
         for epoch in range(2):
             mb = assembly.MessageBuilder(
-                ds, plan, plan.rounds(epoch, 0), 1, cache, metrics, then=plan.rounds(epoch + 1, 0)
+                ds,
+                sampler,
+                sampler.rounds(epoch, 0),
+                1,
+                cache,
+                metrics,
+                then=sampler.rounds(epoch + 1, 0),
             )
             look = mb.readahead.look
             while True:
@@ -174,12 +180,14 @@ def test_a_quiet_readahead_asks_what_the_whole_loop_asks(small: Dataset, per_mes
     `_quiet` before each burst), and the caches must end alike. The cache holds 14 of
     the 29 chunks, so chunks are evicted and asked for again as the stream goes on."""
     spec = SamplingSpec(dataset="s", seq_len=16, batch_size=8, shuffle=True, seed=3)
-    plan = sampler_for(spec, small)
+    sampler = sampler_for(spec, small)
     metrics = ServerMetrics(CollectorRegistry())
     runs, quiet = [], 0
     for forget in (False, True):
         cache = _Recording(14 * small.store.chunk_nbytes(0))
-        mb = assembly.MessageBuilder(small, plan, plan.rounds(0, 0), per_message, cache, metrics)
+        mb = assembly.MessageBuilder(
+            small, sampler, sampler.rounds(0, 0), per_message, cache, metrics
+        )
         per_burst = []
         try:
             while True:
@@ -217,10 +225,10 @@ def policy_over(
 ) -> tuple[rounds.RoundQueue, readahead.ReadaheadPolicy]:
     """A stream's round queue at the start of epoch 0 and its read-ahead policy (a
     burst of 4 batches), no message builder around them."""
-    plan = sampler_for(spec, ds)
-    queue = rounds.RoundQueue(ds, plan.rounds(0, 0), plan.seq_len)
+    sampler = sampler_for(spec, ds)
+    queue = rounds.RoundQueue(ds, sampler.rounds(0, 0), sampler.seq_len)
     policy = readahead.ReadaheadPolicy(
-        ds, plan, queue, cache, 4, plan.rounds(1, 0) if then else None
+        ds, sampler, queue, cache, 4, sampler.rounds(1, 0) if then else None
     )
     return queue, policy
 
@@ -325,7 +333,7 @@ def test_a_deep_look_at_an_epochs_end_reaches_into_the_next_epoch(tmp_path: Path
     shaped.close()
     ds.store.files.remote = True
     spec = SamplingSpec(dataset="s", seq_len=64, batch_size=4, shuffle=True, seed=1)
-    plan = sampler_for(spec, ds)
+    sampler = sampler_for(spec, ds)
     cache = _Recording(shaped.capacity, readahead_bytes=shaped.readahead_capacity)
     queue, policy = policy_over(ds, spec, cache, then=True)
     try:
@@ -335,7 +343,7 @@ def test_a_deep_look_at_an_epochs_end_reaches_into_the_next_epoch(tmp_path: Path
         policy.look_ahead(moved)  # the first call: a deep look
         tail = queue.spans(policy.deep, queue.start)[0]
         assert sum(j - i for _, i, j in tail) == 5
-        then = rounds.RoundQueue(ds, plan.rounds(1, 0), plan.seq_len)
+        then = rounds.RoundQueue(ds, sampler.rounds(1, 0), sampler.seq_len)
         head = then.spans(policy.deep - 5, then.start)[0]
         want = by_rows(ds, tail + head)[0]
         assert policy.look == want

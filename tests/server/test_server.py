@@ -64,10 +64,13 @@ def expected(root: Path, p: pb.SamplingParams, epoch=0, rank=0, offset=0, step=0
 
 
 def assert_matches(
-    batches: list[pb.Batch], plans: list[sampling.RankBatch], seq_len: int, modulo: int = 1 << 32
+    batches: list[pb.Batch],
+    rank_batches: list[sampling.RankBatch],
+    seq_len: int,
+    modulo: int = 1 << 32,
 ) -> None:
-    assert len(batches) == len(plans)
-    for b, bp in zip(batches, plans, strict=True):
+    assert len(batches) == len(rank_batches)
+    for b, bp in zip(batches, rank_batches, strict=True):
         assert (b.epoch, b.step, b.offset, b.shift) == (bp.epoch, bp.step, bp.offset, bp.shift)
         assert list(b.starts) == bp.starts.tolist()
         assert b.cols == seq_len + bp.shift
@@ -101,11 +104,11 @@ def test_info_lists_every_store_with_metadata_and_split_counts(feeder_root: Path
         (d,) = resp.datasets
         ds = Catalog(feeder_root).get(FEEDER_DATASET)
         for s in d.splits:
-            plan = sampler_for(SamplingSpec.from_proto(p).with_(split=s.name), ds)
+            sampler = sampler_for(SamplingSpec.from_proto(p).with_(split=s.name), ds)
             assert (s.tokens, s.windows, s.steps) == (
-                plan.split_end - plan.split_begin,
-                plan.num_windows,
-                plan.steps(1),
+                sampler.split_end - sampler.split_begin,
+                sampler.num_windows,
+                sampler.steps(1),
             )
         assert [s.name for s in d.splits] == ["train", "validation"]
         assert d.splits[0].tokens == 9_000 and d.splits[0].steps > 0
@@ -289,10 +292,10 @@ def frames_of(encode, *args) -> tuple[list[bytes], list[bytes]]:
 
 def test_resume_at_an_offset_and_every_rank(feeder) -> None:
     p = params(shuffle=True, seed=1, world_size=3, batch_size=2, split="validation", split_rate=0.5)
-    plans = expected(feeder.data_root, p, epoch=2, rank=1)
-    mid = plans[len(plans) // 2]
+    rank_batches = expected(feeder.data_root, p, epoch=2, rank=1)
+    mid = rank_batches[len(rank_batches) // 2]
     got = stream(feeder.address, p, epoch=2, rank=1, offset=mid.offset, step=mid.step)
-    assert_matches(got, plans[len(plans) // 2 :], p.seq_len)
+    assert_matches(got, rank_batches[len(rank_batches) // 2 :], p.seq_len)
     seen = []
     for rank in range(3):
         for b in stream(feeder.address, p, epoch=2, rank=rank):
@@ -314,7 +317,7 @@ def test_uint16_store_and_nested_name(tmp_path: Path) -> None:
 
 def test_many_concurrent_streams_load_each_chunk_once(feeder) -> None:
     p = params(shuffle=True, seed=5, batch_size=2, stride=16, shuffle_blocks=3)
-    plans = expected(feeder.data_root, p)
+    rank_batches = expected(feeder.data_root, p)
     results: list[list[pb.Batch]] = [[] for _ in range(8)]
 
     def run(i: int) -> None:
@@ -326,7 +329,7 @@ def test_many_concurrent_streams_load_each_chunk_once(feeder) -> None:
     for t in threads:
         t.join(120)
     for got in results:
-        assert_matches(got, plans, p.seq_len)
+        assert_matches(got, rank_batches, p.seq_len)
     stats = feeder.server.cache.stats
     assert stats.evictions == 0 and stats.failures == 0
     assert stats.loads <= 10  # 10 chunks in the store: none loaded twice

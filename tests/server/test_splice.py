@@ -184,12 +184,12 @@ def test_a_stream_is_byte_identical_without_the_extension(tmp_path) -> None:
     make_positional_store(tmp_path / "s", 30_000, 1_000, dtype="uint16")
     ds = Catalog(tmp_path).get("s")
     spec = SamplingSpec(dataset="s", seq_len=300, batch_size=3, stride=70, shuffle=True, seed=5)
-    plan = sampler_for(spec, ds)
+    sampler = sampler_for(spec, ds)
 
     def messages() -> list[bytes]:
         cache = ChunkCache(1 << 22)
         metrics = ServerMetrics(CollectorRegistry())
-        pipe = MessageBuilder(ds, plan, plan.rounds(1, 0), 4, cache, metrics)
+        pipe = MessageBuilder(ds, sampler, sampler.rounds(1, 0), 4, cache, metrics)
         out = []
         while burst := pipe.next_burst():
             out += [data for data, _, _, _ in burst]

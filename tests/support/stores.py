@@ -13,7 +13,7 @@ from tokenfeed.core.sampling import DEFAULT_BLOCK_TOKENS, DatasetSampler
 from tokenfeed.core.store import TokenStore, write_store
 
 
-def make_plan(
+def make_sampler(
     total_tokens: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, **spec
 ) -> DatasetSampler:
     """A DatasetSampler from SamplingSpec fields (dataset defaults to "t")."""
