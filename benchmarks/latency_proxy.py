@@ -30,6 +30,7 @@ Two threads per connection, one per direction; stdlib only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import os
 import socket
@@ -50,10 +51,8 @@ class _Conn:
     def pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
         r, w = os.pipe()
         try:
-            try:
+            with contextlib.suppress(OSError):  # a smaller pipe only costs more system calls
                 fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_BYTES)
-            except OSError:
-                pass  # a smaller pipe only costs more system calls
             s, d = src.fileno(), dst.fileno()
             while True:
                 n = os.splice(s, w, PIPE_BYTES)  # blocks until bytes arrive
@@ -75,10 +74,8 @@ class _Conn:
             os.close(r)
             os.close(w)
             for sock, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
-                try:
+                with contextlib.suppress(OSError):
                     sock.shutdown(how)
-                except OSError:
-                    pass
 
 
 def serve(upstream_port: int, latency: float, host: str = "127.0.0.1") -> None:

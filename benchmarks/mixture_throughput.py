@@ -74,8 +74,20 @@ def measure(mixture: bool, streams: int, per_message: int, seconds: float, tmp: 
     port_file = tmp / "port"
     port_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(tmp / "data")]
-        + ["--port", "0", "--port-file", str(port_file), "--log-level", "WARNING"]
+        [
+            sys.executable,
+            "-m",
+            "tokenfeed",
+            "serve",
+            "--data-root",
+            str(tmp / "data"),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--log-level",
+            "WARNING",
+        ]
     )
     try:
         address = f"127.0.0.1:{wait_for_port(proc, port_file)}"

@@ -31,10 +31,10 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support import free_port, until, wait_until  # noqa: E402
-from support.faultproxy import FaultProxy  # noqa: E402
-from support.feeders import FeederProcess  # noqa: E402
-from support.load import RANKS, make_big_store, stream, vanish  # noqa: E402
+from support import free_port, until, wait_until
+from support.faultproxy import FaultProxy
+from support.feeders import FeederProcess
+from support.load import RANKS, make_big_store, stream, vanish
 
 MiB = 1 << 20
 CACHE = 64 * MiB

@@ -48,6 +48,7 @@ core left to the system).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -210,10 +211,8 @@ def tree_cpu(pid: int) -> dict[int, float]:
     kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     out = {pid: cpu_seconds(pid)}
     for k in kids:
-        try:
+        with contextlib.suppress(OSError):
             out[int(k)] = cpu_seconds(int(k))
-        except OSError:
-            pass
     return out
 
 

@@ -350,7 +350,8 @@ def main() -> int:
             url = f"s3://{s3.bucket}/bench"
             write_store(f"{url}/native", tokens, dtype="uint16", tokens_per_chunk=per)
             print(f"uploaded to {url}/native in {time.perf_counter() - t0:.1f} s")
-            assert s3.ports is not None and s3.proc is not None
+            assert s3.ports is not None
+            assert s3.proc is not None
             proxy, endpoint = start_proxy(s3.ports.s3, args.latency)
             where = {
                 "local": (str(root), "native", env),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -164,19 +165,15 @@ class TrainerSide:
         while not self._stop.wait(0.02):
             total = 0
             for pid in self._pids():
-                try:
+                with contextlib.suppress(OSError):
                     total += _proc(pid)[0]
-                except OSError:
-                    pass
             self.peak = max(self.peak, total)
 
     def worker_cpu(self) -> float:
         cpu = 0.0
         for pid in self._pids()[1:]:
-            try:
+            with contextlib.suppress(OSError):
                 cpu += _proc(pid)[1]
-            except OSError:
-                pass
         return cpu
 
     def stop(self) -> int:

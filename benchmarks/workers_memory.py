@@ -31,9 +31,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_throughput import DEFAULT_PER_MESSAGE, make_store, tree_cpu  # noqa: E402
+from serve_throughput import DEFAULT_PER_MESSAGE, make_store, tree_cpu
 
-from tokenfeed.cli.process import wait_for_port  # noqa: E402
+from tokenfeed.cli.process import wait_for_port
 
 
 def smaps(pid: int) -> dict[str, int]:
@@ -59,8 +59,18 @@ def clients(addresses: list[tuple[str, int]], seconds: float) -> int:
     here = str(Path(__file__).parent / "serve_throughput.py")
     procs = [
         subprocess.Popen(
-            [sys.executable, here, "--client", a, "--streams", str(n), "--seconds", str(seconds)]
-            + ["--per-message", str(DEFAULT_PER_MESSAGE)],
+            [
+                sys.executable,
+                here,
+                "--client",
+                a,
+                "--streams",
+                str(n),
+                "--seconds",
+                str(seconds),
+                "--per-message",
+                str(DEFAULT_PER_MESSAGE),
+            ],
             stdout=subprocess.PIPE,
         )
         for a, n in addresses

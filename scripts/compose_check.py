@@ -488,7 +488,7 @@ additionalimagestores = {json.dumps([str(s) for s in image_stores])}
 
     # ---- the API service and health checks
     def start_service(self) -> None:
-        self.service_log = open(self.work / "service.log", "wb")
+        self.service_log = open(self.work / "service.log", "wb")  # noqa: SIM115 - closed in stop
         self.service = subprocess.Popen(
             ["podman", "system", "service", "--time=0", f"unix://{self.socket}"],
             env=self.env,
@@ -1113,14 +1113,14 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if stack.up():
                         stack.checks()
-                except Exception as e:  # noqa: BLE001 - reported as a failed check
+                except Exception as e:  # reported as a failed check
                     results.check(f"[{name}] checks", False, f"{type(e).__name__}: {e}")
                 finally:
                     if len(results.failed) > failed_before:
                         stack.logs()
                     stack.down()
                 log(f"[{name}] {time.monotonic() - t:.0f} s")
-    except Exception as e:  # noqa: BLE001 - reported as a failed check
+    except Exception as e:  # reported as a failed check
         results.check("setup", False, f"{type(e).__name__}: {e}")
     finally:
         engine.teardown()

@@ -54,11 +54,14 @@ def test_streaming_dataloader_store_is_read_as_is(tmp_path, capsys):
     streaming_dataloader_store(path)
     code, out, _ = run(capsys, "info", path, "--json")
     doc = json.loads(out)
-    assert code == 0 and doc["format"] == "Streaming-Dataloader meta.json"
+    assert code == 0
+    assert doc["format"] == "Streaming-Dataloader meta.json"
     assert (doc["total_tokens"], doc["chunks"], doc["eos_token_id"]) == (2437, 3, 50256)
-    assert doc["tokenizer"] == "gpt2" and doc["checksums"] == 0
+    assert doc["tokenizer"] == "gpt2"
+    assert doc["checksums"] == 0
     code, out, _ = run(capsys, "verify", path)
-    assert code == 0 and "no checksums" in out
+    assert code == 0
+    assert "no checksums" in out
 
 
 def test_bare_bin_folder_needs_dtype(tmp_path, capsys):
@@ -67,10 +70,12 @@ def test_bare_bin_folder_needs_dtype(tmp_path, capsys):
     np.arange(300, dtype="<u4").tofile(path / "a.bin")
     np.arange(300, 500, dtype="<u4").tofile(path / "b.bin")
     code, _, err = run(capsys, "info", path)
-    assert code == 2 and "no meta.json: pass --dtype uint16 or --dtype uint32" in err
+    assert code == 2
+    assert "no meta.json: pass --dtype uint16 or --dtype uint32" in err
     code, out, _ = run(capsys, "info", path, "--dtype", "uint32", "--json")
     doc = json.loads(out)
-    assert code == 0 and (doc["total_tokens"], doc["chunks"]) == (500, 2)
+    assert code == 0
+    assert (doc["total_tokens"], doc["chunks"]) == (500, 2)
     assert doc["format"] == "bare *.bin files"
     assert run(capsys, "verify", path, "--dtype", "uint32")[0] == 0
 
@@ -95,7 +100,9 @@ def test_info_text_and_windows_match_the_sampling_engine(positional_store, capsy
         2,
     )
     assert code == 0
-    assert "total_tokens" in out and "10000" in out and "uint32" in out
+    assert "total_tokens" in out
+    assert "10000" in out
+    assert "uint32" in out
     for split in ("train", "validation"):
         sampler = make_sampler(
             total_tokens=10_000,
@@ -114,7 +121,8 @@ def test_info_text_and_windows_match_the_sampling_engine(positional_store, capsy
     splits = json.loads(out)["sampling"]["splits"]
     assert [s["windows"] for s in splits] == [1, 0]  # validation too short: 0, not an error
     code, _, err = run(capsys, "info", path, "--seq-len", 64, "--shift", "3")
-    assert code == 2 and "must divide seq_len" in err
+    assert code == 2
+    assert "must divide seq_len" in err
 
 
 @pytest.fixture
@@ -130,7 +138,8 @@ def test_verify_names_a_chunk_with_a_flipped_byte(damaged, capsys):
     chunk.write_bytes(bytes(data))
     code, out, err = run(capsys, "verify", damaged.path)
     assert code == 1
-    assert "chunk_000003.bin is corrupt" in err and "chunk_000002" not in err
+    assert "chunk_000003.bin is corrupt" in err
+    assert "chunk_000002" not in err
     assert "1 problem(s)" in out
 
 
@@ -139,17 +148,21 @@ def test_truncated_chunk(damaged, capsys):
     chunk.write_bytes(chunk.read_bytes()[:-10])
     (damaged.path / "chunk_000004.bin").unlink()
     code, _, err = run(capsys, "info", damaged.path)  # reading: exit 2, named chunk
-    assert code == 2 and "chunk_000001.bin has 3990 bytes" in err
+    assert code == 2
+    assert "chunk_000001.bin has 3990 bytes" in err
     code, _, err = run(capsys, "verify", damaged.path)  # verify lists every bad chunk
     assert code == 1
-    assert "chunk_000001.bin has 3990 bytes" in err and "chunk_000004.bin is missing" in err
+    assert "chunk_000001.bin has 3990 bytes" in err
+    assert "chunk_000004.bin is missing" in err
 
 
 def test_verify_unreadable_input(tmp_path, capsys):
     code, _, err = run(capsys, "verify", tmp_path / "nowhere")
-    assert code == 2 and "no token store" in err
+    assert code == 2
+    assert "no token store" in err
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "meta.json").write_text("{not json")
     code, _, err = run(capsys, "verify", bad)
-    assert code == 2 and "unreadable meta.json" in err
+    assert code == 2
+    assert "unreadable meta.json" in err

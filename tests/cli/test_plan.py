@@ -30,12 +30,14 @@ def test_numbers_follow_from_the_job() -> None:
     doc = plan_json("--per-core-tokens-s", "1e6", "--cores-per-node", "16", "--headroom", "2")
     tokens = 1024 * 40000
     wire = tokens * 2049 / 2048
-    assert doc["tokens_per_s"] == tokens and doc["wire_tokens_per_s"] == pytest.approx(wire)
+    assert doc["tokens_per_s"] == tokens
+    assert doc["wire_tokens_per_s"] == pytest.approx(wire)
     assert doc["bytes_per_s"] == pytest.approx(2 * wire)  # uint16
     assert doc["gbit_per_s"] == pytest.approx(16 * wire / 1e9)
     assert doc["cores"] == math.ceil(2 * wire / 1e6)
     assert doc["replicas"] == math.ceil(doc["cores"] / 16)
-    assert doc["per_core_source"] == "given" and doc["cores_per_node"] == 16
+    assert doc["per_core_source"] == "given"
+    assert doc["cores_per_node"] == 16
 
 
 def test_the_nic_can_decide_the_replicas() -> None:
@@ -48,7 +50,8 @@ def test_the_builds_own_figure_is_the_default(capsys) -> None:
     assert main(["plan", *JOB]) == 0
     out = capsys.readouterr().out
     assert f"{BUILD_PER_CORE_TOKENS_S:,.0f} wire tokens/s (this build's benchmark)" in out
-    assert " cores and " in out and " replicas " in out
+    assert " cores and " in out
+    assert " replicas " in out
 
 
 def test_measured_against_a_running_feeder(feeder, capsys) -> None:
@@ -75,7 +78,8 @@ def test_measured_against_a_running_feeder(feeder, capsys) -> None:
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["per_core_source"] == f"measured at {feeder.address}"
-    assert doc["per_core_tokens_s"] > 0 and doc["cores"] >= 1
+    assert doc["per_core_tokens_s"] > 0
+    assert doc["cores"] >= 1
 
 
 def test_bad_input_exits_2(capsys) -> None:
@@ -89,6 +93,7 @@ def test_a_mixture_splits_the_rate_by_source_in_each_segment(tmp_path) -> None:
     doc = plan_json("--mixture", "web=0.7,code=0.3", "--schedule", str(sched))
     total = doc["tokens_per_s"]
     (base, late) = doc["segments"]
-    assert base["from_tokens"] == 0 and late["from_tokens"] == 1_000_000
+    assert base["from_tokens"] == 0
+    assert late["from_tokens"] == 1_000_000
     assert base["tokens_per_s"] == pytest.approx({"web": 0.7 * total, "code": 0.3 * total})
     assert late["tokens_per_s"] == pytest.approx({"web": total / 2, "code": total / 2})

@@ -58,7 +58,8 @@ def test_numpy_documents_match_the_reference(docs_feeder, shift, mask) -> None:
             shifts.add(batch["shift"])
             assert batch["position_ids"].dtype == np.int64
             assert batch["document_ids"].dtype == np.int32
-            assert batch["cu_seqlens"].dtype == np.int32 and type(batch["max_seqlen"]) is int
+            assert batch["cu_seqlens"].dtype == np.int32
+            assert type(batch["max_seqlen"]) is int
             np.testing.assert_array_equal(batch["position_ids"], ref["position_ids"])
             np.testing.assert_array_equal(batch["document_ids"], ref["document_ids"])
             np.testing.assert_array_equal(batch["cu_seqlens"], ref["cu_seqlens"])
@@ -77,13 +78,16 @@ def test_numpy_documents_match_the_reference(docs_feeder, shift, mask) -> None:
 def test_masking_alone_and_only_the_outputs_asked_for(docs_feeder) -> None:
     with client(docs_feeder, mask_cross_document_labels=True) as c:
         batch = next(iter(c))
-        assert "position_ids" not in batch and "cu_seqlens" not in batch
+        assert "position_ids" not in batch
+        assert "cu_seqlens" not in batch
         np.testing.assert_array_equal(batch["labels"], want(docs_feeder.tokens, batch)["labels"])
         assert (batch["labels"] == -100).any()
     with client(docs_feeder, documents=["cu_seqlens", "max_seqlen"]) as c:
         batch = next(iter(c))
-        assert "cu_seqlens" in batch and "max_seqlen" in batch
-        assert "position_ids" not in batch and "document_ids" not in batch
+        assert "cu_seqlens" in batch
+        assert "max_seqlen" in batch
+        assert "position_ids" not in batch
+        assert "document_ids" not in batch
         assert batch["labels"].dtype == np.uint16  # not masked: the narrow view
 
 
@@ -167,9 +171,11 @@ def test_resume_keeps_the_documents_of_each_batch(docs_feeder) -> None:
 
 def test_a_store_without_boundaries_is_failed_precondition(docs_feeder) -> None:
     for kw in (dict(documents=True), dict(mask_cross_document_labels=True)):
-        with client(docs_feeder, dataset="bare", **kw) as c:
-            with pytest.raises(FailedPrecondition, match="dataset 'bare'"):
-                next(iter(c))
+        with (
+            client(docs_feeder, dataset="bare", **kw) as c,
+            pytest.raises(FailedPrecondition, match="dataset 'bare'"),
+        ):
+            next(iter(c))
     with client(docs_feeder, dataset="bare") as c:  # served without them
         assert next(iter(c))["input_ids"].shape == (4, SEQ_LEN)
 
@@ -207,8 +213,9 @@ def test_megatron_documents_come_from_its_index(tmp_path: Path, device) -> None:
     """A Megatron store has no EOS: documents are its index's (not its sentences), and
     token ids that happen to equal anything are just tokens."""
     tokens, doc_ends = megatron_corpus(tmp_path)
-    with running_feeder(tmp_path) as f:
-        with FeederClient(
+    with (
+        running_feeder(tmp_path) as f,
+        FeederClient(
             f.address,
             dataset="mg/corpus",
             seq_len=SEQ_LEN,
@@ -217,17 +224,18 @@ def test_megatron_documents_come_from_its_index(tmp_path: Path, device) -> None:
             device=device,
             documents=True,
             mask_cross_document_labels=True,
-        ) as c:
-            n = 0
-            for batch in c:
-                ref = reference.from_documents(
-                    tokens, batch["starts"].tolist(), doc_ends.tolist(), SEQ_LEN, batch["shift"]
-                )
-                for key in ("position_ids", "document_ids", "labels", "cu_seqlens"):
-                    np.testing.assert_array_equal(arr(batch[key]), ref[key], err_msg=key)
-                assert batch["max_seqlen"] == ref["max_seqlen"]
-                n += 1
-            assert n > 10
+        ) as c,
+    ):
+        n = 0
+        for batch in c:
+            ref = reference.from_documents(
+                tokens, batch["starts"].tolist(), doc_ends.tolist(), SEQ_LEN, batch["shift"]
+            )
+            for key in ("position_ids", "document_ids", "labels", "cu_seqlens"):
+                np.testing.assert_array_equal(arr(batch[key]), ref[key], err_msg=key)
+            assert batch["max_seqlen"] == ref["max_seqlen"]
+            n += 1
+        assert n > 10
 
 
 def test_a_mixture_of_eos_stores(tmp_path: Path) -> None:
@@ -263,12 +271,14 @@ def test_a_mixture_of_eos_stores(tmp_path: Path) -> None:
                     np.testing.assert_array_equal(batch[key], ref[key], err_msg=key)
                 if i == 30:
                     break
-        with FeederClient(
-            f.address,
-            mixture={"a": 0.5, "bare": 0.5},
-            seq_len=SEQ_LEN,
-            batch_size=4,
-            documents=True,
-        ) as c:
-            with pytest.raises(FailedPrecondition, match="sources\\['bare'\\]"):
-                next(iter(c))
+        with (
+            FeederClient(
+                f.address,
+                mixture={"a": 0.5, "bare": 0.5},
+                seq_len=SEQ_LEN,
+                batch_size=4,
+                documents=True,
+            ) as c,
+            pytest.raises(FailedPrecondition, match="sources\\['bare'\\]"),
+        ):
+            next(iter(c))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import socket
 import time
 from pathlib import Path
@@ -53,18 +54,24 @@ def test_a_wrong_address_fails_within_connect_timeout_naming_every_address(
     a, b = "127.0.0.1:1", _dead_address()
     connect_timeout = 1.5
     t0 = time.monotonic()
-    with FeederClient(f"{a},{b}", connect_timeout=connect_timeout, **KW) as c:
-        with pytest.raises(FeederUnavailable) as info:
-            next(iter(c))
+    with (
+        FeederClient(f"{a},{b}", connect_timeout=connect_timeout, **KW) as c,
+        pytest.raises(FeederUnavailable) as info,
+    ):
+        next(iter(c))
     elapsed = time.monotonic() - t0
     assert elapsed < connect_timeout + 2  # not the outage budget (Backoff: 120 s)
     message = str(info.value)
-    assert "connect_timeout=1.5 s" in message and a in message and b in message
+    assert "connect_timeout=1.5 s" in message
+    assert a in message
+    assert b in message
     assert "Connection refused" in message  # the last gRPC error
     warnings = _warnings(caplog)
     attempts = int(message.split("gave up after ")[1].split()[0])
     assert len(warnings) == attempts >= 2  # one per failed attempt, the first included
-    assert a in warnings[0] and "attempt 1" in warnings[0] and "Connection refused" in warnings[0]
+    assert a in warnings[0]
+    assert "attempt 1" in warnings[0]
+    assert "Connection refused" in warnings[0]
     assert b in warnings[1]
     assert "giving up" in warnings[-1]
 
@@ -73,9 +80,11 @@ def test_a_name_that_does_not_resolve_is_named_and_the_others_still_tried(
     feeder, caplog: pytest.LogCaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]
     caplog.set_level(logging.WARNING, logger="tokenfeed.client")
-    with FeederClient("no-such-feeder.invalid:50051", connect_timeout=0.5, **KW) as c:
-        with pytest.raises(FeederUnavailable, match=r"no address resolves: no-such-feeder"):
-            len(c)
+    with (
+        FeederClient("no-such-feeder.invalid:50051", connect_timeout=0.5, **KW) as c,
+        pytest.raises(FeederUnavailable, match=r"no address resolves: no-such-feeder"),
+    ):
+        len(c)
     caplog.clear()
     with FeederClient(f"no-such-feeder.invalid:50051,{feeder.address}", **KW) as c:
         assert len(c) > 0
@@ -83,9 +92,11 @@ def test_a_name_that_does_not_resolve_is_named_and_the_others_still_tried(
 
 
 def test_connect_timeout_is_also_a_timeouts_field() -> None:
-    with FeederClient("127.0.0.1:1", timeouts=Timeouts(connect_timeout=0.3), **KW) as c:
-        with pytest.raises(FeederUnavailable, match=r"connect_timeout=0.3 s"):
-            len(c)
+    with (
+        FeederClient("127.0.0.1:1", timeouts=Timeouts(connect_timeout=0.3), **KW) as c,
+        pytest.raises(FeederUnavailable, match=r"connect_timeout=0.3 s"),
+    ):
+        len(c)
     for bad in (0, -1.0, float("nan"), "5"):
         with pytest.raises(ValueError, match="connect_timeout"):
             Timeouts(connect_timeout=bad)  # type: ignore[arg-type]
@@ -131,9 +142,11 @@ def test_after_first_contact_an_outage_is_bounded_by_backoff_not_connect_timeout
 
 
 def _tls_failure(address: str, **kw) -> str:  # type: ignore[no-untyped-def]
-    with FeederClient(address, connect_timeout=1.0, **KW, **kw) as c:
-        with pytest.raises(FeederUnavailable) as info:
-            len(c)
+    with (
+        FeederClient(address, connect_timeout=1.0, **KW, **kw) as c,
+        pytest.raises(FeederUnavailable) as info,
+    ):
+        len(c)
     return str(info.value)
 
 
@@ -166,12 +179,15 @@ def test_dataset_info_is_the_stores_metadata_fetched_once(feeder_root: Path) -> 
         c = FeederClient(f.address, **{**KW, "split_rate": 0.9})
         info = c.dataset_info
     with c:  # the feeder is gone: both answers come from the one Info call
-        assert c.dataset_info is info and len(c) == info.steps
+        assert c.dataset_info is info
+        assert len(c) == info.steps
     assert isinstance(info, DatasetInfo)
     assert (info.name, info.total_tokens, info.dtype) == (FEEDER_DATASET, 10_000, "uint32")
     assert (info.vocab_size, info.eos_token_id, info.tokenizer) == (1 << 32, 0, "positions")
-    assert info.split == "train" and info.split_tokens == 9_000
-    assert info.windows == (9_000 - 17) // 16 + 1 and info.steps == info.windows // 4
+    assert info.split == "train"
+    assert info.split_tokens == 9_000
+    assert info.windows == (9_000 - 17) // 16 + 1
+    assert info.steps == info.windows // 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.steps = 0  # type: ignore[misc]
 
@@ -198,7 +214,9 @@ def test_steps_left_after_an_elastic_resume(feeder) -> None:  # type: ignore[no-
             for batch in c:
                 steps.append(batch["step"])
                 assert c.steps_left == left - len(steps)
-            assert len(steps) == left and steps[0] == 7 and steps[-1] == 7 + left - 1
+            assert len(steps) == left
+            assert steps[0] == 7
+            assert steps[-1] == 7 + left - 1
             assert c.steps_left == 0
 
 
@@ -216,19 +234,21 @@ BIG = {"dataset": "big", "seq_len": 4095, "stride": 64, "batch_size": 64}
 
 def test_a_stock_grpc_client_with_the_4_mib_limit_streams_large_batches(tmp_path: Path) -> None:
     params = pb.SamplingParams(**BIG)  # type: ignore[arg-type]
-    with running_feeder(_big_batch_root(tmp_path)) as f:
-        with grpc.insecure_channel(f.address) as ch:  # gRPC's defaults: 4 MiB receive limit
-            call = pb_grpc.FeederStub(ch).StreamBatches(
-                pb.StreamBatchesRequest(params=params, batches_per_message=16)
-            )
-            sizes, steps = [], []
-            for response in call:
-                sizes.append(response.ByteSize())
-                for b in response.batches:
-                    steps.append(b.step)
-                    tokens = np.frombuffer(b.tokens, dtype="<u4").reshape(b.rows, b.cols)
-                    expect = np.array(b.starts)[:, None] + np.arange(b.cols)
-                    np.testing.assert_array_equal(tokens, expect)
+    with (
+        running_feeder(_big_batch_root(tmp_path)) as f,
+        grpc.insecure_channel(f.address) as ch,  # gRPC's defaults: 4 MiB receive limit
+    ):
+        call = pb_grpc.FeederStub(ch).StreamBatches(
+            pb.StreamBatchesRequest(params=params, batches_per_message=16)
+        )
+        sizes, steps = [], []
+        for response in call:
+            sizes.append(response.ByteSize())
+            for b in response.batches:
+                steps.append(b.step)
+                tokens = np.frombuffer(b.tokens, dtype="<u4").reshape(b.rows, b.cols)
+                expect = np.array(b.starts)[:, None] + np.arange(b.cols)
+                np.testing.assert_array_equal(tokens, expect)
     windows = (120_000 - 4096) // 64 + 1
     assert steps == list(range(windows // 64))
     assert max(sizes) <= 4 << 20 < 16 * 64 * 4096 * 4  # not the 16 batches asked for
@@ -241,9 +261,8 @@ def test_no_message_exceeds_the_clients_max_message_bytes(tmp_path: Path, limit:
     params = pb.SamplingParams(dataset="d", seq_len=1024, stride=64, batch_size=16, auto_shift=True)
     request = pb.StreamBatchesRequest(params=params, batches_per_message=64)
     request.max_message_bytes = limit
-    with running_feeder(tmp_path) as f:
-        with grpc.insecure_channel(f.address) as ch:
-            responses = list(pb_grpc.FeederStub(ch).StreamBatches(request))
+    with running_feeder(tmp_path) as f, grpc.insecure_channel(f.address) as ch:
+        responses = list(pb_grpc.FeederStub(ch).StreamBatches(request))
     sizes = [r.ByteSize() for r in responses]
     assert max(sizes) <= limit
     # fewer batches per message, never fewer than what fits: 16 x (1024 + 512) x 2 bytes
@@ -354,9 +373,11 @@ def test_a_cuda_device_the_installed_torch_cannot_use_says_what_to_do() -> None:
     import torch
 
     device = "cuda" if torch.version.cuda is None else "cuda:99"
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match=re.escape(f"device={device!r}")) as info:
         FeederClient("127.0.0.1:1", device=device, **KW)
     message = str(info.value)
-    assert f"device={device!r}" in message and "device=None" in message
+    assert f"device={device!r}" in message
+    assert "device=None" in message
     if torch.version.cuda is None:
-        assert "CPU-only build" in message and "install a CUDA build of torch" in message
+        assert "CPU-only build" in message
+        assert "install a CUDA build of torch" in message

@@ -32,12 +32,14 @@ def test_backoff_grows_is_capped_and_jittered() -> None:
 
 def test_backoff_is_bounded() -> None:
     b = Backoff(max_retries=3, deadline=None)
-    assert not b.exhausted(3, 1e9) and b.exhausted(4, 0)
+    assert not b.exhausted(3, 1e9)
+    assert b.exhausted(4, 0)
     d = Backoff(max_retries=None, deadline=5.0)
-    assert not d.exhausted(10**6, 4.9) and d.exhausted(1, 5.1)
+    assert not d.exhausted(10**6, 4.9)
+    assert d.exhausted(1, 5.1)
     with pytest.raises(ValueError, match="bounded"):
         Backoff(max_retries=None, deadline=None)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="initial <= maximum"):
         Backoff(initial=2.0, maximum=1.0)
 
 
@@ -49,7 +51,7 @@ def test_addresses_from_string_list_and_commas() -> None:
     assert split_addresses(" a:1, b:2 ,") == ["a:1", "b:2"]
     assert split_addresses(["a:1", "[::1]:3"]) == ["a:1", "[::1]:3"]
     for bad in ("", "nohost", "a:b", [","]):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"no feeder address|is not host:port"):
             split_addresses(bad)
     for wrong in (None, 50051, ["a:1", 2]):
         with pytest.raises(TypeError, match="address"):
@@ -63,12 +65,16 @@ def test_security_reads_pem_paths_once_and_certificates_turn_tls_on(tmp_path: Pa
     ca = tmp_path / "ca.pem"
     ca.write_bytes(b"CA PEM")
     s = Security(root_certificates=str(ca))
-    assert s.tls and s.root_certificates == b"CA PEM"
+    assert s.tls
+    assert s.root_certificates == b"CA PEM"
     ca.write_bytes(b"changed")  # read when made, not when dialled
-    assert s.root_certificates == b"CA PEM" and Security(root_certificates=ca) != s
+    assert s.root_certificates == b"CA PEM"
+    assert Security(root_certificates=ca) != s
     mutual = Security(certificate_chain=b"chain", private_key=b"key")
-    assert mutual.tls and mutual.root_certificates is None  # the system's roots
-    assert not Security().tls and Security(tls=True).tls
+    assert mutual.tls
+    assert mutual.root_certificates is None
+    assert not Security().tls
+    assert Security(tls=True).tls
     assert Security(root_certificates=b"x") == Security(tls=True, root_certificates=b"x")
 
 
@@ -92,14 +98,16 @@ def test_security_refuses_what_cannot_be_tls(kw: dict, error: type, names: str) 
 
 def test_a_connection_is_one_frozen_value_with_the_defaults() -> None:
     c = Connection(" a:1, b:2 ", token=" s3cret\n")
-    assert c.addresses == ("a:1", "b:2") and c.token == "s3cret"
+    assert c.addresses == ("a:1", "b:2")
+    assert c.token == "s3cret"
     assert c.metadata == (("authorization", "Bearer s3cret"),)
     assert (c.security, c.timeouts, c.backoff) == (Security(), Timeouts(), Backoff())
     assert Connection(["a:1", "b:2"], token="s3cret") == c  # one value, however spelled
     assert hash(Connection("a:1")) == hash(Connection(["a:1"]))
     assert Connection("a:1").metadata == ()
     later = dataclasses.replace(c, timeouts=Timeouts(connect_timeout=5))
-    assert later.timeouts.connect_timeout == 5 and later.addresses == c.addresses
+    assert later.timeouts.connect_timeout == 5
+    assert later.addresses == c.addresses
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.token = "other"  # type: ignore[misc]
 
@@ -144,10 +152,8 @@ def test_connect_timeout_is_a_shorthand_that_must_agree_with_timeouts() -> None:
     # fills in a Timeouts that leaves connect_timeout at its default
     assert with_connect_timeout(quick, 5) == Timeouts(keepalive_time=1.0, connect_timeout=5.0)
     assert with_connect_timeout(None, 5) == Timeouts(connect_timeout=5.0)
-    assert (
-        with_connect_timeout(quick, None) is quick
-        and with_connect_timeout(None, None) == Timeouts()
-    )
+    assert with_connect_timeout(quick, None) is quick
+    assert with_connect_timeout(None, None) == Timeouts()
     same = Timeouts(connect_timeout=5.0)
     assert with_connect_timeout(same, 5) == same
     with pytest.raises(ValueError, match=r"connect_timeout=5 disagrees with .*connect_timeout=2"):
@@ -180,7 +186,8 @@ def test_a_connection_reaches_the_feeder_like_the_flat_keywords(feeder_root: Pat
         backoff = Backoff(initial=0.01, deadline=30)
         conn = Connection(f.address, token="s3cret", backoff=backoff)
         with FeederClient(connection=conn, **KW) as a:
-            assert a.connection is conn and a.backoff is backoff
+            assert a.connection is conn
+            assert a.backoff is backoff
             starts = [s for b in a for s in b["starts"].tolist()]
         with FeederClient(f.address, token="s3cret", backoff=backoff, **KW) as b:
             assert b.connection == conn

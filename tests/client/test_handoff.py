@@ -15,18 +15,20 @@ from support import wait_until
 
 def test_fifo_bounded_and_queue_compatible() -> None:
     h = Handoff(2)
-    assert h.empty() and h.qsize() == 0
+    assert h.empty()
+    assert h.qsize() == 0
     h.put(1, timeout=1)
     h.put(2, timeout=1)
     with pytest.raises(queue.Full):
         h.put(3, timeout=0.01)
     assert h.qsize() == 2
-    assert h.get_nowait() == 1 and h.get(timeout=1) == 2
+    assert h.get_nowait() == 1
+    assert h.get(timeout=1) == 2
     with pytest.raises(queue.Empty):
         h.get_nowait()
     with pytest.raises(queue.Empty):
         h.get(timeout=0.01)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="maxsize must be >= 1"):
         Handoff(0)
 
 

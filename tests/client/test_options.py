@@ -42,7 +42,8 @@ SAMPLING = {
 def test_options_defaults_and_what_they_derive() -> None:
     o = Options()
     assert (o.layout, o.prefetch, o.batches_per_message, o.lookahead) == ("flat", 2, None, True)
-    assert not o.document_ends and Options(mask_cross_document_labels=True).document_ends
+    assert not o.document_ends
+    assert Options(mask_cross_document_labels=True).document_ends
     assert Options(documents=("cu_seqlens",)).document_ends
     # auto packing: as many batches as fit ~256 KiB, 1 to 16
     assert o.message_batches(MESSAGE_TARGET_BYTES // 3) == 3
@@ -83,11 +84,13 @@ def test_options_check_every_field(error: type, field: str, value: object) -> No
 def test_options_accept_what_users_pass() -> None:
     reg = CollectorRegistry()
     o = Options(layout="grouped", prefetch=1024, batches_per_message=1024, registry=reg)
-    assert o.registry is reg and Options(metrics_port=0).metrics_port == 0
+    assert o.registry is reg
+    assert Options(metrics_port=0).metrics_port == 0
 
 
 def test_document_outputs_from_what_users_pass() -> None:
-    assert document_outputs(True) == DOCUMENT_OUTPUTS and document_outputs(False) == ()
+    assert document_outputs(True) == DOCUMENT_OUTPUTS
+    assert document_outputs(False) == ()
     assert document_outputs(["cu_seqlens", "max_seqlen"]) == ("cu_seqlens", "max_seqlen")
     for bad in ("position_ids", [], ["nope"], 3, None):
         with pytest.raises(ValueError, match="documents"):

@@ -102,10 +102,12 @@ def test_set_epoch_keeps_a_loaded_position_for_the_same_epoch_only() -> None:
     p.load_state_dict(state)
     assert not p.set_epoch(2)  # the resume loop: kept
     assert p.state_dict() == state
-    assert p.set_epoch(3) and (p.epoch, p.offset, p.step) == (3, 0, 0)
+    assert p.set_epoch(3)
+    assert (p.epoch, p.offset, p.step) == (3, 0, 0)
     assert p.set_epoch(3)  # nothing loaded: a set_epoch always starts over
     p.load_state_dict(state)
-    assert p.set_epoch(1) and (p.epoch, p.offset, p.step) == (1, 0, 0)
+    assert p.set_epoch(1)
+    assert (p.epoch, p.offset, p.step) == (1, 0, 0)
     with pytest.raises(ValueError, match="non-negative"):
         p.set_epoch(-1)
 
@@ -113,7 +115,8 @@ def test_set_epoch_keeps_a_loaded_position_for_the_same_epoch_only() -> None:
 def test_an_epoch_run_to_its_end_starts_over_unless_a_position_was_loaded() -> None:
     loop = Loop(_spec(), 0, windows=20)
     assert loop.epoch() == _full(_spec(), 0, 20, 0)
-    assert loop.position.ended and (loop.position.offset, loop.position.step) == (18, 3)
+    assert loop.position.ended
+    assert (loop.position.offset, loop.position.step) == (18, 3)
     assert loop.epoch() == _full(_spec(), 0, 20, 0)  # the same epoch again
     state = loop.position.state_dict()
     loop.position.load_state_dict(state)  # the end of the epoch, loaded: nothing left
@@ -136,13 +139,15 @@ def test_steps_left_and_remaining_count_from_an_offset() -> None:
     assert (first.steps_left(20), second.steps_left(20)) == (4, 3)  # 18, 19 are rank 0's
     assert Position(_spec(), 0).steps_left(20) == 3  # train drops the short last step
     first.offset = 18
-    assert first.steps_left(20) == 1 and first.remaining(20)(20) == 0
+    assert first.steps_left(20) == 1
+    assert first.remaining(20)(20) == 0
     assert second.remaining(22)(18) == 1  # windows 21: rank 1's
 
 
 def test_a_mixture_is_one_endless_stream() -> None:
     p = Position(MIXTURE)
-    assert p.endless and p.set_epoch(0)
+    assert p.endless
+    assert p.set_epoch(0)
     with pytest.raises(ValueError, match="endless"):
         p.set_epoch(1)
     with pytest.raises(TypeError, match="endless"):
@@ -287,7 +292,8 @@ def test_steps_left_after_an_elastic_resume(
         assert not loop.position.set_epoch(0)  # the resume loop keeps it
         left = loop.position.steps_left(windows)
         batches = loop.epoch()
-        assert left == len(batches) and loop.position.steps_left(windows) == 0
+        assert left == len(batches)
+        assert loop.position.steps_left(windows) == 0
         step = states[0]["step"]
         assert [s for _, _, s in batches] == list(range(step, step + left))
         for _, offset, _ in batches:

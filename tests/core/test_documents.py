@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -100,7 +101,8 @@ def test_eos_batches_match_both_references(c: dict) -> None:
     # label paths: the shift-1 scatter and the runs).
     seqs = D.sequences(ends, rows, seq_len, shift)
     runs = D.label_runs(seqs)
-    assert runs.sum() == rows * (seq_len + shift) and np.all(runs[1::2] > 0)
+    assert runs.sum() == rows * (seq_len + shift)
+    assert np.all(runs[1::2] > 0)
     assert np.all(runs >= 0)
     np.testing.assert_array_equal(D.label_mask(seqs), out["labels"] == -100)
     check(
@@ -154,12 +156,13 @@ def test_cu_seqlens_invariants(rows: int, seq_len: int, shift: int, data) -> Non
     mask = rng.random((rows, cols)) < density
     out = D.from_ends(mask.reshape(-1).nonzero()[0], rows, seq_len, shift)
     cu = out["cu_seqlens"].astype(np.int64)
-    assert cu[0] == 0 and cu[-1] == rows * seq_len
+    assert cu[0] == 0
+    assert cu[-1] == rows * seq_len
     assert np.all(np.diff(cu) > 0)  # no empty sequence
     assert set(range(0, rows * seq_len, seq_len)) <= set(cu.tolist())  # every row start
     assert out["max_seqlen"] == int(np.diff(cu).max())
     flat_docs, flat_pos = out["document_ids"].reshape(-1), out["position_ids"].reshape(-1)
-    for a, b in zip(cu[:-1], cu[1:], strict=True):  # a sequence is one run of one document
+    for a, b in itertools.pairwise(cu):  # a sequence is one run of one document
         assert np.all(flat_docs[a:b] == flat_docs[a])
         np.testing.assert_array_equal(flat_pos[a:b], np.arange(b - a))
 
@@ -264,7 +267,8 @@ def test_more_ends_than_the_cached_run_pattern() -> None:
     ends = np.arange(rows * (seq_len + shift))
     out = D.from_ends(ends, rows, seq_len, shift, labels=np.zeros((rows, seq_len), np.uint16))
     assert np.all(out["labels"] == -100)
-    assert np.all(out["position_ids"] == 0) and out["max_seqlen"] == 1
+    assert np.all(out["position_ids"] == 0)
+    assert out["max_seqlen"] == 1
 
 
 def test_megatron_style_offsets() -> None:

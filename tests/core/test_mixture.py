@@ -198,7 +198,8 @@ def test_appending_a_future_segment_changes_nothing_before_it(spec, gap, data):
     for p in range(cut + 1):
         assert old.counts(p) == new.counts(p)
     a, b = old.items(0, cut), new.items(0, cut)
-    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert np.array_equal(a[0], b[0])
+    assert np.array_equal(a[1], b[1])
 
 
 # --------------------------------------------------------- far offsets, big numbers
@@ -236,7 +237,8 @@ def check_far(mix, p, length):
     src, item = mix.items(p, p + length)
     for n in range(length):
         step = [b - a for a, b in zip(exact[n], exact[n + 1], strict=True)]
-        assert step[src[n]] == 1 and sum(step) == 1
+        assert step[src[n]] == 1
+        assert sum(step) == 1
         assert item[n] == exact[n][src[n]]
 
 
@@ -249,7 +251,8 @@ def test_int64_kernels_reduce_products_that_would_overflow(p):
         seq_len=1,
     )
     app = mix.apportionment
-    assert app._fast.all() and max(s.D for s in app._segs) > 1 << 30
+    assert app._fast.all()
+    assert max(s.D for s in app._segs) > 1 << 30
     check_far(mix, p, 30)
 
 
@@ -276,7 +279,8 @@ def test_large_denominators_take_the_exact_path():
         for n in range(9):
             c0, c1 = mix.counts(s + n), mix.counts(s + n + 1)
             i = int(src[row, n])
-            assert c1[i] == c0[i] + 1 and item[row, n] == c0[i]
+            assert c1[i] == c0[i] + 1
+            assert item[row, n] == c0[i]
 
 
 def test_position_range_is_checked():
@@ -429,7 +433,8 @@ def test_steps_jump_equals_walk_and_rounds_agree(spec, B, W, steps, seed, shuffl
     kw = {"batch_size": B, "world_size": W, "seed": seed, "shuffle": shuffle}
     src, item = rank_steps(mix, r, offset, steps, **kw)
     tail = rank_steps(mix, r, offset + B * W, steps - 1, **kw)  # resume one step later
-    assert np.array_equal(tail[0], src[1:]) and np.array_equal(tail[1], item[1:])
+    assert np.array_equal(tail[0], src[1:])
+    assert np.array_equal(tail[1], item[1:])
     got = list(rounds(mix, r, offset, 7, max_steps=steps, **kw))
     assert got[0].step == 7
     assert np.array_equal(np.concatenate([g.sources for g in got]), src)
@@ -546,7 +551,8 @@ def test_source_seed_depends_on_seed_and_name_only():
 def test_split_passes():
     assert split_passes(10, 4) == (2, 2)
     p, q = split_passes(np.arange(9), 3)
-    assert p.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] and q.tolist() == [0, 1, 2] * 3
+    assert p.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert q.tolist() == [0, 1, 2] * 3
     with pytest.raises(FailedPrecondition, match="window"):
         split_passes(3, 0)
 
@@ -563,7 +569,8 @@ def test_budget_reports_draws_passes_and_shares():
     budget = mix.budget(2000, {"web": 1000, "code": 7, "math": 3})
     assert budget.positions == 200
     drawn = [s.windows_drawn for s in budget.sources]
-    assert sum(drawn) == 200 and tuple(drawn) == mix.counts(200)
+    assert sum(drawn) == 200
+    assert tuple(drawn) == mix.counts(200)
     assert drawn == [70 + 50, 20 + 20, 10 + 30]
     assert [s.tokens_drawn for s in budget.sources] == [1200, 400, 400]
     assert budget.sources[1].passes == Fraction(40, 7)
@@ -578,7 +585,7 @@ def test_budget_reports_draws_passes_and_shares():
 
 
 @pytest.mark.parametrize(
-    "value, exact",
+    ("value", "exact"),
     [
         (0.7, Fraction(7, 10)),
         (1, Fraction(1)),
@@ -597,7 +604,7 @@ def test_normalization_is_exact():
 
 
 @pytest.mark.parametrize(
-    "sources, schedule, field",
+    ("sources", "schedule", "field"),
     [
         ({"a": -1, "b": 1}, (), "sources['a']"),
         ({"a": float("nan"), "b": 1}, (), "sources['a']"),
@@ -658,10 +665,12 @@ def test_yaml_style_schedule_and_float_from_tokens():
     )
     assert mix.segments[1][0] == 2_000_000_000
     p = -(-2_000_000_000 // 2048)
-    assert mix.segment_of(p - 1) == 0 and mix.segment_of(p) == 1
+    assert mix.segment_of(p - 1) == 0
+    assert mix.segment_of(p) == 1
     before = mix.counts(p)
     after = mix.counts(p + 100)
-    assert after[0] == before[0] and after[1] == before[1] + 100
+    assert after[0] == before[0]
+    assert after[1] == before[1] + 100
 
 
 def test_segments_that_own_no_position_are_skipped():
@@ -722,7 +731,8 @@ def test_anchored_floats_are_fixed_up_where_they_are_ambiguous():
                 wrong_dues += math.ceil(z) != -((g - seg.D * u_star) // a) - e
     assert checked >= 16
     # the floats alone are wrong somewhere, so the exact fix-ups are what is tested
-    assert wrong_floats > 0 and wrong_dues > 0
+    assert wrong_floats > 0
+    assert wrong_dues > 0
 
 
 @given(
@@ -743,7 +753,8 @@ def test_pass_divmod_is_numpys(pairs):
     for values in (n, np.maximum(n // d * d - 1, 0), n // d * d):  # around multiples too
         q, r = divmod_items(values, d)
         want_q, want_r = np.divmod(values, d)
-        assert np.array_equal(q, want_q) and np.array_equal(r, want_r)
+        assert np.array_equal(q, want_q)
+        assert np.array_equal(r, want_r)
 
 
 def test_pass_divmod_just_below_two_to_the_53():
@@ -752,4 +763,5 @@ def test_pass_divmod_just_below_two_to_the_53():
     for d in (1, 2, 3, 7, 65_532, 40_956, 24_572, (1 << 26) + 1, top):
         q, r = divmod_items(n, np.full(len(n), d, dtype=np.int64))
         want_q, want_r = np.divmod(n, d)
-        assert np.array_equal(q, want_q) and np.array_equal(r, want_r)
+        assert np.array_equal(q, want_q)
+        assert np.array_equal(r, want_r)

@@ -53,11 +53,12 @@ def test_step_rows_in_c_equal_the_numpy_code(weights, B, W, steps, seed, offset)
     for r, (src, item) in enumerate(reference):
         got = rank_steps(mix, r, offset, steps, **kw)
         assert got[0].dtype == got[1].dtype == np.int64
-        assert np.array_equal(got[0], src) and np.array_equal(got[1], item)
+        assert np.array_equal(got[0], src)
+        assert np.array_equal(got[1], item)
 
 
 @compiled
-@pytest.mark.parametrize("B, W", [(1, 1), (1, 2), (3, 1)])
+@pytest.mark.parametrize(("B", "W"), [(1, 1), (1, 2), (3, 1)])
 def test_step_rows_of_tiny_steps_in_c_equal_the_numpy_code(B, W):
     """One or two slots per step: B*W = 1 walks its 1-bit domain to 0 in C."""
     mix = Mixture({"a": 0.5, "b": 0.3, "c": 0.2}, seq_len=4)
@@ -66,7 +67,8 @@ def test_step_rows_of_tiny_steps_in_c_equal_the_numpy_code(B, W):
         reference = [rank_steps(mix, r, 0, 50, **kw) for r in range(W)]
     for r, (src, item) in enumerate(reference):
         got = rank_steps(mix, r, 0, 50, **kw)
-        assert np.array_equal(got[0], src) and np.array_equal(got[1], item)
+        assert np.array_equal(got[0], src)
+        assert np.array_equal(got[1], item)
     assert len(set(reference[0][0].ravel().tolist())) == 3  # every source appears
 
 
@@ -122,4 +124,5 @@ def test_mixture_starts_source_by_source_equal_the_general_path(
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(sampler, "_SOURCES_ONE_BY_ONE", 0)
                 general = ms.starts(r.sources, r.items)
-            assert fast.shape == general.shape and np.array_equal(fast, general)
+            assert fast.shape == general.shape
+            assert np.array_equal(fast, general)

@@ -13,7 +13,7 @@ import pytest
 from tokenfeed.core import keyed, native
 
 
-@pytest.mark.parametrize("value, on", [("1", False), ("0", True), ("", True)])
+@pytest.mark.parametrize(("value", "on"), [("1", False), ("0", True), ("", True)])
 def test_the_environment_variable_turns_the_loops_off_at_import(value, on) -> None:
     env = {**os.environ, native.ENV: value}
     code = "from tokenfeed.core import native; print(native.enabled())"
@@ -25,13 +25,17 @@ def test_the_environment_variable_turns_the_loops_off_at_import(value, on) -> No
 
 def test_disabled_holds_for_its_block_nested_or_left_by_an_error() -> None:
     was = native.enabled()
-    with pytest.raises(RuntimeError, match="inside"):
+
+    def nested_then_fail() -> None:
         with native.disabled():
             assert not native.enabled()
             with native.disabled():
                 assert not native.enabled()
             assert not native.enabled()  # the inner block restores "off", not "on"
             raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        nested_then_fail()
     assert native.enabled() == was
 
 

@@ -28,7 +28,8 @@ def test_generated_code_is_in_sync(tmp_path: Path) -> None:
     )
     fresh = _generated(tmp_path)
     committed = _generated(ROOT / "protos")
-    assert fresh == committed and fresh, "run `make protos` and commit the result"
+    assert fresh, "no generated modules"
+    assert fresh == committed, "run `make protos` and commit the result"
     for rel in fresh:
         assert (tmp_path / rel).read_bytes() == (ROOT / "protos" / rel).read_bytes(), (
             f"{rel} is stale: run `make protos`"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import fields
 from fractions import Fraction
@@ -130,7 +131,8 @@ def test_step_layout_and_len(sampler: DatasetSampler) -> None:
             sampler.num_windows, sampler.batch_size, sampler.world_size, rank, sampler.split
         )
         for i, (step, offset, _, starts) in enumerate(batches):
-            assert step == i and offset == i * global_batch
+            assert step == i
+            assert offset == i * global_batch
             assert 1 <= len(starts) <= sampler.batch_size
 
 
@@ -316,8 +318,9 @@ def test_block_shuffle_touches_only_its_group_blocks(
     assert np.array_equal(np.sort(windows), np.arange(n))
     groups = -(-order.num_blocks // order.blocks_per_group)
     bounds = np.minimum(order._group_start(np.arange(groups + 1)), n)
-    assert bounds[0] == 0 and bounds[-1] == n
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    assert bounds[0] == 0
+    assert bounds[-1] == n
+    for lo, hi in itertools.pairwise(bounds):
         blocks = set((windows[lo:hi] // order.wpb).tolist())
         assert 1 <= len(blocks) <= order.blocks_per_group
 
@@ -360,7 +363,8 @@ def test_split_is_token_level_and_exact() -> None:
     assert split_bounds(10, "train", Fraction("0.9")) == (0, 9)
     assert split_bounds(10, "validation", Fraction("0.9")) == (9, 10)
     assert split_bounds(10**12, "train", Fraction("0.9"))[1] == 900_000_000_000
-    assert window_count(10, 8, 4, 2) == 1 and window_count(9, 8, 4, 2) == 0
+    assert window_count(10, 8, 4, 2) == 1
+    assert window_count(9, 8, 4, 2) == 0
 
 
 @pytest.mark.parametrize("rate", [0.7, 0.99, 0.3, 0.6, 0.85, 0.95, 0.98, 0.1, 1e-05])
@@ -395,7 +399,8 @@ def test_virtual_store_of_a_trillion_tokens() -> None:
     )
     offset = sampler.num_windows // 2 // 1024 * 1024
     batch = next(sampler.batches(epoch=9, rank=63, offset=offset, step=offset // 1024))
-    assert len(batch.starts) == 16 and len(set(batch.starts.tolist())) == 16
+    assert len(batch.starts) == 16
+    assert len(set(batch.starts.tolist())) == 16
     assert all(s % 512 == 0 and s + 1024 + batch.shift <= sampler.split_end for s in batch.starts)
     assert batch.shift in proper_divisors(1024)
 
@@ -464,4 +469,5 @@ def test_shuffle_spreads_windows_evenly_over_positions() -> None:
         counts[np.arange(n), order.windows(np.arange(n))] += 1
     expected = seeds / n
     # a biased permutation family (e.g. a weak round function) leaves cells near 0 or 2x
-    assert counts.min() > 0.5 * expected and counts.max() < 1.6 * expected
+    assert counts.min() > 0.5 * expected
+    assert counts.max() < 1.6 * expected

@@ -46,12 +46,15 @@ def test_round_trip_across_chunks(tmp_path: Path, dtype: str) -> None:
     )
     assert [c.tokens for c in meta.chunks] == [1000, 1000, 503]
     store = TokenStore.open(tmp_path)
-    assert store.total_tokens == 2503 and store.num_chunks == 3
+    assert store.total_tokens == 2503
+    assert store.num_chunks == 3
     assert store.chunk_starts.tolist() == [0, 1000, 2000, 2503]
     assert np.array_equal(np.concatenate(list(iter_tokens(store))), tokens)
     raw = (tmp_path / "chunk_000001.bin").read_bytes()
     assert raw == tokens[1000:2000].astype(np.dtype(dtype).newbyteorder("<")).tobytes()
-    assert store.chunk_of(999) == 0 and store.chunk_of(1000) == 1 and store.chunk_of(2502) == 2
+    assert store.chunk_of(999) == 0
+    assert store.chunk_of(1000) == 1
+    assert store.chunk_of(2502) == 2
     doc = json.loads((tmp_path / META_NAME).read_text())
     for key in (
         "dtype",
@@ -77,7 +80,8 @@ def test_meta_json_is_written_last(tmp_path: Path) -> None:
     assert not is_complete(tmp_path)
     assert not list(tmp_path.glob("*.tmp"))
     writer.finish()
-    assert is_complete(tmp_path) and TokenStore.open(tmp_path).total_tokens == 25
+    assert is_complete(tmp_path)
+    assert TokenStore.open(tmp_path).total_tokens == 25
 
 
 def test_token_ids_that_overflow_are_refused(tmp_path: Path) -> None:
@@ -111,7 +115,8 @@ def test_streaming_dataloader_store_is_read_as_is(tmp_path: Path) -> None:
         )
     )
     store = TokenStore.open(tmp_path)
-    assert store.meta.tokenizer == "gpt2" and store.meta.eos_token_id == 50256
+    assert store.meta.tokenizer == "gpt2"
+    assert store.meta.eos_token_id == 50256
     assert np.array_equal(np.concatenate(list(iter_tokens(store))), tokens)
     assert store.verify() == []
 
@@ -124,8 +129,8 @@ def test_bare_bin_folder_needs_a_dtype(tmp_path: Path) -> None:
     store = TokenStore.open(tmp_path, dtype="uint32")
     assert [c.file for c in store.meta.chunks] == ["a.bin", "b.bin"]
     assert np.concatenate(list(iter_tokens(store))).tolist() == [*range(10, 20), *range(10)]
+    (tmp_path / "c.bin").write_bytes(b"abc")
     with pytest.raises(DataLoss, match="not a whole number"):
-        (tmp_path / "c.bin").write_bytes(b"abc")
         TokenStore.open(tmp_path, dtype="uint32")
 
 
@@ -154,9 +159,10 @@ def test_flipped_byte_is_data_loss_naming_the_chunk(tmp_path: Path) -> None:
     data[77] ^= 0x01
     chunk.write_bytes(bytes(data))
     store = TokenStore.open(path)  # sizes are fine: opening is cheap and succeeds
-    with pytest.raises(DataLoss, match="chunk_000001.bin is corrupt"):
+    with pytest.raises(DataLoss, match=r"chunk_000001\.bin is corrupt"):
         store.read_chunk(1)
-    assert len(store.verify()) == 1 and "chunk_000001.bin" in store.verify()[0]
+    assert len(store.verify()) == 1
+    assert "chunk_000001.bin" in store.verify()[0]
     assert store.read_chunk(0).size == 1000  # the others still read
 
 
@@ -186,7 +192,7 @@ def test_malformed_stores_fail_at_open(tmp_path: Path, damage, message) -> None:
 def test_missing_store_is_not_found(tmp_path: Path) -> None:
     with pytest.raises(NotFound):
         TokenStore.open(tmp_path / "nope")
-    with pytest.raises(NotFound, match="neither meta.json"):
+    with pytest.raises(NotFound, match=r"neither meta\.json"):
         TokenStore.open(tmp_path)
 
 

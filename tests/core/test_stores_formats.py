@@ -63,7 +63,8 @@ def test_megatron_reads_what_the_real_writer_wrote(name: str) -> None:
     flat = [t for d in docs for s in d for t in s]
     assert store.source_dtype == np.dtype(dtype)
     assert store.meta.dtype == ("uint16" if np.dtype(dtype).itemsize <= 2 else "uint32")
-    assert store.total_tokens == len(flat) and tokens_of(store) == flat
+    assert store.total_tokens == len(flat)
+    assert tokens_of(store) == flat
     assert store.num_documents == len(docs)
     ends = np.cumsum([sum(map(len, d)) for d in docs]).tolist()
     assert store.document_ends().tolist() == ends
@@ -74,7 +75,8 @@ def test_megatron_reads_what_the_real_writer_wrote(name: str) -> None:
 @pytest.mark.parametrize("suffix", ["", ".bin", ".idx"])
 def test_megatron_prefix_or_either_file(suffix: str) -> None:
     store = open_store(str(DATA / "u16_items") + suffix)
-    assert isinstance(store, MegatronStore) and store.prefix == DATA / "u16_items"
+    assert isinstance(store, MegatronStore)
+    assert store.prefix == DATA / "u16_items"
 
 
 def test_megatron_ids_beyond_uint32_are_data_loss_naming_the_file() -> None:
@@ -98,7 +100,7 @@ def test_megatron_damage_is_named(tmp_path: Path) -> None:
         f.write(b"\x00\x00")
     with pytest.raises(DataLoss, match=r"u16_items\.bin: .* bytes"):
         MegatronStore.open(p)
-    with pytest.raises(NotFound, match="nope.idx"):
+    with pytest.raises(NotFound, match=r"nope\.idx"):
         MegatronStore.open(tmp_path / "nope")
     # a pointer moved: verify names the .idx
     p = _copy(tmp_path, "u16_items", "moved")
@@ -108,7 +110,8 @@ def test_megatron_damage_is_named(tmp_path: Path) -> None:
     raw[at : at + 8] = (int.from_bytes(raw[at : at + 8], "little") + 2).to_bytes(8, "little")
     p.with_suffix(".idx").write_bytes(bytes(raw))
     problems = MegatronStore.open(p).verify()
-    assert len(problems) == 1 and "moved.idx: sequence 2 starts at byte" in problems[0]
+    assert len(problems) == 1
+    assert "moved.idx: sequence 2 starts at byte" in problems[0]
     # truncated after opening: the read names the .bin, nothing crashes (no SIGBUS)
     q = _copy(tmp_path, "i32_docs")
     store = MegatronStore.open(q)
@@ -179,10 +182,12 @@ def test_seed_layout_read_in_place(tmp_path: Path, value_type: str | None) -> No
     write_seed(tmp_path, chunks, value_type)
     (tmp_path / "chunk_notes").mkdir()  # not a chunk folder
     store = open_store(tmp_path)
-    assert isinstance(store, SeedStore) and store.meta.dtype == "uint32"
+    assert isinstance(store, SeedStore)
+    assert store.meta.dtype == "uint32"
     assert [c.tokens for c in store.meta.chunks] == [1000, 1, 777]
     assert tokens_of(store) == np.concatenate(chunks).tolist()
-    assert store.verify() == [] and store.meta.eos_token_id is None
+    assert store.verify() == []
+    assert store.meta.eos_token_id is None
 
 
 def test_seed_layout_with_meta_json_and_damage(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -190,22 +195,25 @@ def test_seed_layout_with_meta_json_and_damage(tmp_path: Path, capsys) -> None: 
     write_seed(tmp_path, chunks)
     assert main(["info", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "seed layout" in out and "meta.json to add" in out
+    assert "seed layout" in out
+    assert "meta.json to add" in out
     suggested = json.loads(out[out.index("\n{", out.index("meta.json to add")) :])
-    assert suggested["dtype"] == "uint32" and suggested["chunks"][1] == {
+    assert suggested["dtype"] == "uint32"
+    assert suggested["chunks"][1] == {
         "file": "chunk_000001",
         "tokens": 400,
     }
     suggested |= {"dtype": "uint16", "eos_token_id": 0, "vocab_size": 1000}
     (tmp_path / "meta.json").write_text(json.dumps(suggested))
     store = open_store(tmp_path)
-    assert store.meta.dtype == "uint16" and store.meta.eos_token_id == 0
+    assert store.meta.dtype == "uint16"
+    assert store.meta.eos_token_id == 0
     assert tokens_of(store) == np.concatenate(chunks).tolist()
     assert main(["verify", str(tmp_path)]) == 0
     capsys.readouterr()
     data = next((tmp_path / "chunk_000001").glob("*.arrow"))
     data.write_bytes(data.read_bytes()[:-100])
-    with pytest.raises(DataLoss, match="chunk_000001/data-00000-of-00001.arrow"):
+    with pytest.raises(DataLoss, match=r"chunk_000001/data-00000-of-00001\.arrow"):
         open_store(tmp_path).read_chunk(1)
     assert main(["verify", str(tmp_path)]) == 1
     assert "chunk_000001" in capsys.readouterr().err

@@ -93,10 +93,13 @@ def test_object_store_round_trip_and_safe_errors(
     with pytest.raises(PermissionDenied, match="no-such-bucket"):
         ObjectStore("s3://no-such-bucket/x", policy=FAST, env=s3_env).check_access()
     for e in errors:
-        assert "credentials" in e.message and e.message.startswith(s3_root)
-        assert e.__cause__ is None and e.__suppress_context__
+        assert "credentials" in e.message
+        assert e.message.startswith(s3_root)
+        assert e.__cause__ is None
+        assert e.__suppress_context__
     text = " ".join(e.message for e in errors) + caplog.text + repr(bad) + repr(bad._settings)
-    assert WRONG_SECRET not in text and s3.secret_key not in text
+    assert WRONG_SECRET not in text
+    assert s3.secret_key not in text
     assert bad.retries == 0  # 403 is not retried
 
 
@@ -204,7 +207,8 @@ def test_a_stream_from_s3_never_waits_once_its_read_aheads_land(s3_root: str) ->
     try:
         spec = SamplingSpec(dataset="groups", seq_len=64, batch_size=4, shuffle=True, seed=2)
         assert drive(ds, cache, spec, epochs=2) == []
-        assert cache.stats.ahead_used > 0 and cache.stats.evictions > 0
+        assert cache.stats.ahead_used > 0
+        assert cache.stats.evictions > 0
     finally:
         cache.close()
 
@@ -240,10 +244,12 @@ def test_prepare_to_s3_resumes_and_overwrites(
     with pytest.raises(Interrupted):
         prepare(cfg(out, 100))
     keys = {o.key for o in objects.list()}
-    assert META_NAME not in keys and PROGRESS_NAME in keys  # never looks complete
+    assert META_NAME not in keys
+    assert PROGRESS_NAME in keys
     assert "chunk_000000.bin" in keys
     resumed = prepare(cfg(out, None))
-    assert resumed.resumed_chunks > 0 and resumed.path == out
+    assert resumed.resumed_chunks > 0
+    assert resumed.path == out
     assert [c.checksum for c in resumed.meta.chunks] == [c.checksum for c in clean.meta.chunks]
     assert {o.key for o in objects.list()} == {META_NAME} | {c.file for c in clean.meta.chunks}
     assert not any(p.name.startswith("s3") for p in tmp_path.iterdir())  # no local "s3:" dir
@@ -253,7 +259,7 @@ def test_prepare_to_s3_resumes_and_overwrites(
     assert {o.key for o in objects.list()} == {META_NAME} | {c.file for c in again.meta.chunks}
     # objects tokenfeed did not write are never deleted
     objects.put("notes.txt", b"mine")
-    with pytest.raises(Exception, match="notes.txt"):
+    with pytest.raises(Exception, match=r"notes\.txt"):
         prepare(cfg(out, None, overwrite=True))
 
 
@@ -269,7 +275,9 @@ def test_cli_prepare_info_verify_on_s3(
     assert not (tmp_path / "s3:").exists()
     assert main(["info", out, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["path"] == out and doc["format"] == "tokenfeed v1" and doc["chunks"] > 1
+    assert doc["path"] == out
+    assert doc["format"] == "tokenfeed v1"
+    assert doc["chunks"] > 1
     assert main(["verify", out]) == 0
     assert "OK" in capsys.readouterr().out
     objects = ObjectStore(out)
@@ -290,7 +298,8 @@ def test_bad_credentials_exit_2_without_the_secret(
         assert main(cmd) == 2
         err = capsys.readouterr().err
         assert "check the bucket name and the AWS credentials" in err
-        assert WRONG_SECRET not in err and s3.secret_key not in err
+        assert WRONG_SECRET not in err
+        assert s3.secret_key not in err
     cases = [
         (s3_root, "HTTP 403"),  # wrong secret
         (f"s3://no-such-bucket-{os.getpid()}/x", "no-such-bucket"),
@@ -306,6 +315,7 @@ def test_bad_credentials_exit_2_without_the_secret(
             env=os.environ.copy(),
         )
         assert proc.returncode == 2, proc.stderr
-        assert want in proc.stderr and "tokenfeed serve: error:" in proc.stderr
+        assert want in proc.stderr
+        assert "tokenfeed serve: error:" in proc.stderr
         assert WRONG_SECRET not in proc.stderr + proc.stdout
         assert s3.secret_key not in proc.stderr + proc.stdout

@@ -50,7 +50,8 @@ def dashboard_generator() -> Any:
     spec = importlib.util.spec_from_file_location(
         "tokenfeed_dashboard", DEPLOY / "grafana" / "dashboard.py"
     )
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -175,7 +176,7 @@ def test_dashboard_panels_use_the_datasource_variable_and_fit_the_grid() -> None
             assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
             assert panel["targets"], panel["title"]
         g = panel["gridPos"]
-        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, panel["title"]
+        assert 0 <= g["x"] <= g["x"] + g["w"] <= 24, panel["title"]
         mine = {
             (x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])
         }
@@ -212,7 +213,8 @@ def test_recording_rules_cover_the_issue_and_alerts_have_runbook_text() -> None:
     assert "> 0.05" in alerts["TokenfeedRankStalled"]["expr"]
     for name, rule in alerts.items():
         assert rule["labels"]["severity"] in ("warning", "critical"), name
-        assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+        assert rule["annotations"]["summary"], name
+        assert rule["annotations"]["description"], name
 
 
 def test_alert_inner_expressions() -> None:
@@ -265,7 +267,8 @@ def test_prometheus_scrapes_the_compose_services_on_their_metrics_ports() -> Non
     assert feeders == ["feeder", "feeder-2"]
     feeder_job = next(j for j in prom["scrape_configs"] if j["job_name"] == "tokenfeed-feeder")
     (sd,) = feeder_job["dns_sd_configs"]
-    assert sorted(sd["names"]) == feeders and sd["type"] == "A"
+    assert sorted(sd["names"]) == feeders
+    assert sd["type"] == "A"
     assert sd["port"] == int(metrics_port)
     (relabel,) = feeder_job["relabel_configs"]
     assert relabel["source_labels"] == ["__meta_dns_name"]
@@ -319,7 +322,8 @@ def compose_check() -> Any:
     spec = importlib.util.spec_from_file_location(
         "compose_check", ROOT / "scripts" / "compose_check.py"
     )
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -329,7 +333,8 @@ def compose_check() -> Any:
 def test_replicas_profile_is_a_second_feeder_that_trainers_and_compose_check_know() -> None:
     s = compose()["services"]
     feeder, second = s["feeder"], s["feeder-2"]
-    assert second["profiles"] == ["replicas"] and "profiles" not in feeder
+    assert second["profiles"] == ["replicas"]
+    assert "profiles" not in feeder
     for key in (
         "image",
         "command",
@@ -367,7 +372,8 @@ def default(value: str) -> str:
 def test_s3_profile_is_a_demo_s3_server_a_prepare_job_and_the_feeder_on_the_bucket() -> None:
     s = compose()["services"]
     server, job, feeder = s["seaweedfs"], s["prepare-s3"], s["feeder"]
-    assert server["profiles"] == ["s3"] and job["profiles"] == ["s3"]
+    assert server["profiles"] == ["s3"]
+    assert job["profiles"] == ["s3"]
     # the job waits for the server (healthy: S3 answers and the bucket exists), the feeder
     # for the job, but only where the profile runs
     assert job["depends_on"] == {"seaweedfs": {"condition": "service_healthy"}}
@@ -375,11 +381,13 @@ def test_s3_profile_is_a_demo_s3_server_a_prepare_job_and_the_feeder_on_the_buck
         "condition": "service_completed_successfully",
         "required": False,
     }
-    assert job["restart"] == "no" and job["healthcheck"] == {"disable": True}
+    assert job["restart"] == "no"
+    assert job["healthcheck"] == {"disable": True}
     # the job writes the demo stores (the trainers' mixture's sources) into the bucket, as
     # prepare does into the volume; FEEDER_DATA_ROOT=s3://BUCKET serves them
     root = job["command"][job["command"].index("--demo-root") + 1]
-    assert root == "s3://${S3_BUCKET:-tokenfeed}" and job["image"] == feeder["image"]
+    assert root == "s3://${S3_BUCKET:-tokenfeed}"
+    assert job["image"] == feeder["image"]
     assert server["environment"]["SEAWEEDFS_BUCKETS"] == "${S3_BUCKET:-tokenfeed}"
     # one set of S3 settings: what the server accepts is what the job and the feeder send
     client = {k: v for k, v in feeder["environment"].items() if k.startswith("AWS_")}
@@ -395,32 +403,39 @@ def test_s3_profile_is_a_demo_s3_server_a_prepare_job_and_the_feeder_on_the_buck
         assert server["environment"][key] == client[key]
     # the default endpoint is the server's S3 port on the compose network
     spec = importlib.util.spec_from_file_location("seaweedfs_demo", DEPLOY / "seaweedfs.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     entrypoint = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entrypoint)
     assert default(client["AWS_ENDPOINT_URL"]) == f"http://seaweedfs:{entrypoint.S3_PORT}"
-    assert server["expose"] == [str(entrypoint.S3_PORT)] and "ports" not in server
+    assert server["expose"] == [str(entrypoint.S3_PORT)]
+    assert "ports" not in server
     assert "seaweedfs-data:/data" in server["volumes"]
     assert "seaweedfs-data" in compose()["volumes"]
     # the image is built from its Dockerfile on the same base as the others
     assert server["build"] == {"context": "deploy", "dockerfile": "Dockerfile.seaweedfs"}
     text = (DEPLOY / "Dockerfile.seaweedfs").read_text()
     base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.M)
-    assert base and f"ARG BASE_IMAGE={base.group(1)}" in text
-    assert 'ENTRYPOINT ["seaweedfs-demo"]' in text and "COPY --chmod=0755 seaweedfs.py" in text
+    assert base
+    assert f"ARG BASE_IMAGE={base.group(1)}" in text
+    assert 'ENTRYPOINT ["seaweedfs-demo"]' in text
+    assert "COPY --chmod=0755 seaweedfs.py" in text
     # the tokenfeed image can speak S3 unless told otherwise, everywhere the extras are set
     extras = re.search(r"^ARG EXTRAS=(\S+)$", (DEPLOY / "Dockerfile").read_text(), re.M)
-    assert extras and "s3" in extras.group(1).split(",")
+    assert extras
+    assert "s3" in extras.group(1).split(",")
     assert default(s["prepare"]["build"]["args"]["EXTRAS"]) == extras.group(1)
     assert f"TOKENFEED_EXTRAS={extras.group(1)}\n" in (ROOT / ".env.example").read_text()
     # compose-check runs it: the services, the data root, fresh credentials kept out of sight
     profile = {p.name: p for p in compose_check().PROFILES}["s3"]
     assert profile.compose_profiles == ("s3",)
-    assert profile.jobs == ("prepare", "prepare-s3") and profile.services == ("seaweedfs",)
+    assert profile.jobs == ("prepare", "prepare-s3")
+    assert profile.services == ("seaweedfs",)
     bucket = default(server["environment"]["SEAWEEDFS_BUCKETS"])
     assert profile.data_root == profile.env["FEEDER_DATA_ROOT"] == f"s3://{bucket}"
     for var in (*profile.credentials, *profile.secrets):
-        assert var in profile.env and profile.env[var] not in COMPOSE.read_text(), var
+        assert var in profile.env, var
+        assert profile.env[var] not in COMPOSE.read_text(), var
     assert set(profile.credentials) | set(profile.secrets) == {
         "S3_ACCESS_KEY_ID",
         "S3_SECRET_ACCESS_KEY",
@@ -436,7 +451,8 @@ def test_seaweedfs_entrypoint_refuses_to_start_without_credentials() -> None:
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 2 and "AWS_ACCESS_KEY_ID is not set" in proc.stderr
+    assert proc.returncode == 2
+    assert "AWS_ACCESS_KEY_ID is not set" in proc.stderr
 
 
 def test_dockerfile_and_dockerignore() -> None:
@@ -449,7 +465,8 @@ def test_dockerfile_and_dockerignore() -> None:
     assert sources
     allowed = (ROOT / ".dockerignore").read_text().splitlines()
     for src in re.findall(r'"([^"]+)"', sources.group(1)):
-        assert f"!{src}/" in allowed and f"COPY {src}/ {src}/" in text, src
+        assert f"!{src}/" in allowed, src
+        assert f"COPY {src}/ {src}/" in text, src
     for f in ("pyproject.toml", "README.md", "deploy/healthcheck.py"):
         assert f"!{f}" in allowed, f
 
@@ -557,9 +574,11 @@ def test_healthcheck_reports_serving_draining_and_down(feeder_root: Path) -> Non
         assert ok.returncode == 0, ok.stderr
         f.call(f.server.health.enter_graceful_shutdown())  # what SIGTERM does first
         draining = run_healthcheck(f.port)
-        assert draining.returncode == 1 and "NOT_SERVING" in draining.stderr
+        assert draining.returncode == 1
+        assert "NOT_SERVING" in draining.stderr
     down = run_healthcheck(free_port(), TOKENFEED_HEALTHCHECK_TIMEOUT="2")
-    assert down.returncode == 1 and "unhealthy" in down.stderr
+    assert down.returncode == 1
+    assert "unhealthy" in down.stderr
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,8 @@ def test_compose_demo_path_as_processes(tmp_path: Path) -> None:
     tokens = {name: TokenStore.open(data / name).meta.total_tokens for name in STORES}
     assert tokens["demo"] > 1_000_000
     # the mixture's sources are disjoint parts of the corpus
-    assert 200_000 < tokens["comedies"] and 200_000 < tokens["tragedies"]
+    assert tokens["comedies"] > 200_000
+    assert tokens["tragedies"] > 200_000
     assert tokens["comedies"] + tokens["tragedies"] < tokens["demo"]
     stamps = {name: (data / name / "meta.json").stat().st_mtime_ns for name in STORES}
     again = subprocess.run(
@@ -124,7 +125,7 @@ def feeder_serves_the_trainer(
         TOKENFEED_PORT=str(port),
         TOKENFEED_METRICS_PORT=str(metrics_port),
     )
-    log = open(tmp_path / "feeder.log", "wb")
+    log = open(tmp_path / "feeder.log", "wb")  # noqa: SIM115 - the feeder writes it until the end
     feeder = subprocess.Popen(
         tokenfeed_argv(services["feeder"]["command"]),
         env=feeder_env,
@@ -141,9 +142,8 @@ def feeder_serves_the_trainer(
             ).returncode
             != 0
         ):
-            assert feeder.poll() is None and time.monotonic() < deadline, (
-                tmp_path / "feeder.log"
-            ).read_text()
+            assert feeder.poll() is None, (tmp_path / "feeder.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "feeder.log").read_text()
             time.sleep(0.5)
 
         # ---- trainer: two ranks, one pass over each source of the mixture
@@ -154,7 +154,8 @@ def feeder_serves_the_trainer(
             "--metrics-host=0.0.0.0": "--metrics-host=127.0.0.1",
         }
         trainer = [mapped(a, ports) for a in services["trainer"]["command"]]
-        assert "--epochs=1" in trainer and f"--address=127.0.0.1:{port}" in trainer
+        assert "--epochs=1" in trainer
+        assert f"--address=127.0.0.1:{port}" in trainer
         run = subprocess.run(
             tokenfeed_argv(trainer), env=base_env, capture_output=True, text=True, timeout=TIMEOUT
         )
@@ -175,7 +176,8 @@ def feeder_serves_the_trainer(
                 text,
                 re.MULTILINE,
             )
-            assert sent and float(sent.group(1)) > 0, text
+            assert sent, text
+            assert float(sent.group(1)) > 0, text
     finally:
         # `docker compose down`: SIGTERM, the feeder drains and exits 0
         if feeder.poll() is None:
@@ -243,4 +245,5 @@ def test_compose_s3_path_as_processes(tmp_path: Path, s3: Any) -> None:
     log = feeder_serves_the_trainer(tmp_path, services, feeder_env, base_env, mapped)
     assert f"serving s3://{bucket} on " in log
     for text in (log, done.stdout, done.stderr):
-        assert s3.secret_key not in text and s3.access_key not in text
+        assert s3.secret_key not in text
+        assert s3.access_key not in text

@@ -89,7 +89,7 @@ class Prometheus:
         cfg = workdir / "prometheus.yml"
         cfg.write_text(yaml.safe_dump(config))
         self.log_path = workdir / "prometheus.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
                 str(PROMETHEUS),
@@ -167,7 +167,7 @@ class Trainer(threading.Thread):
                     self.batches += 1
                     if self.stop_event.wait(0.002):  # a little "training"
                         return
-        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+        except BaseException as e:  # re-raised by the test
             self.error = e
 
     def stop(self) -> None:

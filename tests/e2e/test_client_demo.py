@@ -31,8 +31,21 @@ def built(root: Path) -> None:
 
 def demo(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tokenfeed", "demo", "--data-root", str(root)]
-        + ["--seq-len", "64", "--batch-size", "8", "--step-time", "0", *args],
+        [
+            sys.executable,
+            "-m",
+            "tokenfeed",
+            "demo",
+            "--data-root",
+            str(root),
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "8",
+            "--step-time",
+            "0",
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -42,10 +55,12 @@ def demo(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def check_table(stdout: str) -> None:
     # the time to first batch has a column of its own, apart from the steady-state stall
     header, *rows = [line.split() for line in stdout.splitlines()[:3]]
-    assert header[5:8] == ["first", "batch", "ms"] and header[8:10] == ["stall", "%"]
+    assert header[5:8] == ["first", "batch", "ms"]
+    assert header[8:10] == ["stall", "%"]
     for row in rows:
         first_ms, stall = float(row[5]), float(row[6])
-        assert first_ms > 0 and 0 <= stall <= 100
+        assert first_ms > 0
+        assert 0 <= stall <= 100
 
 
 @pytest.mark.slow
@@ -53,7 +68,8 @@ def test_demo_streams_the_mixture_until_every_source_is_passed_twice(tmp_path: P
     built(tmp_path)
     out = demo(tmp_path, "--epochs", "2")
     assert out.returncode == 0, out.stderr
-    assert sorted(DEMO_PARTS) == ["comedies", "tragedies"] and MIXTURE.startswith("comedies=")
+    assert sorted(DEMO_PARTS) == ["comedies", "tragedies"]
+    assert MIXTURE.startswith("comedies=")
     # the oracle: walk the steps until every source is drawn twice over
     windows = [(SIZES[name] - 65) // 64 + 1 for name in ("comedies", "tragedies")]
     mix = Mixture([pair.split("=") for pair in MIXTURE.split(",")], seq_len=64)
@@ -133,5 +149,7 @@ def test_bench_reports_throughput_from_a_running_feeder(feeder_root: Path) -> No
             check=True,
         )
     result = json.loads(out.stdout)
-    assert result["batches"] > 0 and result["tokens"] == result["batches"] * 4 * 64
-    assert 0 <= result["stall_fraction"] <= 1 and result["reconnects"] == 0
+    assert result["batches"] > 0
+    assert result["tokens"] == result["batches"] * 4 * 64
+    assert 0 <= result["stall_fraction"] <= 1
+    assert result["reconnects"] == 0

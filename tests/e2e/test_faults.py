@@ -158,7 +158,8 @@ class Trainer:
 
     def wait_for(self, done, what: str) -> None:
         def ready() -> bool:
-            assert self.proc is not None and self.proc.poll() is None, (
+            assert self.proc is not None
+            assert self.proc.poll() is None, (
                 f"rank {self.cfg['rank']} exited ({self.proc.returncode}) before {what}:\n"
                 f"{self.stderr()}"
             )
@@ -270,7 +271,8 @@ def test_resume_with_a_different_world_size_exactly_once(
         ckpts = [t.ckpt() for t in old]
         assert [c["data"]["step"] for c in ckpts] == [k, k]
         offset = ckpts[0]["data"]["offset"]
-        assert ckpts[1]["data"] == ckpts[0]["data"] and offset == k * 2 * SAMPLING["batch_size"]
+        assert ckpts[1]["data"] == ckpts[0]["data"]
+        assert offset == k * 2 * SAMPLING["batch_size"]
 
         # Three ranks resume from the job's data state; one of them is killed once more.
         new = []
@@ -329,7 +331,7 @@ def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(tmp_pat
             byte = f.read(1)
             f.seek(40_000)
             f.write(bytes([byte[0] ^ 0xFF]))
-        with pytest.raises(DataLoss) as info:
+        with pytest.raises(DataLoss) as info:  # noqa: PT012 - read until the error
             for a_got, batch in enumerate(a_it, start=4):
                 assert_positional_batch(batch, 256)  # every batch delivered is still right
                 assert int(batch["starts"].max()) + 256 + batch["shift"] <= bad_start
@@ -337,7 +339,8 @@ def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(tmp_pat
                     assert_positional_batch(next(b_it), 256)
                     b_got += 1
         assert a_got > 1000  # the fault came mid-stream, not at the start
-        assert "chunk_000004.bin" in str(info.value) and "corrupt" in str(info.value)
+        assert "chunk_000004.bin" in str(info.value)
+        assert "corrupt" in str(info.value)
         assert str(root) not in str(info.value)  # the data root stays private
         assert 0 < b_got + 3 < len(b)  # b was mid-epoch when a failed...
         for batch in b_it:  # ...and finishes its epoch, every token right
@@ -357,7 +360,8 @@ def test_chunk_corrupted_while_serving_is_data_loss_for_its_streams_only(tmp_pat
         timeout=60,
     )
     assert result.returncode == 1, result
-    assert "chunk_000004.bin" in result.stderr and "1 problem(s)" in result.stdout
+    assert "chunk_000004.bin" in result.stderr
+    assert "1 problem(s)" in result.stdout
     assert "chunk_000003.bin" not in result.stderr
 
 
@@ -423,7 +427,7 @@ def _params(dataset: str, **kw) -> pb.SamplingParams:
 def _stream_error(stub: pb_grpc.FeederStub, dataset: str) -> grpc.RpcError:
     """The status of a StreamBatches call that must fail before any batch arrives."""
     batches = []
-    with pytest.raises(grpc.RpcError) as info:
+    with pytest.raises(grpc.RpcError) as info:  # noqa: PT012 - read until the error
         for response in stub.StreamBatches(pb.StreamBatchesRequest(params=_params(dataset))):
             batches += response.batches
     assert batches == []  # never a wrong token
@@ -455,9 +459,8 @@ def test_malformed_stores_are_skipped_and_refused_never_served(
                 _call_error(lambda name=name: stub.Info(pb.InfoRequest(dataset=name))),
             ):
                 assert err.code() == grpc.StatusCode.DATA_LOSS, (name, err.details())
-                assert err.details().startswith(f"{name}: ") and message in err.details(), (
-                    err.details()
-                )
+                assert err.details().startswith(f"{name}: "), err.details()
+                assert message in err.details(), err.details()
                 assert str(root) not in err.details()
 
         # Served once (the store stays open, its chunks cycle through the 4 KiB cache),
@@ -470,7 +473,7 @@ def test_malformed_stores_are_skipped_and_refused_never_served(
         assert len(first) == ((4_000 - 65) // 64 + 1) // 4
         os.truncate(root / "shrinks" / "chunk_000001.bin", 2000)
         got = []
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(grpc.RpcError) as info:  # noqa: PT012 - read until the error
             for r in stub.StreamBatches(pb.StreamBatchesRequest(params=_params("shrinks"))):
                 got += r.batches
         err = info.value

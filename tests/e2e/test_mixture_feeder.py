@@ -118,7 +118,8 @@ def test_elastic_resume_across_a_schedule_change(mix_feeder) -> None:
         with loader(mix_feeder.address, rank, 2) as ld:
             first += stream(ld, 9)
             states.append(ld.state_dict())
-    assert states[0] == states[1] and states[0]["offset"] == 9 * B * 2
+    assert states[0] == states[1]
+    assert states[0]["offset"] == 9 * B * 2
     state = states[0]
     position_tokens = state["offset"] * SEQ
     schedule = [{"from_tokens": position_tokens + 5, "weights": {"a": 0.1, "b": 0.9}}]
@@ -127,7 +128,8 @@ def test_elastic_resume_across_a_schedule_change(mix_feeder) -> None:
         with loader(mix_feeder.address, rank, 3, batch_size=3, schedule=schedule) as ld:
             ld.load_state_dict(state)
             batches = stream(ld, 11)
-            assert batches[0]["step"] == 9 and batches[0]["offset"] == state["offset"]
+            assert batches[0]["step"] == 9
+            assert batches[0]["offset"] == state["offset"]
             second += batches
     for b in first + second:
         check_rows(b, names)
@@ -164,16 +166,19 @@ def test_resume_refuses_other_changes_naming_them(mix_feeder) -> None:
         "fingerprint": dict(seed=8),
     }
     for words, change in cases.items():
-        with loader(mix_feeder.address, 0, 1, **change) as other:
-            with pytest.raises(ValueError, match=words):
-                other.load_state_dict(state)
+        with (
+            loader(mix_feeder.address, 0, 1, **change) as other,
+            pytest.raises(ValueError, match=words),
+        ):
+            other.load_state_dict(state)
     saved = dict(state, mixture=dict(state["mixture"], schedule=[[10**9, [["a", 1], ["b", 0]]]]))
-    with loader(mix_feeder.address, 0, 1) as other:
-        with pytest.raises(ValueError, match="missing"):
-            other.load_state_dict(saved)
-    with FeederClient(mix_feeder.address, dataset="a", seq_len=SEQ, batch_size=B) as single:
-        with pytest.raises(ValueError, match="mixture"):
-            single.load_state_dict(state)
+    with loader(mix_feeder.address, 0, 1) as other, pytest.raises(ValueError, match="missing"):
+        other.load_state_dict(saved)
+    with (
+        FeederClient(mix_feeder.address, dataset="a", seq_len=SEQ, batch_size=B) as single,
+        pytest.raises(ValueError, match="mixture"),
+    ):
+        single.load_state_dict(state)
 
 
 def test_a_mixture_is_endless(mix_feeder) -> None:
@@ -255,7 +260,7 @@ ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("code, field, kw", ERRORS, ids=[f"{c}:{f}" for c, f, _ in ERRORS])
+@pytest.mark.parametrize(("code", "field", "kw"), ERRORS, ids=[f"{c}:{f}" for c, f, _ in ERRORS])
 def test_errors_name_the_field_and_the_feeder_keeps_serving(mix_feeder, code, field, kw) -> None:
     kw = dict(kw)
     epoch = 1 if field == "epoch" else 0
@@ -280,7 +285,8 @@ def test_info_reports_each_source_and_a_budget(mix_feeder) -> None:
         )
     by = {s.name: s for s in resp.sources}
     assert list(by) == ["a", "b"]
-    assert by["a"].tokens == TOTAL["a"] and by["a"].windows == (TOTAL["a"] - SEQ - 1) // SEQ + 1
+    assert by["a"].tokens == TOTAL["a"]
+    assert by["a"].windows == (TOTAL["a"] - SEQ - 1) // SEQ + 1
     assert by["a"].windows_drawn + by["b"].windows_drawn == 10**6 // SEQ
     assert by["a"].tokens_drawn == by["a"].windows_drawn * SEQ
     assert by["b"].passes == pytest.approx(by["b"].windows_drawn / by["b"].windows)
@@ -307,14 +313,18 @@ def test_tokens_and_cache_are_counted_by_source(mix_root: Path) -> None:
 
         a = value("tokenfeed_server_tokens_sent_total", dataset="a", split="train", source="a")
         b = value("tokenfeed_server_tokens_sent_total", dataset="b", split="train", source="b")
-        assert a > 0 and b > 0
+        assert a > 0
+        assert b > 0
         batches = value("tokenfeed_server_batches_sent_total", dataset="(mixture)", split="train")
-        assert batches >= 30 and a + b == batches * B * (SEQ + 1)  # every row, by its source
+        assert batches >= 30
+        assert a + b == batches * B * (SEQ + 1)
         assert value("tokenfeed_server_bytes_sent_total", dataset="a", split="train") == a * 4
         for name in ("a", "b"):  # both series exist from a source's first load on
             hits = reg.get_sample_value("tokenfeed_cache_dataset_hits_total", {"dataset": name})
             misses = reg.get_sample_value("tokenfeed_cache_dataset_misses_total", {"dataset": name})
-            assert hits is not None and misses is not None and hits + misses >= 1
+            assert hits is not None
+            assert misses is not None
+            assert hits + misses >= 1
         # every hit counted by its dataset too; a burst that was being built when the client
         # closed still finishes in its worker thread (its messages are dropped, its pins
         # counted), so the two counters agree once it has
@@ -355,13 +365,15 @@ def test_info_prints_the_plan_of_a_mixture(mix_root: Path, tmp_path: Path) -> No
         capture_output=True,
         text=True,
     ).stdout
-    assert "passes" in text and "700,000,000,000" in text
+    assert "passes" in text
+    assert "700,000,000,000" in text
     bad = subprocess.run(
         [*base, "--mixture", "a=1,nope=1", "--tokens", "1e6", "--seq-len", "16"],
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 2 and "sources['nope']" in bad.stderr
+    assert bad.returncode == 2
+    assert "sources['nope']" in bad.stderr
 
 
 @pytest.mark.parametrize("per_message", [1, 3, 7])

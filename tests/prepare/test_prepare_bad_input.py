@@ -40,12 +40,15 @@ def test_missing_text_field_names_the_fields(tmp_path, tok_dir, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", DOCS, field="content")
     out = tmp_path / "out"
     err = fails(capsys, *prepare_argv(src, tok_dir, out))
-    assert "no text field 'text'" in err and "content, id" in err and "--text-field" in err
+    assert "no text field 'text'" in err
+    assert "content, id" in err
+    assert "--text-field" in err
     assert not out.exists()
 
     pq = write_parquet(tmp_path / "c.parquet", DOCS, field="body")
     err = fails(capsys, *prepare_argv(pq, tok_dir, out))
-    assert "'text'" in err and "body, id" in err
+    assert "'text'" in err
+    assert "body, id" in err
     assert not out.exists()
 
 
@@ -58,7 +61,8 @@ def test_field_missing_midway_removes_written_chunks(tmp_path, tok_dir, capsys):
     err = fails(
         capsys, *prepare_argv(src, tok_dir, out, "--tokens-per-chunk", 50, "--batch-size", 4)
     )
-    assert f"c.jsonl:{len(rows)}" in err and "title" in err
+    assert f"c.jsonl:{len(rows)}" in err
+    assert "title" in err
     assert list(out.iterdir()) == []
 
 
@@ -74,7 +78,8 @@ def test_token_ids_overflowing_the_dtype(tmp_path, capsys):
     tok = sparse_tokenizer(tmp_path / "sparse")  # 4 entries (uint16), but "big" is id 70000
     src = write_jsonl(tmp_path / "c.jsonl", ["small small", "small big small"])
     err = fails(capsys, *prepare_argv(src, tok, tmp_path / "out"))
-    assert "token id 70000" in err and "uint16" in err
+    assert "token id 70000" in err
+    assert "uint16" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -84,10 +89,12 @@ def test_unknown_files_tokenizer_and_local_dataset(tmp_path, tok_dir, capsys):
     assert "no file matches" in err
     (tmp_path / "data.xml").write_text("<text>hello</text>\n")  # (.csv is a format prepare reads)
     err = fails(capsys, *prepare_argv(tmp_path / "data.xml", tok_dir, out))
-    assert "unsupported file type" in err and ".jsonl" in err
+    assert "unsupported file type" in err
+    assert ".jsonl" in err
     src = write_jsonl(tmp_path / "c.jsonl", DOCS)
     err = fails(capsys, *prepare_argv(src, tmp_path / "no-such-tok", out))
-    assert "tokenizer directory" in err and "does not exist" in err
+    assert "tokenizer directory" in err
+    assert "does not exist" in err
     err = fails(
         capsys,
         "prepare",
@@ -136,10 +143,12 @@ def test_non_empty_output_without_overwrite(tmp_path, tok_dir, capsys):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     err = fails(capsys, *prepare_argv(src, tok_dir, out))
-    assert "not empty" in err and "--overwrite" in err
+    assert "not empty" in err
+    assert "--overwrite" in err
     # --overwrite deletes store files only, never a file tokenfeed did not write
     err = fails(capsys, *prepare_argv(src, tok_dir, out, "--overwrite"))
-    assert "notes.txt" in err and "refusing to delete" in err
+    assert "notes.txt" in err
+    assert "refusing to delete" in err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 

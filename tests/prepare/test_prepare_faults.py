@@ -59,7 +59,8 @@ def test_disk_full_is_a_clear_error_and_resumes_once_there_is_room(
     out = small_disk / "store"
     r = _prepare(corpus, tok_dir, out)
     assert r.returncode == 2, r.stderr
-    assert "No space left on device" in r.stderr and "Traceback" not in r.stderr
+    assert "No space left on device" in r.stderr
+    assert "Traceback" not in r.stderr
     assert not (out / META_NAME).exists()  # nothing looks complete
     assert not list(out.glob("*.tmp"))  # nothing half-written under any name
     done = sorted(p.name for p in out.glob("chunk_*.bin"))
@@ -83,5 +84,6 @@ def test_read_only_output_is_a_clear_error(small_disk: Path, corpus: Path, tok_d
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     r = _prepare(corpus, tok_dir, small_disk / "store")
     assert r.returncode == 2, r.stderr
-    assert "Read-only file system" in r.stderr and "Traceback" not in r.stderr
+    assert "Read-only file system" in r.stderr
+    assert "Traceback" not in r.stderr
     assert not any(small_disk.iterdir())

@@ -71,7 +71,7 @@ def test_arrow_errors_name_file_and_fields(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match=r"bad\.arrow: not an Arrow IPC"):
         next(iter_arrow_texts(bad, "text"))
     v1 = tmp_path / "old.feather"
-    with pytest.warns(DeprecationWarning):  # pyarrow >= 25 still writes v1, grudgingly
+    with pytest.warns(DeprecationWarning, match="(?i)feather"):  # pyarrow writes v1, grudgingly
         feather.write_feather(table(DOCS), v1, version=1)
     with pytest.raises(InvalidArgument, match="Feather v1"):
         next(iter_arrow_texts(v1, "text"))
@@ -155,7 +155,8 @@ def test_big_files_stream(tmp_path: Path, fmt: str) -> None:
     del docs
     base = pa.total_allocated_bytes()
     peak = _peak_arrow_bytes(it) - base
-    assert text_bytes > 30e6 and peak < text_bytes / 4, (text_bytes, peak)
+    assert text_bytes > 30e6, text_bytes
+    assert peak < text_bytes / 4, (text_bytes, peak)
 
 
 def test_prepare_reads_arrow_feather_and_csv_like_jsonl(tmp_path: Path, tok_dir: Path) -> None:

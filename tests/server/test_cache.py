@@ -30,8 +30,13 @@ def test_hit_miss_and_lru_eviction() -> None:
         pass
     with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 2, the least recent
         pass
-    assert 2 not in cache and 1 in cache and 3 in cache and 4 in cache
-    assert cache.stats.hits == 1 and cache.stats.misses == 4 and cache.stats.evictions == 1
+    assert 2 not in cache
+    assert 1 in cache
+    assert 3 in cache
+    assert 4 in cache
+    assert cache.stats.hits == 1
+    assert cache.stats.misses == 4
+    assert cache.stats.evictions == 1
     assert cache.resident_bytes == 300
     reg = metrics.registry
     assert reg.get_sample_value("tokenfeed_cache_hits_total") == 1
@@ -65,15 +70,19 @@ def test_concurrent_requests_share_one_load() -> None:
     release.set()
     for t in threads:
         t.join(30)
-    assert len(loads) == 1 and seen == [7] * 16 and cache.stats.loads == 1
+    assert len(loads) == 1
+    assert seen == [7] * 16
+    assert cache.stats.loads == 1
     cache.close()
 
 
 def test_chunk_larger_than_cache_is_a_clear_error() -> None:
     cache = ChunkCache(100)
-    with pytest.raises(FailedPrecondition, match="--cache-bytes"):
-        with cache.pinned(("ds", 0, 3), 101, lambda: chunk(3, 101)):
-            pass
+    with (
+        pytest.raises(FailedPrecondition, match="--cache-bytes"),
+        cache.pinned(("ds", 0, 3), 101, lambda: chunk(3, 101)),
+    ):
+        pass
     cache.close()
 
 
@@ -102,7 +111,8 @@ def test_failed_load_reaches_every_waiter_is_counted_and_not_cached() -> None:
     release.set()
     for t in threads:
         t.join(30)
-    assert len(errors) == 4 and all("corrupt" in m for m in errors)
+    assert len(errors) == 4
+    assert all("corrupt" in m for m in errors)
     assert metrics.registry.get_sample_value("tokenfeed_cache_checksum_failures_total") == 1
     assert metrics.registry.get_sample_value("tokenfeed_cache_load_failures_total") == 1
     assert cache.resident_bytes == 0
@@ -131,10 +141,13 @@ def test_pinned_chunk_is_not_evicted_a_loader_waits_for_it() -> None:
         t = threading.Thread(target=reader)
         t.start()
         assert not got_b.wait(0.2)  # no room while "a" is pinned
-        assert "a" in cache and int(a[0]) == 1
+        assert "a" in cache
+        assert int(a[0]) == 1
         assert not cache.readahead("c", 100, lambda: chunk(3, 100))  # read-ahead never waits
     t.join(30)
-    assert got_b.is_set() and "a" not in cache and "b" in cache
+    assert got_b.is_set()
+    assert "a" not in cache
+    assert "b" in cache
     cache.close()
 
 
@@ -161,13 +174,19 @@ def test_readahead_does_not_push_out_chunks_in_use() -> None:
     assert cache.readahead(4, 100, lambda: chunk(4, 100))  # full: evicts 1, the coldest used
     with cache.pinned(4, 100, lambda: chunk(4, 100)):
         pass
-    assert 1 not in cache and 2 in cache and 3 in cache and 4 in cache
+    assert 1 not in cache
+    assert 2 in cache
+    assert 3 in cache
+    assert 4 in cache
     assert cache.readahead(5, 100, lambda: chunk(5, 100))  # evicts 2
     loaded(cache, 5)  # (a load in flight stays)
     assert cache.readahead(6, 100, lambda: chunk(6, 100))  # evicts 5, never used, not 3 or 4
     with cache.pinned(6, 100, lambda: chunk(6, 100)):
         pass
-    assert 3 in cache and 4 in cache and 6 in cache and 5 not in cache
+    assert 3 in cache
+    assert 4 in cache
+    assert 6 in cache
+    assert 5 not in cache
     cache.close()
 
 
@@ -189,26 +208,35 @@ def test_readahead_budget_keeps_used_chunks_and_read_aheads_apart() -> None:
     assert not cache.readahead(6, 100, lambda: chunk(6, 100))  # the budget is full: skipped
     loaded(cache, 4)
     loaded(cache, 5)
-    assert all(k in cache for k in (1, 2, 3, 4, 5)) and 6 not in cache
-    assert cache.resident_bytes == 300 and cache.readahead_bytes == 200
+    assert all(k in cache for k in (1, 2, 3, 4, 5))
+    assert 6 not in cache
+    assert cache.resident_bytes == 300
+    assert cache.readahead_bytes == 200
     reg = metrics.registry
     assert reg.get_sample_value("tokenfeed_readahead_bytes") == 200
     assert reg.get_sample_value("tokenfeed_readahead_capacity_bytes") == 200
     with cache.pinned(4, 100, lambda: chunk(99, 100)) as data:  # first use
         assert int(data[0]) == 4
     assert all(k in cache for k in (1, 2, 3, 4, 5))  # the bytes only moved: 500 in all
-    assert cache.resident_bytes == 400 and cache.readahead_bytes == 100
+    assert cache.resident_bytes == 400
+    assert cache.readahead_bytes == 100
     assert cache.readahead(6, 100, lambda: chunk(6, 100))  # room again; 1 goes first
     loaded(cache, 6)
-    assert 1 not in cache and all(k in cache for k in (2, 3, 4, 5, 6))
-    assert cache.resident_bytes == 300 and cache.readahead_bytes == 200
+    assert 1 not in cache
+    assert all(k in cache for k in (2, 3, 4, 5, 6))
+    assert cache.resident_bytes == 300
+    assert cache.readahead_bytes == 200
     entries = cache.pin_resident([5, 6])  # the all-resident fast path moves them too
     assert entries is not None
     cache.release_all(entries)
-    assert cache.readahead_bytes == 0 and cache.resident_bytes == 500
+    assert cache.readahead_bytes == 0
+    assert cache.resident_bytes == 500
     cache.cool([])  # a stream's cool settles the debt: the least recent go
-    assert cache.resident_bytes == 300 and 2 not in cache and 3 not in cache
-    assert cache.stats.ahead_used == 3 and cache.stats.loads == 6
+    assert cache.resident_bytes == 300
+    assert 2 not in cache
+    assert 3 not in cache
+    assert cache.stats.ahead_used == 3
+    assert cache.stats.loads == 6
     cache.close()
 
 
@@ -222,10 +250,11 @@ def test_readahead_waits_for_pins_nowhere_and_stays_within_both_bounds() -> None
     with (
         cache.pinned("a", 100, lambda: chunk(1, 100)),
         cache.pinned("b", 100, lambda: chunk(2, 100)),
+        cache.pinned("r", 100, lambda: chunk(99, 100)) as data,
     ):
-        with cache.pinned("r", 100, lambda: chunk(99, 100)) as data:
-            assert int(data[0]) == 7
-            assert cache.resident_bytes == 300 and cache.readahead_bytes == 0
+        assert int(data[0]) == 7
+        assert cache.resident_bytes == 300
+        assert cache.readahead_bytes == 0
     with cache.pinned("c", 100, lambda: chunk(3, 100)):
         assert cache.resident_bytes == 200
     cache.close()
@@ -239,10 +268,13 @@ def test_pin_resident_moves_a_read_ahead_without_evicting_what_it_pins() -> None
     assert cache.readahead("r", 100, lambda: chunk(7, 100))
     loaded(cache, "r")
     entries = cache.pin_resident(["r", "a"])  # "a" is the least recent, but pinned here
-    assert entries is not None and [int(e.data[0]) for e in entries] == [7, 1]
+    assert entries is not None
+    assert [int(e.data[0]) for e in entries] == [7, 1]
     cache.release_all(entries)
     cache.cool([])
-    assert "a" in cache and "r" in cache and "b" not in cache
+    assert "a" in cache
+    assert "r" in cache
+    assert "b" not in cache
     cache.close()
 
 
@@ -259,9 +291,11 @@ def test_a_first_use_leaves_evicting_to_the_streams_cool() -> None:
     entries = cache.pin_resident(["a", "b", "r"])  # the burst at the boundary
     assert entries is not None
     cache.release_all(entries)
-    assert all(k in cache for k in ("x", "a", "b", "r")) and cache.resident_bytes == 400
+    assert all(k in cache for k in ("x", "a", "b", "r"))
+    assert cache.resident_bytes == 400
     cache.cool(["a", "b"])  # the stream is past the old group
-    assert cache.resident_bytes == 300 and "b" not in cache  # the coldest cooled one
+    assert cache.resident_bytes == 300
+    assert "b" not in cache
     assert all(k in cache for k in ("x", "a", "r"))
     cache.close()
 
@@ -277,13 +311,16 @@ def test_readahead_all_loads_nearest_first_and_warms_nearest_last() -> None:
     want = [2, 8, 1, 9, 7, 10]  # 8 and 9 fill 200 of the 250; 10 would fit, 7 not
     sizes = {2: 100, 8: 100, 1: 100, 9: 100, 7: 100, 10: 50}
     left = cache.readahead_all([(k, sizes[k], lambda k=k: chunk(k, sizes[k])) for k in want])
-    assert left == [7, 10] and cache.stats.readaheads == 2
+    assert left == [7, 10]
+    assert cache.stats.readaheads == 2
     loaded(cache, 8)
     loaded(cache, 9)
     for k in (4, 5):  # two loads: the coldest go, 3 (not asked for) first, then 1
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
-    assert 3 not in cache and 1 not in cache and 2 in cache
+    assert 3 not in cache
+    assert 1 not in cache
+    assert 2 in cache
     cache.close()
 
 
@@ -303,10 +340,14 @@ def test_readahead_all_warms_by_the_order_given_not_only_what_it_asks_for() -> N
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
         if k == 6:
-            assert 2 not in cache and all(c in cache for c in (1, 3, 4, 5))
+            assert 2 not in cache
+            assert all(c in cache for c in (1, 3, 4, 5))
         if k == 7:
-            assert 3 not in cache and all(c in cache for c in (1, 4, 5))
-    assert 1 not in cache and 4 in cache and 5 in cache
+            assert 3 not in cache
+            assert all(c in cache for c in (1, 4, 5))
+    assert 1 not in cache
+    assert 4 in cache
+    assert 5 in cache
     cache.close()
 
 
@@ -322,7 +363,8 @@ def test_a_load_in_flight_counts_its_overhead_until_it_lands() -> None:
     cache = ChunkCache(300, readahead_bytes=350, load_overhead=50)
     assert cache.readahead(1, 100, lambda: slow(1))
     assert cache.readahead(2, 100, lambda: slow(2))
-    assert cache.readahead_bytes == 300 and cache.loading == 2
+    assert cache.readahead_bytes == 300
+    assert cache.loading == 2
     assert not cache.readahead(3, 100, lambda: chunk(3, 100))  # 450 > 350: no room
     gate.set()
     wait_until(lambda: cache.loading == 0, 30, "read-aheads")
@@ -331,7 +373,8 @@ def test_a_load_in_flight_counts_its_overhead_until_it_lands() -> None:
     for k in (4, 5, 6):  # 6 in flight (150) did not fit beside 4 and 5: 4 went
         with cache.pinned(k, 100, lambda k=k: chunk(k, 100)):
             pass
-    assert cache.resident_bytes == 200 and 4 not in cache
+    assert cache.resident_bytes == 200
+    assert 4 not in cache
     seen: list[int] = []
 
     def watched() -> np.ndarray:
@@ -339,8 +382,10 @@ def test_a_load_in_flight_counts_its_overhead_until_it_lands() -> None:
         return chunk(7, 100)
 
     with cache.pinned(7, 100, watched):
-        assert seen == [250] and cache.resident_bytes == 200
-    assert 5 not in cache and 6 in cache
+        assert seen == [250]
+        assert cache.resident_bytes == 200
+    assert 5 not in cache
+    assert 6 in cache
     cache.close()
 
 
@@ -354,7 +399,8 @@ def test_cooled_chunks_go_first_and_warm_up_again_when_used() -> None:
         pass
     with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 3, the coldest
         pass
-    assert 3 not in cache and all(k in cache for k in (1, 2, 4))
+    assert 3 not in cache
+    assert all(k in cache for k in (1, 2, 4))
     cache.close()
 
 
@@ -368,7 +414,8 @@ def test_readahead_of_a_cached_chunk_warms_it() -> None:
     assert not cache.readahead(1, 100, lambda: chunk(1, 100))  # cached: no load, warmed
     with cache.pinned(4, 100, lambda: chunk(4, 100)):  # evicts 2, not 1
         pass
-    assert 2 not in cache and all(k in cache for k in (1, 3, 4))
+    assert 2 not in cache
+    assert all(k in cache for k in (1, 3, 4))
     assert cache.stats.loads == 4
     cache.close()
 
@@ -383,8 +430,10 @@ def test_readahead_nobody_used_gives_its_room_up_once_stale() -> None:
     now[0] = 60.0
     assert cache.readahead("new", 100, lambda: chunk(2, 100))  # "old" dropped unused
     loaded(cache, "new")
-    assert "old" not in cache and cache.stats.ahead_dropped == 1
-    assert cache.readahead_bytes == 100 and cache.resident_bytes == 0
+    assert "old" not in cache
+    assert cache.stats.ahead_dropped == 1
+    assert cache.readahead_bytes == 100
+    assert cache.resident_bytes == 0
     assert not cache.readahead("huge", 101, lambda: chunk(3, 101))  # never fits the budget
     cache.close()
 
@@ -443,7 +492,8 @@ def test_byte_bound_holds_under_a_random_workload(seed: int, ahead: int, overhea
     for t in threads:
         t.join(120)
     cache.close()
-    assert not violations and not wrong
+    assert not violations
+    assert not wrong
     assert cache.stats.evictions > 0  # the workload really was bigger than the cache
 
 
@@ -467,6 +517,7 @@ def test_a_pin_counts_its_hits_by_dataset_given_or_counted() -> None:
     def hits(name: str) -> float | None:
         return reg.get_sample_value("tokenfeed_cache_dataset_hits_total", {"dataset": name})
 
-    assert hits("a") == 4 and hits("b") == 2
+    assert hits("a") == 4
+    assert hits("b") == 2
     assert reg.get_sample_value("tokenfeed_cache_hits_total") == 8
     cache.close()

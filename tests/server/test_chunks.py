@@ -35,7 +35,8 @@ def test_mapped_chunks_equal_the_private_reads(tmp_path: Path) -> None:
     mapped = open_mapped(tmp_path / "s", VerifiedChunks(tmp_path / "v"))
     for i in range(private.num_chunks):
         a, b = private.read_chunk(i), mapped.read_chunk(i)
-        assert np.array_equal(a, b) and a.dtype == b.dtype
+        assert np.array_equal(a, b)
+        assert a.dtype == b.dtype
         assert not b.flags.writeable  # a shared map is read-only
 
 
@@ -77,6 +78,6 @@ def test_a_short_chunk_is_data_loss(tmp_path: Path) -> None:
     store = open_mapped(tmp_path / "s", VerifiedChunks(tmp_path / "v"))
     with open(store.chunk_path(3), "r+b") as f:
         f.truncate(100)
-    with pytest.raises(DataLoss, match="chunk_000003.bin holds 25 tokens, meta.json says 1000"):
+    with pytest.raises(DataLoss, match=r"chunk_000003\.bin holds 25 tokens, meta\.json says 1000"):
         store.read_chunk(3)
     assert isinstance(store, TokenStore)

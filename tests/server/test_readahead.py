@@ -108,7 +108,8 @@ def test_a_remote_stream_never_waits_once_its_read_aheads_land(tmp_path: Path) -
     try:
         spec = SamplingSpec(dataset="s", seq_len=64, batch_size=4, shuffle=True, seed=1)
         assert drive(ds, cache, spec, epochs=3) == []
-        assert cache.stats.ahead_used > 0 and cache.stats.evictions > 0
+        assert cache.stats.ahead_used > 0
+        assert cache.stats.evictions > 0
     finally:
         cache.close()
 
@@ -204,7 +205,8 @@ def test_a_quiet_readahead_asks_what_the_whole_loop_asks(small: Dataset, per_mes
         s = cache.stats
         runs.append((per_burst, (s.hits, s.misses, s.loads, s.evictions, s.readaheads)))
     assert runs[0] == runs[1]
-    assert quiet > 0 and runs[0][1][3] > 0  # some returned early; chunks were evicted
+    assert quiet > 0
+    assert runs[0][1][3] > 0
 
 
 # ------------------------------------------------------------ the policy on its own
@@ -252,7 +254,8 @@ def test_the_near_look_asks_for_the_next_batches_chunks(small: Dataset, shuffle:
         policy.look_ahead()
         near = sorted(set(by_rows(small, queue.spans(policy.batches, queue.start)[0])[0]))
         want = near if shuffle else [*near, max(near) + 1]
-        assert cache.asks == [keys(small, want)] and cache.warms == [None]
+        assert cache.asks == [keys(small, want)]
+        assert cache.warms == [None]
         assert policy.batches == readahead.READAHEAD_BATCHES
     finally:
         cache.close()
@@ -274,8 +277,10 @@ def test_a_chunk_asked_for_is_asked_again_after_ask_again_calls_or_at_each_with_
             policy.look_ahead()
             wait_until(lambda: cache.loading == 0, 30, "read-aheads")
         calls = readahead.ASK_AGAIN + 1 if budget else 2
-        assert len(cache.asks) == calls and cache.asks == [cache.asks[0]] * calls
-        assert cache.asks[0] and cache.stats.readaheads == len(cache.asks[0])  # one load each
+        assert len(cache.asks) == calls
+        assert cache.asks == [cache.asks[0]] * calls
+        assert cache.asks[0]
+        assert cache.stats.readaheads == len(cache.asks[0])
     finally:
         cache.close()
 
@@ -294,7 +299,8 @@ def test_chunks_left_out_for_want_of_room_are_asked_again_at_the_next_call(
         entries = cache.pin_resident(keys(small, far))
         assert entries is not None
         policy.look_ahead()
-        assert cache.asks and cache.stats.readaheads == 0  # asked, none had room
+        assert cache.asks
+        assert cache.stats.readaheads == 0
         cache.release_all(entries)
         policy.look_ahead()
         wait_until(lambda: cache.loading == 0, 30, "read-aheads")
@@ -315,7 +321,8 @@ def test_a_used_chunk_the_next_batches_do_not_need_goes_to_the_cold_end(small: D
     try:
         near = set(by_rows(small, queue.spans(policy.batches, queue.start)[0])[0])
         first, past, other = min(near), small.store.num_chunks - 1, small.store.num_chunks - 2
-        assert past not in near and other not in near
+        assert past not in near
+        assert other not in near
         load(cache, small, [first, other, past])  # coldest first: first, other, past
         policy.look_ahead(0, used={first, past})
         order = cache.eviction_order()

@@ -9,6 +9,7 @@ exactly what `DatasetSampler.batches` says.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import urllib.request
@@ -111,7 +112,8 @@ def test_info_lists_every_store_with_metadata_and_split_counts(feeder_root: Path
                 sampler.steps(1),
             )
         assert [s.name for s in d.splits] == ["train", "validation"]
-        assert d.splits[0].tokens == 9_000 and d.splits[0].steps > 0
+        assert d.splits[0].tokens == 9_000
+        assert d.splits[0].steps > 0
 
 
 def test_info_errors_and_broken_stores(feeder_root: Path) -> None:
@@ -122,17 +124,18 @@ def test_info_errors_and_broken_stores(feeder_root: Path) -> None:
         names = [d.name for d in stub(f.address).Info(pb.InfoRequest()).datasets]
         assert names == [FEEDER_DATASET]  # a broken store is logged and left out
         err = call_error(f.address, pb.InfoRequest(dataset="broken"), "Info")
-        assert err.code() == grpc.StatusCode.DATA_LOSS and "chunk_000001.bin is missing" in (
-            err.details()
-        )
+        assert err.code() == grpc.StatusCode.DATA_LOSS
+        assert "chunk_000001.bin is missing" in (err.details())
         err = call_error(
             f.address, pb.InfoRequest(dataset=FEEDER_DATASET, params=params(stride=-1)), "Info"
         )
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "stride" in err.details()
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stride" in err.details()
         err = call_error(
             f.address, pb.InfoRequest(dataset=FEEDER_DATASET, params=params(), rank=1), "Info"
         )
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "rank" in err.details()
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "rank" in err.details()
 
 
 def test_unset_fields_mean_the_documented_defaults(feeder) -> None:
@@ -145,7 +148,8 @@ def test_unset_fields_mean_the_documented_defaults(feeder) -> None:
     assert SamplingSpec.from_proto(spec.to_proto()) == spec
     got = stream(feeder.address, bare)
     assert_matches(got, expected(feeder.data_root, spec.to_proto()), 100)
-    assert [b.starts[0] for b in got[:2]] == [0, 400] and len(got) == 99 // 4
+    assert [b.starts[0] for b in got[:2]] == [0, 400]
+    assert len(got) == 99 // 4
     (d,) = (
         stub(feeder.address)
         .Info(
@@ -190,7 +194,8 @@ def test_worker_thread_path_sends_the_same(feeder_root, monkeypatch, per_message
         p = params(shuffle=True, seed=11, seq_len=96, stride=40, shuffle_blocks=2)
         got = stream(f.address, p, batches_per_message=per_message)
         assert_matches(got, expected(feeder_root, p), p.seq_len)
-        assert f.server.cache.stats.evictions > 0 and f.server.cache.pinned_count == 0
+        assert f.server.cache.stats.evictions > 0
+        assert f.server.cache.pinned_count == 0
 
 
 @given(
@@ -286,7 +291,7 @@ def frames_of(encode, *args) -> tuple[list[bytes], list[bytes]]:
     with native.disabled() if encode == "Python" else contextlib.nullcontext():
         blob, sizes = wire.frames(*args)
     at = np.concatenate(([0], np.cumsum(sizes))).tolist()
-    pieces = [blob[a:b] for a, b in zip(at[:-1], at[1:], strict=True)]
+    pieces = [blob[a:b] for a, b in itertools.pairwise(at)]
     return pieces[0::2], pieces[1::2]
 
 
@@ -331,7 +336,8 @@ def test_many_concurrent_streams_load_each_chunk_once(feeder) -> None:
     for got in results:
         assert_matches(got, rank_batches, p.seq_len)
     stats = feeder.server.cache.stats
-    assert stats.evictions == 0 and stats.failures == 0
+    assert stats.evictions == 0
+    assert stats.failures == 0
     assert stats.loads <= 10  # 10 chunks in the store: none loaded twice
     assert stats.hits > 0
 
@@ -341,11 +347,9 @@ def test_many_concurrent_streams_load_each_chunk_once(feeder) -> None:
 
 def call_error(address: str, request, method: str = "StreamBatches") -> grpc.RpcError:
     s = stub(address)
+    call = s.Info if method == "Info" else lambda r: list(s.StreamBatches(r))
     with pytest.raises(grpc.RpcError) as info:
-        if method == "Info":
-            s.Info(request)
-        else:
-            list(s.StreamBatches(request))
+        call(request)
     return info.value
 
 
@@ -369,7 +373,7 @@ INVALID = [
 ]
 
 
-@pytest.mark.parametrize("pkw,rkw,message", INVALID)
+@pytest.mark.parametrize(("pkw", "rkw", "message"), INVALID)
 def test_invalid_argument(feeder, pkw, rkw, message) -> None:
     err = call_error(feeder.address, pb.StreamBatchesRequest(params=params(**pkw), **rkw))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
@@ -407,7 +411,8 @@ def test_not_found_and_nothing_outside_the_root(tmp_path: Path, feeder_root: Pat
         for name in ("nope", "link", "positions/chunk_000000.bin", "positions/x"):
             err = call_error(f.address, pb.StreamBatchesRequest(params=params(dataset=name)))
             assert err.code() == grpc.StatusCode.NOT_FOUND, (name, err.details())
-            assert f"no dataset {name!r}" in err.details() and "positions" in err.details()
+            assert f"no dataset {name!r}" in err.details()
+            assert "positions" in err.details()
             assert str(outside) not in err.details()
         err = call_error(f.address, pb.InfoRequest(dataset="link"), "Info")
         assert err.code() == grpc.StatusCode.NOT_FOUND
@@ -580,5 +585,6 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
         for payload in (loaded, cached):
             got = np.frombuffer(payload, dtype="<u4").reshape(rows, cols)
             np.testing.assert_array_equal(got, want)
-    assert cache.stats.hits > 0 and cache.pinned_count == 0
+    assert cache.stats.hits > 0
+    assert cache.pinned_count == 0
     cache.close()

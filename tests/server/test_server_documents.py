@@ -104,7 +104,8 @@ def test_a_store_without_boundaries_is_failed_precondition(docs_root) -> None:
         assert str(docs_root) not in info.value.details()
         # Still served without them.
         got = list(stub.StreamBatches(pb.StreamBatchesRequest(params=params("bare"))))
-        assert got and not any(b.document_ends for m in got for b in m.batches)
+        assert got
+        assert not any(b.document_ends for m in got for b in m.batches)
 
 
 def test_recorded_offsets_win_over_eos(tmp_path: Path) -> None:

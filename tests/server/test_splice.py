@@ -4,6 +4,7 @@ through the one switch of the compiled loops (tokenfeed.core.native)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Iterator
 
@@ -28,7 +29,8 @@ def test_the_c_extensions_are_built_and_on_unless_told_not_to() -> None:
     if os.environ.get(native.ENV) == "1":
         assert not native.enabled()
     else:
-        assert native.enabled() and all(native.built(m) for m in EXTENSIONS)
+        assert native.enabled()
+        assert all(native.built(m) for m in EXTENSIONS)
         with native.disabled():
             assert not native.enabled()
         assert native.enabled()
@@ -127,7 +129,7 @@ def test_the_program_splices_each_row_from_its_chunks(case, itemsize) -> None:
     dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32}[itemsize]
     bounds = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
     tokens = np.arange(bounds[-1]).astype(dtype)
-    chunks = [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    chunks = [tokens[a:b] for a, b in itertools.pairwise(bounds)]
     frames = bytes(range(sum(frame_sizes)))
     args = (
         np.array([s for _, starts in batches for s in starts], dtype=np.int64),
@@ -139,8 +141,10 @@ def test_the_program_splices_each_row_from_its_chunks(case, itemsize) -> None:
     )
     (program, piece_lo), (reference, reference_lo) = both_ways(splice.program, *args)
     assert program.dtype == reference.dtype == np.int64
-    assert np.array_equal(program, reference) and piece_lo == reference_lo
-    assert program.shape == (piece_lo[-1], 3) and piece_lo[0] == 0
+    assert np.array_equal(program, reference)
+    assert piece_lo == reference_lo
+    assert program.shape == (piece_lo[-1], 3)
+    assert piece_lo[0] == 0
     keys = np.arange(len(chunks), dtype=np.int64)
     views = [memoryview(c).cast("B") for c in chunks]
     at = np.concatenate(([0], np.cumsum(frame_sizes))).astype(int).tolist()
@@ -197,4 +201,5 @@ def test_a_stream_is_byte_identical_without_the_extension(tmp_path) -> None:
         return out
 
     compiled, reference = both_ways(messages)
-    assert len(compiled) > 10 and compiled == reference
+    assert len(compiled) > 10
+    assert compiled == reference

@@ -14,6 +14,7 @@ are real RSTs (SO_LINGER 0), which is what a crashed peer or a middlebox looks l
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
@@ -106,10 +107,8 @@ class FaultProxy:
                 down, _ = self._listener.accept()
                 up = socket.create_connection(self.upstream, timeout=5)
             except OSError:
-                try:
+                with contextlib.suppress(OSError, UnboundLocalError):
                     down.close()
-                except (OSError, UnboundLocalError):
-                    pass
                 continue
             up.settimeout(None)
             pair = (down, up)

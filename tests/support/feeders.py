@@ -66,7 +66,7 @@ class InProcessFeeder:
             asyncio.set_event_loop(self.loop)
             try:
                 self.loop.run_until_complete(self.server.start())
-            except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            except BaseException as e:  # re-raised in the test thread
                 self._error = e
                 started.set()
                 return
@@ -138,7 +138,7 @@ class FeederProcess:
         if getattr(self, "_log", None) is not None:
             self._log.close()
         argv = serve_argv(self.data_root, self.port_file, self.port, **self.flags)
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait_healthy()

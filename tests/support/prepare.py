@@ -76,7 +76,7 @@ def expected_tokens(tokenizer_dir: Path, docs: list[str]) -> np.ndarray:
     for doc in docs:
         ids = tok(doc, add_special_tokens=False)["input_ids"] if doc else []
         if ids:
-            out += ids + [tok.eos_token_id]
+            out += [*ids, tok.eos_token_id]
     return np.array(out, dtype=np.int64)
 
 

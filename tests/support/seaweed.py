@@ -176,7 +176,7 @@ class SeaweedS3:
                     self.ready_seconds,
                 )
                 return self
-            except Exception as e:  # noqa: BLE001 - retried with new ports, then raised
+            except Exception as e:  # retried with new ports, then raised
                 last_error = e
                 self.stop()
         raise RuntimeError(f"seaweedfs did not start: {last_error}; log: {self.log_tail()}")

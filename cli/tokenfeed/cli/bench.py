@@ -16,6 +16,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Generator, Iterable
+from pathlib import Path
 from typing import Any
 
 
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenfeed.client import FeederClient
     from tokenfeed.core.request import SamplingSpec
 
-    token = open(args.token_file).read().strip() if args.token_file else None
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
     spec = SamplingSpec.from_args(args)
     with FeederClient(
         args.address,

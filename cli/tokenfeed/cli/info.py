@@ -255,7 +255,7 @@ def _mixture(args: argparse.Namespace) -> int:
         f"mixture of {len(stores)} sources over {budget.tokens:,} tokens = "
         f"{budget.positions:,} windows of {spec.seq_len} tokens"
     )
-    heads = [f"share@{lo:.3g}" if hi is None else f"share@{lo:.3g}" for lo, hi in budget.segments]
+    heads = [f"share@{lo:.3g}" for lo, _ in budget.segments]
     width = max(6, *(len(n) for n in spec.source_names))
     print(
         f"{'source':<{width}} {'train tokens':>15} {'tokens drawn':>17} {'passes':>10}"

@@ -5,6 +5,7 @@ Used by the programs (demo), the benchmarks and the tests.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -40,10 +41,8 @@ def stop(
     proc: subprocess.Popen[Any], sig: int, timeout: float = 15.0, patience: float = 0.0
 ) -> None:
     """Give `proc` `patience` seconds to exit on its own, then `sig`, then SIGKILL."""
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(patience)
-    except subprocess.TimeoutExpired:
-        pass
     if proc.poll() is None:
         proc.send_signal(sig)
         try:

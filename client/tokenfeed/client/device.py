@@ -91,7 +91,7 @@ def check_device(name: str) -> None:
         )
     try:  # xpu, ...: can this torch allocate there at all?
         torch.empty(0, device=device)
-    except Exception as e:  # noqa: BLE001 - any failure means the device is unusable
+    except Exception as e:  # any failure means the device is unusable
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(
             f"FeederClient device={name!r} is not usable with the installed torch "

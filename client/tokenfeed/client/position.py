@@ -44,7 +44,7 @@ class Position:
     epoch ran to its end in the loop.
     """
 
-    __slots__ = ("spec", "rank", "epoch", "offset", "step", "loaded", "ended")
+    __slots__ = ("ended", "epoch", "loaded", "offset", "rank", "spec", "step")
 
     def __init__(self, spec: SamplingSpec, rank: int = 0) -> None:
         self.spec, self.rank = spec, rank

@@ -223,7 +223,7 @@ class StreamReader(threading.Thread):
     def run(self) -> None:
         try:
             self._run()
-        except BaseException as e:  # noqa: BLE001 - every error must reach the loop
+        except BaseException as e:  # every error must reach the loop
             self._put(Failure(e))
 
     def _put(self, item: Any) -> bool:

@@ -187,19 +187,21 @@ def probe_tls(target: str, timeout: float = 2.0) -> str | None:
     ctx.verify_mode = ssl.CERT_NONE
     ctx.set_alpn_protocols(["h2"])
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as raw:
-            with ctx.wrap_socket(raw) as tls:
-                # TLS 1.3 refuses a missing client certificate after the handshake: the
-                # server hangs up (or alerts) instead of sending HTTP/2 settings.
-                try:
-                    data = tls.recv(1)
-                except TimeoutError:
-                    return "tls"
-                except ssl.SSLError as e:
-                    return _alert(e) and "client-certificate"
-                except OSError:
-                    data = b""
-                return "tls" if data else "client-certificate"
+        with (
+            socket.create_connection((host, int(port)), timeout=timeout) as raw,
+            ctx.wrap_socket(raw) as tls,
+        ):
+            # TLS 1.3 refuses a missing client certificate after the handshake: the
+            # server hangs up (or alerts) instead of sending HTTP/2 settings.
+            try:
+                data = tls.recv(1)
+            except TimeoutError:
+                return "tls"
+            except ssl.SSLError as e:
+                return _alert(e) and "client-certificate"
+            except OSError:
+                data = b""
+            return "tls" if data else "client-certificate"
     except ssl.SSLError as e:
         return _alert(e)
     except OSError:

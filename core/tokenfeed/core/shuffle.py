@@ -17,6 +17,8 @@ precedes it or storing a permutation. Pure: no I/O, nothing grows with the store
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from tokenfeed.core.keyed import Permutation, Tag, key
@@ -69,7 +71,7 @@ class EpochOrder:
             g, within = g[sort], within[sort]
         cuts = [0, *(np.flatnonzero(g[1:] != g[:-1]) + 1).tolist(), len(g)]
         out = np.empty_like(p)
-        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        for lo, hi in itertools.pairwise(cuts):
             out[lo:hi] = self._group_windows(int(g[lo]), within[lo:hi])
         if sort is not None:
             out[sort] = out.copy()

@@ -25,6 +25,7 @@ every object is one PUT, so no temporary names are left behind there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -199,7 +200,5 @@ def abandon(claim: Claim) -> None:
     """After a bad-input error: leave nothing half-written (and no directory we made)."""
     clean_output(claim.files)
     if claim.created and isinstance(claim.files, LocalFiles):
-        try:
+        with contextlib.suppress(OSError):
             claim.files.path.rmdir()
-        except OSError:
-            pass

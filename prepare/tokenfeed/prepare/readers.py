@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
-import pyarrow.ipc  # noqa: F401 - pa.ipc is a submodule
+import pyarrow.ipc  # pa.ipc is a submodule
 
 from tokenfeed.core.errors import InvalidArgument
 

@@ -185,7 +185,7 @@ class FileSource:
 
         try:
             pf = pq.ParquetFile(path)
-        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad files
+        except Exception as e:  # pyarrow raises several types for bad files
             raise InvalidArgument(f"{path}: not a parquet file ({e})") from None
         names = pf.schema_arrow.names
         if self.text_field not in names:

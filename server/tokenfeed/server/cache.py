@@ -455,7 +455,7 @@ class ChunkCache:
             data = load()
             if data.nbytes != entry.nbytes:
                 raise DataLoss(f"chunk {key!r} loaded {data.nbytes} bytes, expected {entry.nbytes}")
-        except BaseException as e:  # noqa: BLE001 - handed to every waiter
+        except BaseException as e:  # handed to every waiter
             self._fail(key, entry, e, log_it=True)
             return
         if self.metrics is not None:

@@ -58,7 +58,8 @@ class BatchEnds:
         for EOS stores), `starts` its windows' store offsets."""
         if self.recorded is not None:
             return documents.offset_ends(starts, cols, self.recorded)
-        assert self.eos is not None and tokens is not None
+        assert self.eos is not None
+        assert tokens is not None
         return documents.eos_ends(np.frombuffer(tokens, dtype=self.dtype), self.eos)
 
     def field(self, tokens: bytes | None, starts: np.ndarray, cols: int) -> bytes:
@@ -104,9 +105,8 @@ def for_dataset(ds: Dataset) -> BatchEnds:
     A mixture (MixtureSpace: its sources end to end) works when every source records
     offsets (the virtual store has them all) or every source ends documents with the
     same EOS; FailedPrecondition names the source that does not fit."""
-    if isinstance(ds, MixtureSpace):
-        if ds.store.document_ends() is None:
-            return _for_eos_mixture(ds)
+    if isinstance(ds, MixtureSpace) and ds.store.document_ends() is None:
+        return _for_eos_mixture(ds)
     return _for_store(ds.name, ds.store)
 
 

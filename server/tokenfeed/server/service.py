@@ -145,7 +145,7 @@ def _safe_parse(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     def parse_or_mark(data: bytes) -> Any:
         try:
             return parse(data)
-        except Exception as e:  # noqa: BLE001 - reported as INVALID_ARGUMENT
+        except Exception as e:  # reported as INVALID_ARGUMENT
             return _Undecodable(f"{type(e).__name__}: {e}")
 
     return parse_or_mark
@@ -212,7 +212,7 @@ class FeederService:
         except _CallEnded:
             log.debug("stream ended by the client or the drain during a write")
             return None
-        except Exception as e:  # noqa: BLE001 - a bug must not take the server down
+        except Exception as e:  # a bug must not take the server down
             if context.cancelled() or context.done() or self.draining:
                 # the client went away, or the drain ended the call, mid-write
                 # (ExecuteBatchError): a cancel, not a bug
@@ -255,10 +255,7 @@ class FeederService:
         request = self._decoded(request)
         if request.HasField("params") and len(request.params.sources):
             return self._mixture_info(request)
-        if request.dataset:
-            found = [self.catalog.get(request.dataset)]
-        else:
-            found = self.catalog.all()
+        found = [self.catalog.get(request.dataset)] if request.dataset else self.catalog.all()
         resp = pb.InfoResponse()
         for ds in found:
             info = _describe(resp, ds)
@@ -446,7 +443,8 @@ class SourceCounters:
     FLUSH_SECONDS = 0.1
 
     def __init__(self, metrics: ServerMetrics, pipe: MessageBuilder) -> None:
-        assert isinstance(pipe.ds, MixtureSpace) and pipe.by_source is not None
+        assert isinstance(pipe.ds, MixtureSpace)
+        assert pipe.by_source is not None
         self.pipe = pipe
         self.itemsize = pipe.ds.store.dtype.itemsize
         names = [d.name for d in pipe.ds.sources]

@@ -32,9 +32,8 @@ def detect(path: Path) -> str | None:
             return "seed"
         if (path / META_NAME).is_file():
             return "tokenfeed"
-    if path.suffix in (".bin", ".idx") or not path.exists():
-        if is_megatron(path):
-            return "megatron"
+    if (path.suffix in (".bin", ".idx") or not path.exists()) and is_megatron(path):
+        return "megatron"
     return None
 
 

@@ -14,6 +14,7 @@ random places in the chunks. With 4 KiB pages nearly every row misses the TLB; w
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 HUGE_PAGE = 2 << 20  # smaller maps are not worth asking huge pages for
@@ -28,8 +29,6 @@ def anonymous(nbytes: int) -> mmap.mmap:
         return mmap.mmap(-1, max(nbytes, 1))
     buf = mmap.mmap(-1, max(nbytes, 1), flags=_PRIVATE | _ANONYMOUS)
     if _HUGEPAGE is not None and nbytes >= HUGE_PAGE:
-        try:
+        with contextlib.suppress(OSError):  # THP compiled out or disabled: 4 KiB pages
             buf.madvise(_HUGEPAGE)
-        except OSError:  # THP compiled out or disabled: 4 KiB pages, same bytes
-            pass
     return buf

@@ -335,7 +335,7 @@ class ObjectStore:
                 retry_config={"max_retries": 0},
                 credential_provider=self._settings.credential_provider,
             )
-        except Exception as e:  # noqa: BLE001 - obstore raises several config errors
+        except Exception as e:  # obstore raises several config errors
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise InvalidArgument(
                 f"{self.url}: bad S3 configuration ({self._scrub(first)})"
@@ -399,7 +399,7 @@ class ObjectStore:
                 return fn()
             except FeederError:
                 raise
-            except Exception as e:  # noqa: BLE001 - classified below
+            except Exception as e:  # classified below
                 kind, cause = _classify(e)
                 if kind not in ("retry", "changed"):
                     raise self._fail(op, key, e, attempts) from None

@@ -48,7 +48,7 @@ DEFAULT_DTYPE = "uint32"
 def _pyarrow() -> Any:
     try:
         import pyarrow
-        import pyarrow.ipc  # noqa: F401 - pa.ipc is a submodule
+        import pyarrow.ipc  # pa.ipc is a submodule
     except ImportError:
         raise ImportError(
             "the seed loader's chunk folders are Arrow files: pip install 'tokenfeed[server]' "
