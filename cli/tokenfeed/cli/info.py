@@ -12,7 +12,7 @@ loader's chunk_NNNNNN/ save_to_disk datasets (info then prints the meta.json to 
 beside them, to give the EOS, vocabulary or a narrower dtype), or a Megatron indexed
 dataset (its PREFIX, or the .bin or .idx path).
 
-The plan of a mixture before a run (docs/mixtures.md, "Before a run"):
+The budget of a mixture before a run (docs/mixtures.md, "Before a run"):
 
     tokenfeed info --data-root ROOT --mixture web=0.7,code=0.2,math=0.1 (or FILE)
                    [--schedule FILE] --tokens 1e12 --seq-len L [--stride S] [--split-rate R]
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _mixture(args: argparse.Namespace) -> int:
-    """The plan of a mixture run: per source, what --tokens tokens draw from it."""
+    """The budget of a mixture run: per source, what --tokens tokens draw from it."""
     from tokenfeed.core.errors import InvalidArgument, NotFound
     from tokenfeed.core.mixture.sampler import MixtureSampler
     from tokenfeed.core.request import SamplingSpec
@@ -221,14 +221,14 @@ def _mixture(args: argparse.Namespace) -> int:
             stores.append(catalog.get(name).store)
         except NotFound as e:
             raise NotFound(f"sources[{name!r}]: {e.message}") from None
-    plan = MixtureSampler(
+    sampler = MixtureSampler(
         spec,
         tuple(s.total_tokens for s in stores),
         tuple(
             max(1, s.meta.tokens_per_chunk or max(c.tokens for c in s.meta.chunks)) for s in stores
         ),
     )
-    budget = plan.budget(int(tokens))
+    budget = sampler.budget(int(tokens))
     segments = [{"from_tokens": lo, "to_tokens": hi} for lo, hi in budget.segments]
     doc: dict[str, Any] = {
         "tokens": budget.tokens,
@@ -245,7 +245,7 @@ def _mixture(args: argparse.Namespace) -> int:
                 "passes": float(s.passes),
                 "shares": [float(x) for x in s.shares],
             }
-            for s, t in zip(budget.sources, plan.train_tokens, strict=True)
+            for s, t in zip(budget.sources, sampler.train_tokens, strict=True)
         ],
     }
     if args.json:
