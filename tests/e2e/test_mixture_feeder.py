@@ -299,9 +299,8 @@ def test_info_reports_each_source_and_a_budget(mix_feeder) -> None:
 
 def test_tokens_and_cache_are_counted_by_source(mix_root: Path) -> None:
     with running_feeder(mix_root) as f:
-        # one batch per message: the 30 batches received were written as several whole
-        # bursts (a burst is counted once all its messages are written; with the default
-        # message size, 30 batches could all lie in the burst the client closed mid-way)
+        # one batch per message; every message written counts, also those of a burst the
+        # client closed mid-way
         with loader(f.address, 0, 1, batches_per_message=1) as ld:
             stream(ld, 30)
         # the stream's last counts land when its handler ends, after the client closed

@@ -402,6 +402,17 @@ class FeederService:
         by_source = SourceCounters.of(self.metrics, pipe)
         small = pipe.message_bytes <= INLINE_MAX_BYTES
         building: asyncio.Future[list[Message]] | None = None
+
+        def count(messages: list[Message]) -> None:
+            batches_sent.inc(sum(g[1] for g in messages))
+            if by_source is None:
+                tokens_sent.inc(sum(g[2] for g in messages))
+                bytes_sent.inc(sum(g[3] for g in messages))
+            else:
+                by_source.count(len(messages))
+
+        burst: list[Message] = []
+        written = 0  # messages of `burst` written and not yet counted
         try:
             while True:
                 if building is not None:
@@ -416,16 +427,15 @@ class FeederService:
                     building = loop.run_in_executor(self.executor, pipe.next_burst)
                 for data, _, _, _ in burst:
                     await context.write(data)  # waits for HTTP/2 flow control
+                    written += 1
                 # counted once per burst, after it is written: fewer metric updates per message
-                batches_sent.inc(sum(g[1] for g in burst))
-                if by_source is None:
-                    tokens_sent.inc(sum(g[2] for g in burst))
-                    bytes_sent.inc(sum(g[3] for g in burst))
-                else:
-                    by_source.count(len(burst))
+                count(burst)
+                written = 0
         finally:
             if building is not None:
                 building.cancel()  # a running build finishes its burst; the result is dropped
+            if written:  # the stream ended mid-burst: what went on the wire still counts
+                count(burst[:written])
             if by_source is not None:
                 by_source.flush()  # what was written and not yet counted
 
