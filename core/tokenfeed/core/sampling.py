@@ -246,8 +246,10 @@ class DatasetSampler(SpecView):
             raise InvalidArgument(
                 f"offset {offset} is outside the epoch of {self.num_windows} windows"
             )
-        if not 0 <= epoch <= MAX_PARAM or not 0 <= step <= MAX_TOKENS:
-            raise InvalidArgument(f"epoch and step must be non-negative, got {epoch}, {step}")
+        if not 0 <= epoch <= MAX_PARAM:
+            raise InvalidArgument(f"epoch must be in [0, 2**40], got {epoch}")
+        if not 0 <= step <= MAX_TOKENS:
+            raise InvalidArgument(f"step must be in [0, 2**62], got {step}")
 
     def steps(self, rank: int, offset: int = 0) -> int:
         """Steps left for `rank` from `offset` (len() of a client's epoch)."""

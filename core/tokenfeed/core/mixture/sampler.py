@@ -126,7 +126,7 @@ class MixtureSampler(SpecView):
                 f"rank must be in [0, world_size={spec.world_size}), got {rank}", field="rank"
             )
         if not 0 <= step <= MAX_TOKENS:
-            raise InvalidArgument(f"step must be non-negative, got {step}", field="step")
+            raise InvalidArgument(f"step must be in [0, 2**62], got {step}", field="step")
         last = self.mixture.max_position - spec.global_batch
         if not 0 <= offset <= last:
             raise InvalidArgument(
