@@ -123,7 +123,14 @@ def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segm
     return tuple(names), segments
 
 
-def _weights(names: list[str], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
+def segment_weights(names: Sequence[str], weights: Any, field: str) -> list[Fraction]:
+    """A segment's weights (a mapping name -> weight or (name, weight) pairs, naming
+    every source once) -> its exact weights in source order; InvalidArgument naming
+    `field` otherwise."""
+    return _weights(names, _pairs(weights, field), field)
+
+
+def _weights(names: Sequence[str], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
     """A segment's (name, weight) pairs -> its exact weights in source order."""
     by_name: dict[str, Fraction] = {}
     for n, (name, value) in enumerate(pairs):
@@ -133,7 +140,7 @@ def _weights(names: list[str], pairs: list[tuple[Any, Any]], field: str) -> list
             raise InvalidArgument.at(f"{field}[{name!r}]", f"duplicate source {name!r}")
         if name not in names:
             raise InvalidArgument.at(
-                f"{field}[{name!r}]", f"{name!r} is not a source of the mixture {names}"
+                f"{field}[{name!r}]", f"{name!r} is not a source of the mixture {list(names)}"
             )
         by_name[name] = parse_weight(value, f"{field}[{name!r}]")
     missing = [x for x in names if x not in by_name]
