@@ -133,7 +133,8 @@ class RuntimeSegments:
             return 0
         n = min(len(self), len(other))
         size = n * self.record_bytes
-        if self.data[:size] == other.data[:size]:
+        short, long = sorted((self.data, other.data), key=len)
+        if long.startswith(short):  # the usual case: one more segment (no copy made)
             return n
         a = np.frombuffer(self.data, dtype="<u8", count=size // 8).reshape(n, self.k + 1)
         b = np.frombuffer(other.data, dtype="<u8", count=size // 8).reshape(n, self.k + 1)

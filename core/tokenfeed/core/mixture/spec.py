@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -63,14 +64,22 @@ def parse_weight(value: Any, field: str) -> Fraction:
         raise InvalidArgument.at(field, f"must be a finite number, got {value!r}")
     if f < 0:
         raise InvalidArgument.at(field, f"must be >= 0, got {value!r}")
+    return _decimal(f)
+
+
+@lru_cache(maxsize=1 << 16)
+def _decimal(f: float) -> Fraction:
+    """The shortest decimal that round-trips `f`, exactly. Cached: parsing it costs
+    microseconds, and weights repeat (a policy's are a few decimals each)."""
     return Fraction(repr(f))
 
 
 def normalize(weights: Sequence[Fraction]) -> tuple[tuple[int, ...], int]:
     """Exact weights -> integers a_i and D with a_i / D = w_i / sum(w) in lowest common
     terms (D is the least common denominator of the shares; sum of a = D)."""
-    common = math.lcm(*(Fraction(w).denominator for w in weights))
-    m = [int(w * common) for w in weights]
+    exact = [Fraction(w) for w in weights]
+    common = math.lcm(*(w.denominator for w in exact))
+    m = [w.numerator * (common // w.denominator) for w in exact]
     total = sum(m)
     if total == 0:
         raise ValueError("all weights are 0")
