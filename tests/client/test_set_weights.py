@@ -17,7 +17,7 @@ from tokenfeed.core.limits import MAX_REQUEST_BYTES
 from tokenfeed.core.store import write_store
 
 from support.feeders import running_feeder
-from support.stores import make_positional_store
+from support.stores import make_mixture_root
 
 SEQ, B = 8, 4
 BASE = {"a": 0.5, "b": 0.3, "c": 0.2}
@@ -25,10 +25,7 @@ BASE = {"a": 0.5, "b": 0.3, "c": 0.2}
 
 @pytest.fixture(scope="module")
 def feeder(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("runtime") / "root"
-    make_positional_store(root / "a", 6_000, 1_000)
-    make_positional_store(root / "b", 2_000, 500)
-    make_positional_store(root / "c", 900, 300)
+    root = make_mixture_root(tmp_path_factory.mktemp("runtime") / "root")
     write_store(root / "d", np.arange(800, dtype="uint32"), dtype="uint32")
     with running_feeder(root) as f:
         yield f

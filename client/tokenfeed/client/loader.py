@@ -326,6 +326,13 @@ class FeederClient:
         return self._epochs.set_weights(weights, at_step)
 
     @property
+    def weights(self) -> dict[str, float]:
+        """A mixture's normalized weights at the loop's position (the next step's)."""
+        if not self.is_mixture:
+            raise TypeError(f"weights are a mixture's; this loader streams {self.dataset!r}")
+        return self._position.weights_in_force()
+
+    @property
     def schedule(self) -> list[tuple[int, dict[str, str]]]:
         """A mixture's segments in force from token 0: `(from_tokens, {name: weight as
         a decimal string})`, the constructor's schedule and the run-time changes merged
