@@ -128,18 +128,25 @@ def test_merge_keeps_each_list_in_order():
 # ------------------------------------------------ a change at step s == constructed
 
 
+SIZES, SEEDS = st.integers(1, 3), st.integers(0, 2**64 - 1)
+
+
+def changed_and_constructed(mixture, position, draw, **kw):
+    """A spec with a run-time segment from `position` (weights drawn) and the spec
+    constructed with that segment in its schedule, and that schedule."""
+    names, base, schedule, seq_len = mixture
+    ws = weight_set(draw, len(names))
+    tokens = position * seq_len
+    assume(all(t != tokens for t, _ in schedule))
+    rt = RuntimeSegments(len(names)).with_segment(tokens, ws)
+    changed = spec_of(names, base, schedule, seq_len, runtime=rt.data, **kw)
+    with_it = sorted([*schedule, (tokens, ws)])
+    return changed, spec_of(names, base, with_it, seq_len, **kw), with_it
+
+
 @fewer_examples(2)  # every rank's batches of three samplers each
-@given(
-    mixtures(),
-    st.integers(1, 3),
-    st.integers(1, 3),
-    st.integers(1, 6),
-    st.integers(0, 4),
-    st.integers(1, 6),
-    st.integers(0, 2**64 - 1),
-    st.booleans(),
-    st.data(),
-)
+@given(mixtures(), SIZES, SIZES, st.integers(1, 6), st.integers(0, 4), st.integers(1, 6), SEEDS,
+       st.booleans(), st.data())  # fmt: skip
 def test_a_change_at_step_s_streams_the_batches_of_the_constructed_run(
     mixture, B, W, s, ahead, after, seed, shuffle, data
 ):
@@ -147,16 +154,10 @@ def test_a_change_at_step_s_streams_the_batches_of_the_constructed_run(
     (what the loader streams again after the call), every rank's batch is the one of a
     run constructed with that segment; before step s + ahead nothing changes at all."""
     names, base, schedule, seq_len = mixture
-    k = len(names)
     G = B * W
     position = step_position(s + ahead, s * G, s, G)
-    ws = weight_set(data.draw, k)
-    tokens = position * seq_len
-    assume(all(t != tokens for t, _ in schedule))
-    rt = RuntimeSegments(k).with_segment(tokens, ws)
     kw = dict(B=B, W=W, seed=seed, shuffle=shuffle)
-    changed = spec_of(names, base, schedule, seq_len, runtime=rt.data, **kw)
-    constructed = spec_of(names, base, sorted([*schedule, (tokens, ws)]), seq_len, **kw)
+    changed, constructed, _ = changed_and_constructed(mixture, position, data.draw, **kw)
     unchanged = spec_of(names, base, schedule, seq_len, **kw)
     steps = ahead + after
     got = rank_batches(changed, s * G, s, steps)
@@ -167,37 +168,21 @@ def test_a_change_at_step_s_streams_the_batches_of_the_constructed_run(
 
 
 @fewer_examples(2)
-@given(
-    mixtures(),
-    st.integers(1, 3),
-    st.integers(1, 3),
-    st.integers(1, 5),
-    st.integers(1, 3),
-    st.integers(1, 3),
-    st.integers(0, 4),
-    st.integers(1, 5),
-    st.integers(0, 2**64 - 1),
-    st.booleans(),
-    st.data(),
-)
+@given(mixtures(), SIZES, SIZES, st.integers(1, 5), SIZES, SIZES, st.integers(0, 4),
+       st.integers(1, 5), SEEDS, st.booleans(), st.data())  # fmt: skip
 def test_a_change_after_an_elastic_resume_starts_at_the_steps_global_position(
     mixture, B1, W1, s1, B2, W2, ahead, after, seed, shuffle, data
 ):
     """A run at (B1, W1) saves at step s1 and resumes at (B2, W2); a change at step
     s1 + ahead then starts at the next offset plus ahead * B2 * W2 positions (never at
     (s1 + ahead) * B2 * W2), and the resumed run streams the constructed run's batches."""
-    names, base, schedule, seq_len = mixture
+    names, base, _, seq_len = mixture
     k = len(names)
     offset = s1 * B1 * W1
     position = step_position(s1 + ahead, offset, s1, B2 * W2)
     assert position == offset + ahead * B2 * W2
-    ws = weight_set(data.draw, k)
-    tokens = position * seq_len
-    assume(all(t != tokens for t, _ in schedule))
-    rt = RuntimeSegments(k).with_segment(tokens, ws)
     kw = dict(B=B2, W=W2, seed=seed, shuffle=shuffle)
-    changed = spec_of(names, base, schedule, seq_len, runtime=rt.data, **kw)
-    constructed = spec_of(names, base, sorted([*schedule, (tokens, ws)]), seq_len, **kw)
+    changed, constructed, with_it = changed_and_constructed(mixture, position, data.draw, **kw)
     got = rank_batches(changed, offset, s1, ahead + after)
     assert got == rank_batches(constructed, offset, s1, ahead + after)
     assert [step[0][:2] for step in got] == [
@@ -205,7 +190,7 @@ def test_a_change_after_an_elastic_resume_starts_at_the_steps_global_position(
     ]
     # the first changed step's windows are the ones the constructed mixture has there
     first = got[ahead]
-    mix = Mixture(*declared(names, base, sorted([*schedule, (tokens, ws)])), seq_len=seq_len)
+    mix = Mixture(*declared(names, base, with_it), seq_len=seq_len)
     c0, c1 = mix.counts(position), mix.counts(position + B2 * W2)
     drawn = [src for rank in first for src in rank[3]]
     assert [drawn.count(i) for i in range(k)] == [b - a for a, b in zip(c0, c1, strict=True)]
