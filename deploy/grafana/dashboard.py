@@ -174,27 +174,6 @@ THROUGHPUT = [
     ),
     (
         timeseries(
-            "Tokens/s by source (mixtures)",
-            [
-                (
-                    f'sum by (source) (rate(tokenfeed_server_tokens_sent_total{{source!=""}}'
-                    f"[{RATE}]))",
-                    "{{source}}",
-                ),
-                (
-                    f'sum by (dataset) (rate(tokenfeed_server_tokens_sent_total{{source=""}}'
-                    f"[{RATE}]))",
-                    "{{dataset}} (alone)",
-                ),
-            ],
-            "short",
-            "A mixture's tokens by source (its weights at work); single-dataset streams "
-            "by dataset.",
-        ),
-        12,
-    ),
-    (
-        timeseries(
             "Bytes/s on the wire",
             [
                 (
@@ -237,6 +216,52 @@ THROUGHPUT = [
             ],
             "short",
             "StreamBatches calls in progress per feeder replica.",
+        ),
+        12,
+    ),
+]
+
+MIXTURES = [
+    (
+        timeseries(
+            "Tokens/s by source (mixtures)",
+            [
+                (
+                    f'sum by (source) (rate(tokenfeed_server_tokens_sent_total{{source!=""}}'
+                    f"[{RATE}]))",
+                    "{{source}}",
+                ),
+                (
+                    f'sum by (dataset) (rate(tokenfeed_server_tokens_sent_total{{source=""}}'
+                    f"[{RATE}]))",
+                    "{{dataset}} (alone)",
+                ),
+            ],
+            "short",
+            "A mixture's tokens by source (its weights at work); single-dataset streams "
+            "by dataset.",
+        ),
+        12,
+    ),
+    (
+        timeseries(
+            "Mixture weights",
+            [("max by (source) (tokenfeed_client_mixture_weight_ratio)", "{{source}}")],
+            "percentunit",
+            "Each source's weight at the trainers' position: the constructor's schedule "
+            "and the changes made at run time (set_weights, an online mixer).",
+            valueMin=0,
+            valueMax=1,
+        ),
+        12,
+    ),
+    (
+        timeseries(
+            "Mixer loss by source",
+            [("max by (source) (tokenfeed_client_mixer_loss_nats)", "{{source}}")],
+            "none",
+            "An online mixer's mean loss per row of each source over its last update "
+            "interval, summed over ranks: what its policy turned into the weights beside.",
         ),
         12,
     ),
@@ -435,6 +460,7 @@ FEEDER = [
 SECTIONS = [
     ("Overview", OVERVIEW, 4),
     ("Throughput", THROUGHPUT, 8),
+    ("Mixtures", MIXTURES, 8),
     ("Trainers", TRAINERS, 8),
     ("Feeder", FEEDER, 8),
 ]

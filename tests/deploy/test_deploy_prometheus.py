@@ -1,8 +1,9 @@
 """Every dashboard query and every rule returns data from a real Prometheus.
 
-A real feeder (`tokenfeed serve` subprocess) and two real streaming clients (ranks 0
-and 1, each exporting its own /metrics) are scraped every second by the Debian
-`prometheus` binary on 127.0.0.1, which loads deploy/prometheus/rules and the job names
+A real feeder (`tokenfeed serve` subprocess) and three real streaming clients (ranks 0
+and 1 of a dataset, and a mixture driven by an online mixer, each exporting its own
+/metrics) are scraped every second by the Debian `prometheus` binary on 127.0.0.1,
+which loads deploy/prometheus/rules and the job names
 of deploy/prometheus/prometheus.yml. Then each PromQL expression of the dashboard and of
 the recording rules is queried through the HTTP API and must return at least one finite
 sample; each alert's operands (the part before its comparison, see
@@ -43,6 +44,7 @@ from test_deploy import (
 )
 
 from tokenfeed.client import FeederClient
+from tokenfeed.mixing import Bandit, OnlineMixer
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -139,7 +141,8 @@ class Prometheus:
 
 
 class Trainer(threading.Thread):
-    """One rank streaming epoch after epoch until stopped, like the demo trainer."""
+    """One rank streaming epoch after epoch until stopped, like the demo trainer; a
+    mixture's with an online mixer fed a made-up loss per row."""
 
     def __init__(self, address: str, rank: int, metrics_port: int | None, **sampling) -> None:
         super().__init__(name=f"trainer-{rank}", daemon=True)
@@ -157,14 +160,18 @@ class Trainer(threading.Thread):
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
         self.batches = 0
+        self.mixer = OnlineMixer(self.client, Bandit(), every=5) if self.client.is_mixture else None
 
     def run(self) -> None:
         try:
             # a mixture's stream is endless: one iteration, no epochs
             for epoch in [0] if self.client.is_mixture else itertools.count():
                 self.client.set_epoch(epoch)
-                for _ in self.client:
+                for batch in self.client:
                     self.batches += 1
+                    if self.mixer is not None:
+                        self.mixer.observe(batch, 2.0 + batch["sources"])
+                        self.mixer.step()
                     if self.stop_event.wait(0.002):  # a little "training"
                         return
         except BaseException as e:  # re-raised by the test
@@ -189,15 +196,15 @@ def stack(tmp_path: Path) -> Iterator[Prometheus]:
     with FeederProcess(root, metrics_port=free_port(), cache_bytes="64K") as feeder:
         feeder_metrics = int(feeder.flags["metrics_port"])
         dead = f"127.0.0.1:{free_port()}"
-        trainer_ports = [free_port(), free_port()]
+        trainer_ports = [free_port(), free_port(), free_port()]
         trainers = [
             Trainer(f"{dead},{feeder.address}", 0, trainer_ports[0]),
             Trainer(feeder.address, 1, trainer_ports[1]),
-            # a mixture, so the tokens-by-source panel has data (its metrics unscraped)
+            # a mixture with an online mixer: the mixtures panels have data
             Trainer(
                 feeder.address,
                 0,
-                None,
+                trainer_ports[2],
                 dataset=None,
                 world_size=1,
                 mixture={"positions": 0.7, "other": 0.3},
@@ -260,7 +267,7 @@ def test_every_dashboard_query_and_rule_returns_data(stack: Prometheus) -> None:
 
     # every target is up, and every rule evaluates without error
     targets = prom.api("/api/v1/targets")["activeTargets"]
-    assert [t["health"] for t in targets] == ["up"] * 3, targets
+    assert [t["health"] for t in targets] == ["up"] * 4, targets
     groups = prom.api("/api/v1/rules")["groups"]
     loaded = [r for g in groups for r in g["rules"]]
     assert len(loaded) == len(rules())

@@ -39,6 +39,17 @@ def make_positional_store(
     return TokenStore.open(path)
 
 
+MIXTURE_SOURCES = {"a": (6_000, 1_000), "b": (2_000, 500), "c": (900, 300)}  # tokens, chunk
+
+
+def make_mixture_root(root: Path) -> Path:
+    """A data root of three positional sources of different sizes (MIXTURE_SOURCES),
+    for mixtures whose weights change while they stream."""
+    for name, (tokens, chunk) in MIXTURE_SOURCES.items():
+        make_positional_store(root / name, tokens, chunk)
+    return root
+
+
 def positional_rows(starts: Any, cols: int, modulo: int | None = None) -> np.ndarray:
     """The rows a positional store (token i == i, mod the dtype) holds at `starts`."""
     rows = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(cols)

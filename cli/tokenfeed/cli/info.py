@@ -20,6 +20,15 @@ The budget of a mixture before a run (docs/mixtures.md, "Before a run"):
 prints, per source, its train tokens and windows, the windows and tokens a run of
 `--tokens` tokens draws from it, the passes over it (how many times it repeats), and
 its share in each schedule segment. The mixture file is the client's.
+
+A saved run's weight trajectory (docs/mixtures.md, "Run-time weights"):
+
+    tokenfeed info --state FILE [--json]
+
+FILE is a JSON file or a torch checkpoint (`torch.save`, read with weights_only) that
+holds a mixture FeederClient's `state_dict()` anywhere in it (and an OnlineMixer's):
+prints the position, then every segment in force from token 0, the base mixture, the
+declared schedule and the run-time changes merged as the feeder merges them.
 """
 
 from __future__ import annotations
@@ -61,6 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="with --mixture: the run's token budget (1e12 is fine)",
+    )
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a checkpoint (JSON or torch.save) holding a mixture loader's state_dict(): "
+        "print its weight trajectory",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -134,6 +151,8 @@ def _splits(args: argparse.Namespace, total: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.state is not None:
+        return _state(args)
     if args.mixture or args.schedule:
         return _mixture(args)
     if args.path is None:
@@ -267,3 +286,109 @@ def _mixture(args: argparse.Namespace) -> int:
             f"{s['passes']:>10.3f}" + "".join(f" {x:>12.2%}" for x in s["shares"])
         )
     return 0
+
+
+def _state(args: argparse.Namespace) -> int:
+    """A saved mixture state's position and weight trajectory (and its mixer's)."""
+    from tokenfeed.core.errors import InvalidArgument
+
+    if args.path is not None or args.mixture or args.schedule:
+        raise InvalidArgument("--state reads a checkpoint alone; drop PATH, --mixture, --schedule")
+    found = _states(_load_checkpoint(args.state))
+    loaders = [(where, s) for where, s in found if "mixture" in s and "offset" in s]
+    mixers = [(where, s) for where, s in found if "policy" in s and "weights" in s]
+    if not loaders:
+        raise InvalidArgument(f"{args.state} holds no mixture loader's state_dict()")
+    doc = {
+        "loaders": [dict(at=where, **_trajectory(s)) for where, s in loaders],
+        "mixers": [
+            {
+                "at": where,
+                "policy": s["policy"],
+                "updates": s.get("updates"),
+                "weights": s["weights"],
+            }
+            for where, s in mixers
+        ],
+    }
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    for one in doc["loaders"]:
+        names = one["sources"]
+        print(
+            f"{one['at'] or 'state'}: step {one['step']}, offset {one['offset']} (windows), "
+            f"{len(one['trajectory'])} segments ({one['runtime']} set at run time)"
+        )
+        width = max(8, *(len(n) for n in names))
+        print(f"{'from_tokens':>16} {'':8}" + "".join(f" {n:>{width}}" for n in names))
+        for seg in one["trajectory"]:
+            print(
+                f"{seg['from_tokens']:>16} {seg['kind']:8}"
+                + "".join(f" {seg['weights'][n]:>{width}}" for n in names)
+            )
+    for m in doc["mixers"]:
+        policy = m["policy"]
+        kind = policy.get("policy", "?") + (f" ({policy['reward']})" if "reward" in policy else "")
+        print(f"{m['at'] or 'mixer'}: {kind}, {m['updates']} updates")
+    return 0
+
+
+def _load_checkpoint(path: Path) -> Any:
+    """A JSON document, or else a torch checkpoint (plain types only: weights_only)."""
+    raw = path.read_bytes()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        pass
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(
+            f"{path} is not JSON; reading a torch checkpoint needs torch: "
+            "pip install 'tokenfeed[torch]'"
+        ) from None
+    import io
+
+    try:
+        return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several kinds for a file that is not its own
+        from tokenfeed.core.errors import InvalidArgument
+
+        raise InvalidArgument(f"{path} is neither JSON nor a torch checkpoint: {e}") from None
+
+
+def _states(doc: Any, where: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every dict in `doc` (depth first) with its key path, e.g. "loader"."""
+    if not isinstance(doc, dict):
+        return []
+    out = [(where, doc)]
+    for key, value in doc.items():
+        out += _states(value, f"{where}.{key}" if where else str(key))
+    return out
+
+
+def _trajectory(state: dict[str, Any]) -> dict[str, Any]:
+    """The segments in force of a loader state: declared and run-time, merged."""
+    from tokenfeed.core.mixture import RuntimeSegments, merge
+    from tokenfeed.core.mixture.spec import parse
+
+    mixture = state["mixture"]
+    names, declared = parse(mixture["sources"], [tuple(s) for s in mixture.get("schedule", [])])
+    runtime = RuntimeSegments.from_state(len(names), mixture.get("runtime", []), "mixture.runtime")
+    added = runtime.segments(names)
+    ids = {id(s) for s in added}
+    return {
+        "step": state.get("step"),
+        "offset": state.get("offset"),
+        "sources": list(names),
+        "runtime": len(added),
+        "trajectory": [
+            {
+                "from_tokens": seg.from_tokens,
+                "kind": "run-time" if id(seg) in ids else "base" if j == 0 else "schedule",
+                "weights": {n: repr(float(w)) for n, w in zip(names, seg.weights, strict=True)},
+            }
+            for j, seg in enumerate(merge(declared, added))
+        ],
+    }

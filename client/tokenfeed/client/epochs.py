@@ -6,7 +6,9 @@ reader thread), and `next()` takes them. Near an epoch's end the next epoch's st
 is opened ahead of time, and `set_epoch(epoch + 1)` adopts it, so its first batch is
 waiting instead of a new stream's latency. `set_epoch`, `load_state_dict` and
 `close` stop the streams they make stale; all of that under one lock, which `next()`
-takes only at an epoch's end or on an error.
+takes only at an epoch's end or on an error. A mixture's `set_weights` changes the
+request under a running iteration: the batches buffered from the old one are dropped
+and the iteration goes on with a stream of the new one from the position.
 
 The loop's path is kept short: the reader thread prepares everything and frees what
 the loop dropped (`_stage`); `next()` takes an item, stores the position after it
@@ -62,8 +64,9 @@ class Epochs:
         info: Callable[[], DatasetInfo],
         on_reconnect: Callable[[str], None],
     ) -> None:
-        self.spec, self.rank, self.options = spec, rank, options
-        # What the reader thread reads for every batch (`_stage`), as plain attributes.
+        self.rank, self.options = rank, options
+        # What the reader thread reads for every batch (`_stage`), as plain attributes;
+        # the request itself is the position's spec (a mixture's weights may change).
         self.seq_len, self.batch_size, self.world_size = (
             spec.seq_len,
             spec.batch_size,
@@ -81,6 +84,8 @@ class Epochs:
 
         self._reader: StreamReader | None = None
         self._queue: Handoff | None = None
+        # The running iteration (the _Epoch holds it): its stream may be replaced.
+        self._iteration: object | None = None
         self._closed = False
         # Streams of the next epoch opened at the end of this one (see next).
         self._ahead: tuple[StreamReader, Handoff] | None = None
@@ -114,6 +119,20 @@ class Epochs:
             self._stop_reader()
             self._drop_adopted()
 
+    def set_weights(self, weights: Any, at_step: int | None) -> int:
+        """A mixture's weights from `at_step` on (`Position.set_weights`: InvalidArgument
+        changing nothing, a pending change included); a running iteration drops what
+        it buffered of the old request and streams the new one from the position (the
+        batches before `at_step` are the same)."""
+        with self._lock:
+            step = self._position.set_weights(weights, at_step)
+            iteration = self._iteration
+            if iteration is not None and self._reader is not None:
+                self._stop_reader()
+                self._stream_from_position()
+                self._iteration = iteration
+            return step
+
     # --------------------------------------------------------------- iteration
     def iterate(self, sized: Sized) -> Iterator[dict[str, Any]]:
         """A new iteration from the position to the end of the epoch (`len()`: that of
@@ -121,7 +140,8 @@ class Epochs:
         delivered, so the position is unaffected)."""
         with self._lock:
             self._start()
-            return _Epoch(self, self._reader, sized)  # type: ignore[arg-type]
+            self._iteration = iteration = object()
+            return _Epoch(self, iteration, sized)
 
     def _start(self) -> None:
         if self._closed:
@@ -132,8 +152,11 @@ class Epochs:
             self._reader, self._queue = adopted
             self.metrics.track_occupancy(adopted[1].qsize)
             return
+        self._position.start()
+        self._stream_from_position()
+
+    def _stream_from_position(self) -> None:
         position = self._position
-        position.start()
         self._reader, self._queue = self._open(position.epoch, position.offset, position.step)
         self.metrics.track_occupancy(self._queue.qsize)
 
@@ -143,12 +166,13 @@ class Epochs:
         per_message = self.options.message_batches(
             self.batch_size * (self.seq_len + 1) * size.itemsize
         )
+        spec = self._position.spec  # with a mixture's run-time segments
         request = StreamRequest(
-            params=self.spec.to_proto(),
+            params=spec.to_proto(),
             epoch=epoch,
             rank=self.rank,
             batches_per_message=per_message,
-            global_batch=self.spec.global_batch,
+            global_batch=spec.global_batch,
             num_windows=size.windows,
             remaining=self._position.remaining(size.windows),
             document_ends=self.options.document_ends,
@@ -222,21 +246,22 @@ class Epochs:
         offset = min(msg.offset + self.batch_size * self.world_size, num_windows)
         return batch, offset, msg.step + 1, pending, msg.step == ahead_step
 
-    def next(self, reader: StreamReader, first: bool = False) -> dict[str, Any]:
+    def next(self, iteration: object, first: bool = False) -> dict[str, Any]:
         """The training loop's next(): the only place the loop can wait.
 
         Kept short: the reader thread prepared everything (`_stage`), and the metrics
         are one append (`ClientMetrics.waited`). `first`: the iteration's
         first next(), whose wait is the stream's time to first batch, counted apart.
         """
-        if reader is not self._reader:
+        if iteration is not self._iteration:
             if self._position.ended or self._closed:
                 raise StopIteration
             raise RuntimeError(
                 "this iteration was ended by a newer one (iter, set_epoch, "
                 "load_state_dict or close)"
             )
-        q, position = self._queue, self._position
+        # the iteration's stream: set with it (set_weights may have replaced it)
+        reader, q, position = self._reader, self._queue, self._position
         t0 = perf_counter()
         try:
             item = q.get_nowait()  # type: ignore[union-attr]
@@ -252,7 +277,7 @@ class Epochs:
             if pending is not None:
                 self._stager.ready(*pending)
             if ahead:
-                self._open_ahead(reader)
+                self._open_ahead(reader)  # type: ignore[arg-type]
             # The previous batch: the loop drops it when it rebinds its variable to this
             # one, and freeing it (tensors, views, the dict) costs up to tens of us after
             # a step's sleep. One more reference, in `_spent`, makes the reader thread
@@ -263,8 +288,9 @@ class Epochs:
         self.metrics.waited(t1 - t0)
         with self._lock:
             if item is END:
+                assert reader is not None
                 position.end()
-                self._reader, self._queue = None, None
+                self._reader, self._queue, self._iteration = None, None, None
                 reader.stop()
                 self._open_ahead(reader, locked=True)  # if not open yet
                 raise StopIteration
@@ -307,11 +333,12 @@ class Epochs:
 
     # ----------------------------------------------------------------- closing
     def _stop_reader(self) -> None:
-        """Stop the current reader and any streaming ahead (not an adopted one)."""
+        """Stop the current reader (ending its iteration) and any streaming ahead (not
+        an adopted one)."""
         reader, self._reader = self._reader, None
         if reader is not None:
             reader.stop()
-        self._queue = None
+        self._queue, self._iteration = None, None
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead[0].stop()
@@ -337,8 +364,8 @@ class Epochs:
 class _Epoch:
     """The iterator `iter(client)` returns: one pass from the current position."""
 
-    def __init__(self, epochs: Epochs, reader: StreamReader, sized: Sized) -> None:
-        self._epochs, self._reader, self._sized = epochs, reader, sized
+    def __init__(self, epochs: Epochs, iteration: object, sized: Sized) -> None:
+        self._epochs, self._iteration, self._sized = epochs, iteration, sized
         self._finished = False
         self._first = True  # the next next() waits for the stream's first batch
 
@@ -349,7 +376,7 @@ class _Epoch:
         if self._finished:
             raise StopIteration
         try:
-            batch = self._epochs.next(self._reader, self._first)
+            batch = self._epochs.next(self._iteration, self._first)
         except BaseException:
             self._finished = True
             raise

@@ -24,7 +24,7 @@ puts them together behind the one public class.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -173,7 +173,7 @@ class FeederClient:
                 connect_timeout=connect_timeout,
             )
         self.connection = connection
-        self.spec = spec = sampling_spec(
+        spec = sampling_spec(
             spec,
             world_size,
             os.environ,
@@ -222,6 +222,7 @@ class FeederClient:
         self._info: DatasetInfo | None = None
         self._reconnects = 0
         self._position = Position(spec, self.rank)
+        self.metrics.track_weights(self._position.weights_in_force)
         self._epochs = Epochs(
             spec,
             self.rank,
@@ -235,6 +236,11 @@ class FeederClient:
         )
 
     # ------------------------------------------------------------------ request
+    @property
+    def spec(self) -> SamplingSpec:
+        """The request: the arguments' SamplingSpec, with a mixture's run-time segments."""
+        return self._position.spec
+
     @property
     def backoff(self) -> Backoff:
         """The reconnect backoff (`connection.backoff`)."""
@@ -300,8 +306,40 @@ class FeederClient:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a `state_dict()`, also at another world size (ValueError,
-        changing nothing, if it was saved for another order)."""
+        changing nothing, if it was saved for another order); a mixture's run-time
+        weight changes are the saved ones from then on."""
         self._epochs.load_state_dict(state)
+
+    # ---------------------------------------------------------- run-time weights
+    def set_weights(self, weights: Mapping[str, float | str], *, at_step: int | None = None) -> int:
+        """From global step `at_step` on (None: the next step the loop has not
+        received), the mixture follows `weights` (every source named, as in a schedule
+        segment); returns that step (docs/mixtures.md, "Run-time weights").
+
+        It adds the segment from the step's position (after an elastic resume too):
+        the run streams exactly the batches of a run constructed with that segment in
+        its schedule. Every rank calls it with the same arguments at the same step.
+        Batches buffered from the old weights are dropped and asked for again. Bad
+        weights, a source not in the mixture, a step in the past or before the first
+        batch, or before the last change: InvalidArgument (a ValueError), and nothing
+        changes; a single-dataset loader: TypeError."""
+        return self._epochs.set_weights(weights, at_step)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """A mixture's normalized weights at the loop's position (the next step's)."""
+        if not self.is_mixture:
+            raise TypeError(f"weights are a mixture's; this loader streams {self.dataset!r}")
+        return self._position.weights_in_force()
+
+    @property
+    def schedule(self) -> list[tuple[int, dict[str, str]]]:
+        """A mixture's segments in force from token 0: `(from_tokens, {name: weight as
+        a decimal string})`, the constructor's schedule and the run-time changes merged
+        by from_tokens (a run-time change wins at an equal from_tokens)."""
+        if not self.is_mixture:
+            raise TypeError(f"a schedule is a mixture's; this loader streams {self.dataset!r}")
+        return self._position.spec.mixture.schedule()
 
     # --------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[dict[str, Any]]:

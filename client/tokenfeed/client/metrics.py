@@ -15,6 +15,12 @@ they mean for users: docs/client.md, "Metrics"):
     tokenfeed_client_first_batch_seconds         histogram time the loop blocked in next()
                                                            for each stream's first batch
     tokenfeed_client_buffer_occupancy            gauge     batches ready in the buffer
+    tokenfeed_client_mixture_weight_ratio{source} gauge    a mixture's normalized weight of
+                                                           each source at the loop's position
+    tokenfeed_client_mixer_loss_nats{source}     gauge     an OnlineMixer's mean loss per row
+                                                           of each source over its last update
+                                                           interval, all ranks (nats for a
+                                                           cross-entropy loss)
 
 Time to first batch is reported apart. The first `next()` of each iteration (each
 `iter(loader)`: a new epoch, a resume, or a stream opened ahead and adopted) waits for
@@ -47,7 +53,7 @@ import time
 import weakref
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from time import perf_counter
 from typing import Any
 
@@ -115,6 +121,9 @@ _DOC = {
     "(connect, first chunk).",
     "stall": f"Fraction of wall time the loop waited for data over the last "
     f"{STALL_WINDOW_SECONDS:g} s, first-batch waits left out.",
+    "weight": "A mixture's normalized weight of each source at the training loop's position.",
+    "loss": "An online mixer's mean loss per row of each source over its last update "
+    "interval, summed over ranks (nats for a cross-entropy loss).",
 }
 
 
@@ -254,6 +263,8 @@ class ClientMetrics:
         fam.collector.add(self)
         self._occupancy: Callable[[], float] = lambda: 0.0
         fam.occupancy.labels(rank=self.rank).set_function(lambda: self._occupancy())
+        self._weights: Callable[[], Mapping[str, float]] = dict
+        self.mixer_losses: dict[str, float] = {}
         self._http: tuple[object, threading.Thread] | None = None
         self.port: int | None = None
 
@@ -314,6 +325,17 @@ class ClientMetrics:
     def track_occupancy(self, fn: Callable[[], float]) -> None:
         self._occupancy = fn
 
+    def track_weights(self, fn: Callable[[], Mapping[str, float]]) -> None:
+        """`fn()` gives a mixture's weights at the loop's position (read at scrape time)."""
+        self._weights = fn
+
+    def weights(self) -> Mapping[str, float]:
+        return {} if self.closed else self._weights()
+
+    def mixer_loss(self, losses: Mapping[str, float]) -> None:
+        """An online mixer's latest per-source mean losses (NaN: no row of it)."""
+        self.mixer_losses = dict(losses)
+
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Export the registry over HTTP (port 0 picks a free one); returns the port."""
         from prometheus_client import start_http_server
@@ -353,6 +375,7 @@ class _Collector:
         yield HistogramMetricFamily(PREFIX + "wait_seconds", _DOC["wait"], labels=["rank"])
         yield HistogramMetricFamily(PREFIX + "first_batch_seconds", _DOC["first"], labels=["rank"])
         yield GaugeMetricFamily(PREFIX + "stall_fraction", _DOC["stall"], labels=["rank"])
+        yield from _by_source()
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -390,6 +413,28 @@ class _Collector:
         yield wait
         yield first
         yield stall
+        weight, loss = _by_source()
+        for rank, cs in ranks.items():
+            for family, values in (
+                (weight, [c.weights() for c in cs]),
+                (loss, [c.mixer_losses for c in cs if not c.closed]),
+            ):
+                merged: dict[str, float] = {}
+                for v in values:  # a rank's clients: one of them is its mixture
+                    merged.update(v)
+                for source, value in merged.items():
+                    family.add_metric([rank, source], value)
+        yield weight
+        yield loss
+
+
+def _by_source() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    return (
+        GaugeMetricFamily(
+            PREFIX + "mixture_weight_ratio", _DOC["weight"], labels=["rank", "source"]
+        ),
+        GaugeMetricFamily(PREFIX + "mixer_loss_nats", _DOC["loss"], labels=["rank", "source"]),
+    )
 
 
 def _buckets(hists: list[Histogram]) -> list[tuple[str, float]]:

@@ -23,6 +23,12 @@ a DataLoader without `set_epoch`.
 A mixture is one endless stream (docs/mixtures.md): epoch 0 only, no end, and no
 `steps_left`; its state also holds the mixture, and a resume may change the world
 size, the batch size, and add schedule segments at or after the checkpoint.
+
+Run-time weights (docs/mixtures.md, "Run-time weights"): `set_weights` adds a run-time
+segment to the spec from a step on, at that step's global position (the next offset
+plus the steps in between times B * W, also after an elastic resume), and the state
+dict carries every run-time segment, which `load_state_dict` adopts. The spec is the
+position's: the run-time segments are the trajectory the position has come along.
 """
 
 from __future__ import annotations
@@ -31,10 +37,17 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from tokenfeed.core.errors import InvalidArgument
+from tokenfeed.core.limits import MAX_REQUEST_BYTES, MAX_TOKENS
+from tokenfeed.core.mixture import RuntimeSegments, step_position
+from tokenfeed.core.mixture.spec import segment_weights
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.sampling import steps_per_epoch
 
 STATE_KEYS = ("epoch", "offset", "step", "fingerprint", "world_size")
+# A stream request holds the spec and a few integers: room left for them under the
+# feeder's request limit.
+REQUEST_FIELDS_BYTES = 128
 
 
 class Position:
@@ -44,12 +57,13 @@ class Position:
     epoch ran to its end in the loop.
     """
 
-    __slots__ = ("ended", "epoch", "loaded", "offset", "rank", "spec", "step")
+    __slots__ = ("_fixed_bytes", "ended", "epoch", "loaded", "offset", "rank", "spec", "step")
 
     def __init__(self, spec: SamplingSpec, rank: int = 0) -> None:
         self.spec, self.rank = spec, rank
         self.epoch, self.offset, self.step = 0, 0, 0
         self.loaded = self.ended = False
+        self._fixed_bytes: int | None = None
 
     @property
     def endless(self) -> bool:
@@ -118,14 +132,74 @@ class Position:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Move to a saved position, after checking it was saved for the same order
         (docs/sampling.md, "Resume"; docs/mixtures.md, "Resume"); ValueError naming
-        what differs, and then nothing changes."""
-        epoch, offset, step = checked_state(state, self.spec)
+        what differs, and then nothing changes. A mixture's run-time segments are the
+        saved ones from then on."""
+        spec, epoch, offset, step = checked_state(state, self.spec)
+        self.spec = spec
         self.epoch, self.offset, self.step = epoch, offset, step
         self.loaded, self.ended = True, False
 
+    # ---------------------------------------------------------- run-time weights
+    def set_weights(self, weights: Any, at_step: int | None = None) -> int:
+        """From global step `at_step` (None: the next step, the first the loop has not
+        received) on, the mixture follows `weights`: a run-time segment from that
+        step's position. Returns the step. InvalidArgument (changing nothing) for
+        weights a schedule segment would refuse, a step in the past or at position 0,
+        a step before the last run-time change, or a request grown past the feeder's
+        limit."""
+        spec = self.spec
+        if not spec.is_mixture:
+            raise TypeError(
+                f"set_weights changes a mixture's weights; this loader streams dataset "
+                f"{spec.dataset!r}"
+            )
+        step = self.step if at_step is None else at_step
+        position = step_position(step, self.offset, self.step, spec.global_batch)
+        tokens = position * spec.seq_len
+        if tokens > MAX_TOKENS:
+            raise InvalidArgument.at(
+                "at_step", f"step {step} starts at {tokens} tokens, past the stream's 2**62"
+            )
+        exact = segment_weights(spec.source_names, weights, "weights")
+        runtime = spec.mixture.runtime
+        last = runtime.last_from_tokens
+        if last is not None and tokens < last:
+            raise InvalidArgument.at(
+                "at_step",
+                f"step {step} starts at {tokens} tokens, before the run-time change already "
+                f"made from {last} tokens; changes are made in step order",
+            )
+        grown = runtime.with_segment(tokens, [float(w) for w in exact])
+        size = self._request_bytes(len(grown.data))
+        if size > MAX_REQUEST_BYTES:
+            raise InvalidArgument.at(
+                "weights",
+                f"{len(runtime) + 1} run-time segments would make a stream request of "
+                f"{size} bytes, over the feeder's limit of {MAX_REQUEST_BYTES}; change the "
+                "weights less often",
+            )
+        self.spec = spec.with_(runtime=grown.data)
+        return int(step)
 
-def checked_state(state: dict[str, Any], spec: SamplingSpec) -> tuple[int, int, int]:
-    """(epoch, offset, step) of a state dict, if `spec` can continue it."""
+    def _request_bytes(self, runtime_bytes: int) -> int:
+        """The size of a stream request whose run-time segments take `runtime_bytes`."""
+        if self._fixed_bytes is None:  # everything else: the same for every change
+            plain = self.spec.with_(runtime=b"").to_proto().ByteSize()
+            self._fixed_bytes = plain + REQUEST_FIELDS_BYTES
+        return self._fixed_bytes + runtime_bytes + 16  # the field's tag and length
+
+    def weights_in_force(self) -> dict[str, float]:
+        """A mixture's normalized weights at the position ({} for one dataset)."""
+        spec = self.spec
+        if not spec.is_mixture:
+            return {}
+        shares = spec.mixture.shares_at(min(self.offset, spec.mixture.max_position))
+        return {n: float(w) for n, w in zip(spec.source_names, shares, strict=True)}
+
+
+def checked_state(state: dict[str, Any], spec: SamplingSpec) -> tuple[SamplingSpec, int, int, int]:
+    """(spec, epoch, offset, step) of a state dict, if `spec` can continue it: a
+    mixture's spec with the state's run-time segments."""
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise ValueError(f"not a FeederClient state: missing {missing}")
@@ -142,6 +216,9 @@ def checked_state(state: dict[str, Any], spec: SamplingSpec) -> tuple[int, int, 
             raise ValueError(f"cannot resume this mixture checkpoint: {problem}")
         if int(state["epoch"]) != 0:
             raise ValueError(f"a mixture state has epoch 0, got {state['epoch']}")
+        rows = state["mixture"].get("runtime", [])
+        runtime = RuntimeSegments.from_state(len(spec.sources), rows, "mixture.runtime")
+        spec = spec.with_(runtime=runtime.data)
     fingerprint = spec.fingerprint()
     if state["fingerprint"] != fingerprint:
         raise ValueError(
@@ -153,7 +230,7 @@ def checked_state(state: dict[str, Any], spec: SamplingSpec) -> tuple[int, int, 
     epoch, offset, step = (int(state[k]) for k in ("epoch", "offset", "step"))
     if min(epoch, offset, step) < 0:
         raise ValueError(f"negative epoch/offset/step in state {state}")
-    return epoch, offset, step
+    return spec, epoch, offset, step
 
 
 def no_epochs() -> TypeError:

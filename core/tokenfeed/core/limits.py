@@ -17,3 +17,7 @@ MAX_PARAM = 1 << 40
 MAX_SEED = (1 << 64) - 1
 # Sources of a mixture: each costs work in every round (its counts, its passes).
 MAX_SOURCES = 1 << 12
+# The largest request a feeder accepts (its gRPC receive limit); responses are bounded by
+# --max-batch-bytes. A mixture's run-time segments are what can grow a request: a client
+# refuses a change that would take its request past this.
+MAX_REQUEST_BYTES = 1 << 20

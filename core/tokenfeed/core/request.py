@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
@@ -34,7 +35,7 @@ from typing import Any
 
 from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.core.limits import MAX_PARAM, MAX_SEED
-from tokenfeed.core.mixture import Mixture
+from tokenfeed.core.mixture import Mixture, RuntimeSegments
 from tokenfeed.core.mixture.files import load_mixture
 from tokenfeed.v1 import feeder_pb2 as pb
 
@@ -69,8 +70,13 @@ def parse_shift(value: int | str) -> int | str:
         ) from None
 
 
-_MIXTURES: dict[Any, Mixture] = {}  # built mixtures by their exact request (a stream
-# open builds one: ~35 ms at 16 sources x 100 segments)
+# Built mixtures by their exact request, the latest few of each (sources, schedule,
+# seq_len) with their own run-time segments: a stream open builds one (~35 ms at 16
+# sources x 100 segments), and one more run-time segment extends the one built for the
+# request before (Mixture.with_runtime) instead of starting over.
+_MIXTURES: dict[Any, list[Mixture]] = {}
+_MIXTURES_LOCK = threading.Lock()
+_KEYS, _PER_KEY = 64, 8
 
 
 def _plain(weights: Any) -> bool:
@@ -83,23 +89,42 @@ def _plain(weights: Any) -> bool:
     )
 
 
-def _mixture(sources: Any, schedule: Any, seq_len: int) -> Mixture:
-    """Mixture(sources, schedule, seq_len), remembered for requests in the wire's plain
-    form (tuples of (name, float); other spellings are built each time)."""
+def _mixture(sources: Any, schedule: Any, runtime: bytes, seq_len: int) -> Mixture:
+    """Mixture(sources, schedule, seq_len, runtime), remembered under the wire's plain
+    form of its request (tuples of (name, float)), which is how a SamplingSpec holds it
+    once checked: a request in another spelling is built, then remembered so."""
     plain = _plain(sources) and all(
         isinstance(seg, tuple) and len(seg) == 2 and type(seg[0]) is int and _plain(seg[1])
         for seg in (schedule if isinstance(schedule, tuple) else [None])
     )
     if not plain:
-        return Mixture(sources, schedule, seq_len=seq_len)
+        mix = Mixture(sources, schedule, seq_len=seq_len, runtime=runtime)
+        sources = mix.weights(0)
+        schedule = tuple((s.from_tokens, mix.weights(j)) for j, s in enumerate(mix.declared) if j)
+        _remember((sources, schedule, seq_len), mix)
+        return mix
     cache_key = (sources, schedule, seq_len)
-    mix = _MIXTURES.get(cache_key)
-    if mix is None:
-        mix = Mixture(sources, schedule, seq_len=seq_len)
-        if len(_MIXTURES) >= 64:
-            _MIXTURES.clear()
-        _MIXTURES[cache_key] = mix
+    with _MIXTURES_LOCK:
+        built = list(_MIXTURES.get(cache_key, ()))
+    for mix in reversed(built):
+        if mix.runtime.data == runtime:
+            return mix
+    if built:  # extend the one that shares the most run-time segments with this request
+        rt = RuntimeSegments(len(sources), runtime)
+        mix = max(reversed(built), key=lambda m: m.runtime.common_prefix(rt)).with_runtime(rt)
+    else:
+        mix = Mixture(sources, schedule, seq_len=seq_len, runtime=runtime)
+    _remember(cache_key, mix)
     return mix
+
+
+def _remember(cache_key: Any, mix: Mixture) -> None:
+    with _MIXTURES_LOCK:
+        if cache_key not in _MIXTURES and len(_MIXTURES) >= _KEYS:
+            _MIXTURES.clear()
+        kept = _MIXTURES.setdefault(cache_key, [])
+        kept.append(mix)
+        del kept[:-_PER_KEY]
 
 
 Weights = tuple[tuple[str, float], ...]
@@ -139,10 +164,13 @@ class SamplingSpec:
     sources: Weights = ()
     # Later weights: (from_tokens, weights) or {"from_tokens": N, "weights": {...}}.
     schedule: Schedule = ()
+    # Segments added while the run streams, merged with the schedule: RuntimeSegments'
+    # bytes (docs/mixtures.md, "Run-time weights"; the wire's runtime_segments).
+    runtime: bytes = field(default=b"", repr=False)
     _mixture: Mixture | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.sources or self.schedule:
+        if self.sources or self.schedule or self.runtime:
             self._check_mixture()
         elif not isinstance(self.dataset, str) or not self.dataset:
             raise InvalidArgument(
@@ -184,9 +212,8 @@ class SamplingSpec:
     def _check_mixture(self) -> None:
         """Normalize and validate the mixture fields (errors name the field)."""
         if not self.sources:
-            raise InvalidArgument(
-                "schedule: a schedule needs a mixture (sources)", field="schedule"
-            )
+            what = "schedule" if self.schedule else "runtime_segments"
+            raise InvalidArgument(f"{what}: a {what} needs a mixture (sources)", field=what)
         if self.dataset:
             raise InvalidArgument(
                 f"dataset: dataset ({self.dataset!r}) and a mixture (sources) are mutually "
@@ -202,13 +229,18 @@ class SamplingSpec:
         seq_len = self.seq_len
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             _int("seq_len", seq_len, 1, MAX_PARAM)
-        mix = _mixture(self.sources, self.schedule, min(seq_len, MAX_PARAM))
+        if not isinstance(self.runtime, bytes):
+            raise InvalidArgument(
+                f"runtime_segments: must be bytes, got {type(self.runtime).__name__}",
+                field="runtime_segments",
+            )
+        mix = _mixture(self.sources, self.schedule, self.runtime, min(seq_len, MAX_PARAM))
         object.__setattr__(self, "dataset", "")
         object.__setattr__(self, "sources", mix.weights(0))
         object.__setattr__(
             self,
             "schedule",
-            tuple((tok, mix.weights(j)) for j, (tok, _) in enumerate(mix.segments) if j),
+            tuple((s.from_tokens, mix.weights(j)) for j, s in enumerate(mix.declared) if j),
         )
         object.__setattr__(self, "_mixture", mix)
 
@@ -255,9 +287,9 @@ class SamplingSpec:
         """Hash of what defines the order. World size and batch size are left out:
         the order does not depend on them, so a resume may change them. A mixture's
         schedule is left out too (a resume may extend it: `resume_problem` checks it);
-        its sources and their base weights are in."""
+        its sources and their base weights are in; run-time segments are not."""
         doc = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
-        del doc["world_size"], doc["batch_size"], doc["schedule"]
+        del doc["world_size"], doc["batch_size"], doc["schedule"], doc["runtime"]
         if not self.sources:
             del doc["sources"]  # single-dataset fingerprints are what they were
         else:
@@ -266,10 +298,12 @@ class SamplingSpec:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def mixture_state(self) -> dict[str, Any]:
-        """The mixture as plain JSON (saved in a client's state dict)."""
+        """The mixture as plain JSON (saved in a client's state dict): the declared
+        sources and schedule, and the run-time segments (RuntimeSegments.to_state)."""
         return {
             "sources": [[n, w] for n, w in self.sources],
             "schedule": [[tok, [[n, w] for n, w in ws]] for tok, ws in self.schedule],
+            "runtime": self.mixture.runtime.to_state(),
         }
 
     def resume_problem(self, saved: Mapping[str, Any], offset: int) -> str | None:
@@ -346,6 +380,8 @@ class SamplingSpec:
             seg = p.schedule.add(from_tokens=tok)
             for name, weight in weights:
                 seg.weights.add(name=name, weight=weight)
+        if self.runtime:
+            p.runtime_segments = self.runtime
         return p
 
     @classmethod
@@ -371,12 +407,13 @@ class SamplingSpec:
             shuffle_blocks=int(p.shuffle_blocks),
             world_size=int(p.world_size) or 1,
         )
-        if len(p.sources) or len(p.schedule):
+        if len(p.sources) or len(p.schedule) or p.runtime_segments:
             fields["sources"] = tuple((s.name, s.weight) for s in p.sources)
             fields["schedule"] = tuple(
                 (int(seg.from_tokens), tuple((w.name, w.weight) for w in seg.weights))
                 for seg in p.schedule
             )
+            fields["runtime"] = p.runtime_segments
         return cls(**(fields | overrides))
 
     # ----------------------------------------------------------- command line

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("dataset", "split", "split_rate", "seq_len", "stride", "batch_size", "shift", "auto_shift", "seed", "shuffle", "shuffle_blocks", "world_size", "sources", "schedule")
+    __slots__ = ("dataset", "split", "split_rate", "seq_len", "stride", "batch_size", "shift", "auto_shift", "seed", "shuffle", "shuffle_blocks", "world_size", "sources", "schedule", "runtime_segments")
     DATASET_FIELD_NUMBER: _ClassVar[int]
     SPLIT_FIELD_NUMBER: _ClassVar[int]
     SPLIT_RATE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class SamplingParams(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     dataset: str
     split: str
     split_rate: float
@@ -36,7 +37,8 @@ class SamplingParams(_message.Message):
     world_size: int
     sources: _containers.RepeatedCompositeFieldContainer[MixtureWeight]
     schedule: _containers.RepeatedCompositeFieldContainer[MixtureSegment]
-    def __init__(self, dataset: _Optional[str] = ..., split: _Optional[str] = ..., split_rate: _Optional[float] = ..., seq_len: _Optional[int] = ..., stride: _Optional[int] = ..., batch_size: _Optional[int] = ..., shift: _Optional[int] = ..., auto_shift: _Optional[bool] = ..., seed: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_blocks: _Optional[int] = ..., world_size: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixtureWeight, _Mapping]]] = ..., schedule: _Optional[_Iterable[_Union[MixtureSegment, _Mapping]]] = ...) -> None: ...
+    runtime_segments: bytes
+    def __init__(self, dataset: _Optional[str] = ..., split: _Optional[str] = ..., split_rate: _Optional[float] = ..., seq_len: _Optional[int] = ..., stride: _Optional[int] = ..., batch_size: _Optional[int] = ..., shift: _Optional[int] = ..., auto_shift: _Optional[bool] = ..., seed: _Optional[int] = ..., shuffle: _Optional[bool] = ..., shuffle_blocks: _Optional[int] = ..., world_size: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[MixtureWeight, _Mapping]]] = ..., schedule: _Optional[_Iterable[_Union[MixtureSegment, _Mapping]]] = ..., runtime_segments: _Optional[bytes] = ...) -> None: ...
 
 class MixtureWeight(_message.Message):
     __slots__ = ("name", "weight")

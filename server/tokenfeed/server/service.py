@@ -285,7 +285,7 @@ class FeederService:
         resp = pb.InfoResponse()
         for ds, b, tokens in zip(sources, budget.sources, sampler.train_tokens, strict=True):
             info = _describe(resp, ds)
-            one = spec.with_(sources=(), schedule=(), dataset=ds.name)
+            one = spec.with_(sources=(), schedule=(), runtime=b"", dataset=ds.name)
             for split in SPLITS:
                 info.splits.append(self._split_info(one.with_(split=split), ds, request.rank))
             resp.sources.add(

@@ -3,6 +3,8 @@
 docs/mixtures.md is the contract; each module owns one part of it:
 
     spec           sources and schedule -> exact, validated weight segments
+    runtime        segments added while a run streams: their bytes, the merge rule, the
+                   position of a step
     apportionment  which source each position takes: c(p) in closed form, never O(p)
     budget         what a run of N tokens draws from each source
     mixture        `Mixture`: spec, apportionment and budget in one object
@@ -21,6 +23,7 @@ from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
 from tokenfeed.core.mixture.budget import Budget, SourceBudget
 from tokenfeed.core.mixture.mixture import Mixture
 from tokenfeed.core.mixture.passes import PassOrders, source_seed, split_passes
+from tokenfeed.core.mixture.runtime import RuntimeSegments, merge, step_position
 from tokenfeed.core.mixture.spec import normalize, parse_weight
 from tokenfeed.core.mixture.steps import MixtureRound, step_key, step_keys
 
@@ -31,11 +34,14 @@ __all__ = [
     "Mixture",
     "MixtureRound",
     "PassOrders",
+    "RuntimeSegments",
     "SourceBudget",
+    "merge",
     "normalize",
     "parse_weight",
     "source_seed",
     "split_passes",
     "step_key",
     "step_keys",
+    "step_position",
 ]

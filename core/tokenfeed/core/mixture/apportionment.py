@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -81,6 +81,7 @@ class _Kept:
     Q: int  # S(P - 1): first position whose item is due in this segment
     Tn: tuple[int, ...]  # t_i(P) = Tn[i] / den
     den: int
+    first: tuple[int | None, ...]  # each source's first position with a positive weight, so far
 
     @property
     def G(self) -> int:
@@ -95,37 +96,71 @@ class Apportionment:
     """The closed form of a mixture's segments: counts c(p), due order, targets.
 
     `segments` in order (segment 0 from token 0), each source's shares `a / D`;
-    `seq_len` turns their from_tokens into positions.
+    `seq_len` turns their from_tokens into positions. `extending`, an Apportionment
+    (same seq_len) whose first `common` segments are those of `segments`, lends its
+    work on them: a segment appended to a long schedule costs O(sources), not
+    O(segments) (run-time weights, runtime.py).
     """
 
-    def __init__(self, segments: Sequence[Segment], seq_len: int) -> None:
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        seq_len: int,
+        *,
+        extending: Apportionment | None = None,
+        common: int = 0,
+    ) -> None:
         self.segments = tuple(segments)
         self.seq_len = seq_len
         self.k = len(self.segments[0].a)
-        self._build()
+        # each kept segment's kernel parameters, made when a call first needs them
+        self._prm: dict[int, tuple[dict[str, Any], str]] = {}
+        # the kept segments, and their index in `segments`, first position P and first
+        # position Q of their items (lists for bisect, arrays for searchsorted)
+        self._segs: list[_Kept]
+        self._index: list[int]
+        self._P: list[int]
+        self._Q: list[int]
+        self._P_np: np.ndarray
+        self._Q_np: np.ndarray
+        self._build(extending, common)
 
-    def _build(self) -> None:
+    def _build(self, extending: Apportionment | None, common: int) -> None:
         """Per segment that owns positions, the exact integers of the closed form (module
-        docstring).
+        docstring): a fold over the segments, resumed after the last kept segment that
+        `extending` computed with the same segments up to the one after it.
 
         t_i(P) is kept as an integer numerator over a running common denominator
         (Fractions cost ~20x more here, and a stream open builds this)."""
-        k, L = self.k, self.seq_len
-        starts = [-(-s.from_tokens // L) for s in self.segments]  # first position of each
-        kept = [j for j in range(len(starts)) if j + 1 == len(starts) or starts[j + 1] > starts[j]]
-        segs: list[_Kept] = []
+        k, L, segments = self.k, self.seq_len, self.segments
+        reuse = 0  # kept segments taken as they are: whether segment j owns a position
+        # depends on segment j + 1, so those before segment common - 1 stay valid
+        if extending is not None and common > 1:
+            reuse = bisect_left(extending._index, common - 1)
         Tn, den = [0] * k, 1  # t_i(P) = Tn[i] / den
         first: list[int | None] = [None] * k  # first position with positive weight
         prev: tuple[tuple[int, ...], int] | None = None
-        prev_P = 0
-        for j in kept:
-            P = starts[j]
+        prev_P, j0 = 0, 0
+        if reuse:
+            assert extending is not None
+            last = extending._segs[reuse - 1]
+            Tn, den, first = list(last.Tn), last.den, list(last.first)
+            prev, prev_P, j0 = (last.a, last.D), last.P, last.index + 1
+        new: list[_Kept] = []
+        n = len(segments)
+        P_next = -(-segments[j0].from_tokens // L)
+        for j in range(j0, n):
+            P = P_next
+            if j + 1 < n:
+                P_next = -(-segments[j + 1].from_tokens // L)
+                if P_next <= P:
+                    continue  # owns no position: the next segment starts there too
             if prev is not None:
                 pa, pD = prev
                 new_den = math.lcm(den, pD)
                 up, add = new_den // den, (new_den // pD) * (P - prev_P)
                 Tn, den = [t * up + x * add for t, x in zip(Tn, pa, strict=True)], new_den
-            a, D = self.segments[j].a, self.segments[j].D
+            a, D = segments[j].a, segments[j].D
             for i in range(k):
                 if first[i] is None and a[i] > 0:
                     first[i] = P
@@ -143,45 +178,50 @@ class Apportionment:
                 ]
             N_at = [f + int(s) for f, s in zip(F, started_at, strict=True)]
             h = [x - y for x, y in zip(N_at, NB, strict=True)]
-            segs.append(
-                _Kept(j, P, D, tuple(a), tuple(g), tuple(h), tuple(NB), sum(NB), tuple(Tn), den)
+            new.append(
+                _Kept(
+                    j,
+                    P,
+                    D,
+                    tuple(a),
+                    tuple(g),
+                    tuple(h),
+                    tuple(NB),
+                    sum(NB),
+                    tuple(Tn),
+                    den,
+                    tuple(first),
+                )
             )
             prev, prev_P = (a, D), P
-        self._segs = segs
-        self._P = [s.P for s in segs]
-        self._Q = [s.Q for s in segs]
-        m = len(segs)
-        self._Q_np = np.array(self._Q, dtype=np.int64)
-        self._P_np = np.array(self._P, dtype=np.int64)
-        self._fast = np.array([s.D <= _FAST_D for s in segs])
-        # Tables for the vectorized kernels; int64 where a segment is fast, and the same
-        # values as Python ints (object) for every segment.
-        self._tables: dict[str, dict[str, np.ndarray]] = {}
-        obj = {
-            "a": np.array([list(s.a) for s in segs], dtype=object).reshape(m, k),
-            "g": np.array([list(s.g) for s in segs], dtype=object).reshape(m, k),
-            "h": np.array([list(s.h) for s in segs], dtype=np.int64).reshape(m, k),
-            "NB": np.array([list(s.NB) for s in segs], dtype=np.int64).reshape(m, k),
-            "D": np.array([s.D for s in segs], dtype=object),
-            "H": np.array([s.H for s in segs], dtype=np.int64),
-        }
-        fast = {}
-        for field_name, arr in obj.items():
-            if arr.dtype == object:
-                masked = arr.copy()
-                masked[~self._fast] = 1 if field_name == "D" else 0
-                fast[field_name] = masked.astype(np.int64)
-            else:
-                fast[field_name] = arr
-        self._tables = {"fast": fast, "object": obj}
-        self._GD = np.array([s.G // s.D for s in segs], dtype=np.int64)  # < k
+        if extending is not None and reuse:
+            old = extending
+            self._segs = old._segs[:reuse] + new
+            self._index = old._index[:reuse] + [s.index for s in new]
+            self._P = old._P[:reuse] + [s.P for s in new]
+            self._Q = old._Q[:reuse] + [s.Q for s in new]
+            tail = np.array([[s.P, s.Q] for s in new], dtype=np.int64).reshape(-1, 2)
+            self._P_np = np.concatenate([old._P_np[:reuse], tail[:, 0]])
+            self._Q_np = np.concatenate([old._Q_np[:reuse], tail[:, 1]])
+        else:
+            self._segs = new
+            self._index = [s.index for s in new]
+            self._P = [s.P for s in new]
+            self._Q = [s.Q for s in new]
+            self._P_np = np.array(self._P, dtype=np.int64)
+            self._Q_np = np.array(self._Q, dtype=np.int64)
         log.debug(
-            "mixture of %d sources, %d segments (%d kept), D max %d",
+            "mixture of %d sources, %d segments (%d kept, %d computed)",
             k,
-            len(self.segments),
-            m,
-            max(s.D for s in segs),
+            n,
+            len(self._segs),
+            len(new),
         )
+
+    @property
+    def _fast(self) -> np.ndarray:
+        """Per kept segment: True where its kernels run in int64 (D <= 2**31)."""
+        return np.array([s.D <= _FAST_D for s in self._segs], dtype=bool)
 
     # ................................................................. exact, scalar
 
@@ -248,23 +288,33 @@ class Apportionment:
     # ........................................................... vectorized kernels
 
     def _params(self, j: int) -> tuple[dict[str, Any], str]:
-        """Segment j's parameters as [1, k] arrays and scalars, and the kernel mode:
+        """Kept segment j's parameters as [1, k] arrays and scalars, and the kernel mode:
         "fast" (int64, D <= 2**31) or "anchored" (a large D: floats near an exact
-        anchor, fixed up exactly wherever the float is ambiguous)."""
-        fast = bool(self._fast[j])
-        t = self._tables["fast" if fast else "object"]
-        return {
-            "a": t["a"][j][None, :],
-            "g": t["g"][j][None, :],
-            "h": t["h"][j][None, :],
-            "NB": t["NB"][j][None, :],
-            "D": t["D"][j],
-            "GD": int(self._GD[j]),
-            "H": int(t["H"][j]),
-            "P": int(self._P_np[j]),
-            "Q": int(self._Q_np[j]),
+        anchor, fixed up exactly wherever the float is ambiguous). Made when first asked
+        for: a stream touches the few segments around its position, whatever their number."""
+        made = self._prm.get(j)
+        if made is not None:
+            return made
+        s = self._segs[j]
+        fast = s.D <= _FAST_D
+        exact = np.int64 if fast else object  # a and g: Python ints when D is large
+        prm = {
+            "a": np.array([list(s.a)], dtype=exact),
+            "g": np.array([list(s.g)], dtype=exact),
+            "h": np.array([s.h], dtype=np.int64),
+            "NB": np.array([s.NB], dtype=np.int64),
+            "D": s.D,
+            "GD": s.G // s.D,
+            "H": s.H,
+            "P": s.P,
+            "Q": s.Q,
             "seg": j,
-        }, "fast" if fast else "anchored"
+        }
+        made = prm, "fast" if fast else "anchored"
+        if len(self._prm) >= 256:  # bounded: a long stream moves on through the segments
+            self._prm.clear()
+        self._prm[j] = made
+        return made
 
     def _floors(
         self, prm: dict[str, Any], mode: str, d_min: int, d_max: int

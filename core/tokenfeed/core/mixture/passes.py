@@ -214,8 +214,9 @@ class PassOrders:
         """Where each element's pass (`pairs[pid]`) puts its source's short (last) block."""
         missing = [p for p in pairs if p not in self._passes]
         if missing:
-            if len(self._passes) > self._CACHE:
-                self._passes.clear()
+            if len(self._passes) + len(missing) > self._CACHE:
+                self._passes.clear()  # all of this call's passes are made again below
+                missing = pairs
             i = np.array([p[0] for p in missing], dtype=np.int64)
             e = np.array([p[1] for p in missing], dtype=np.int64)
             nb = self.nb[i]

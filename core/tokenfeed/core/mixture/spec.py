@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -63,14 +64,22 @@ def parse_weight(value: Any, field: str) -> Fraction:
         raise InvalidArgument.at(field, f"must be a finite number, got {value!r}")
     if f < 0:
         raise InvalidArgument.at(field, f"must be >= 0, got {value!r}")
+    return _decimal(f)
+
+
+@lru_cache(maxsize=1 << 16)
+def _decimal(f: float) -> Fraction:
+    """The shortest decimal that round-trips `f`, exactly. Cached: parsing it costs
+    microseconds, and weights repeat (a policy's are a few decimals each)."""
     return Fraction(repr(f))
 
 
 def normalize(weights: Sequence[Fraction]) -> tuple[tuple[int, ...], int]:
     """Exact weights -> integers a_i and D with a_i / D = w_i / sum(w) in lowest common
     terms (D is the least common denominator of the shares; sum of a = D)."""
-    common = math.lcm(*(Fraction(w).denominator for w in weights))
-    m = [int(w * common) for w in weights]
+    exact = [Fraction(w) for w in weights]
+    common = math.lcm(*(w.denominator for w in exact))
+    m = [w.numerator * (common // w.denominator) for w in exact]
     total = sum(m)
     if total == 0:
         raise ValueError("all weights are 0")
@@ -123,7 +132,14 @@ def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segm
     return tuple(names), segments
 
 
-def _weights(names: list[str], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
+def segment_weights(names: Sequence[str], weights: Any, field: str) -> list[Fraction]:
+    """A segment's weights (a mapping name -> weight or (name, weight) pairs, naming
+    every source once) -> its exact weights in source order; InvalidArgument naming
+    `field` otherwise."""
+    return _weights(names, _pairs(weights, field), field)
+
+
+def _weights(names: Sequence[str], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
     """A segment's (name, weight) pairs -> its exact weights in source order."""
     by_name: dict[str, Fraction] = {}
     for n, (name, value) in enumerate(pairs):
@@ -133,7 +149,7 @@ def _weights(names: list[str], pairs: list[tuple[Any, Any]], field: str) -> list
             raise InvalidArgument.at(f"{field}[{name!r}]", f"duplicate source {name!r}")
         if name not in names:
             raise InvalidArgument.at(
-                f"{field}[{name!r}]", f"{name!r} is not a source of the mixture {names}"
+                f"{field}[{name!r}]", f"{name!r} is not a source of the mixture {list(names)}"
             )
         by_name[name] = parse_weight(value, f"{field}[{name!r}]")
     missing = [x for x in names if x not in by_name]

@@ -42,6 +42,11 @@ from tokenfeed.core.mixture.mixture import Mixture
 # sources' passes) and larger rounds amortise them (~25 % per batch at 16 sources;
 # benchmarks/sampling_cost.py).
 MIXTURE_ROUND_POSITIONS = 16384
+# Positions of a rank in a stream's first round. A round's cost is mostly fixed (~0.5 ms
+# of numpy calls up to a few thousand positions), so a first round this large costs
+# the first batch little, and a stream re-opened often (run-time weight changes: every
+# change opens one) makes a few rounds instead of doubling up from one step.
+FIRST_ROUND_POSITIONS = 1024
 # step_rows_py finds a slot's source by counting (k - 1 compares per slot) up to this
 # many sources, by a binary search of every step's starts (~log2(steps * k) probes) above
 _COUNT_SOURCES = 32
@@ -198,9 +203,9 @@ def rounds(
     shuffle: bool = False,
     max_steps: int | None = None,
 ) -> Iterator[MixtureRound]:
-    """`rank`'s batches of `mix` from `offset` on, in rounds of consecutive steps (like a
-    dataset's: a round starts at one step and doubles up to MIXTURE_ROUND_POSITIONS
-    positions of this rank). Endless unless `max_steps` is given."""
+    """`rank`'s batches of `mix` from `offset` on, in rounds of consecutive steps (the
+    first of FIRST_ROUND_POSITIONS positions of this rank, or one step, then doubling
+    up to MIXTURE_ROUND_POSITIONS). Endless unless `max_steps` is given."""
     steps_at = partial(
         rank_steps,
         mix,
@@ -213,7 +218,7 @@ def rounds(
     steps_at(offset, 0)  # the layout's errors, before any round
     B, gb = int(batch_size), int(batch_size) * int(world_size)
     max_round = max(1, MIXTURE_ROUND_POSITIONS // B)
-    n, o, done = 1, int(offset), 0
+    n, o, done = max(1, FIRST_ROUND_POSITIONS // B), int(offset), 0
     while max_steps is None or done < max_steps:
         n = min(n, max_round)
         if max_steps is not None:
