@@ -182,29 +182,27 @@ class Epochs:
         """Reader thread: a Batch message -> what the loop takes from the queue: (the
         batch dict, the loop's offset and step after it, the device copy to wait for
         or None, whether to open the next epoch's stream now)."""
+        arr = batch_array(msg)
+        if self._stager is None:
+            docs = (
+                None
+                if not (self.documents or self.mask_cross_document_labels)
+                else document_arrays(
+                    msg,
+                    arr,
+                    self.seq_len,
+                    self.documents,
+                    self.mask_cross_document_labels,
+                    self.layout,
+                )
+            )
+            inputs, labels = views(arr, self.seq_len, msg.shift, self.layout)
+            pending = None
+        else:  # first: on CUDA it sets this thread's device before anything frees tensors
+            inputs, labels, docs, pending = self._stager.stage(msg, arr)
         spent = self._spent
         while len(spent) > 1:  # not the newest: the loop may still hold it (see next)
             spent.popleft()
-        arr = batch_array(msg)
-        docs = (
-            None
-            if not (self.documents or self.mask_cross_document_labels)
-            else document_arrays(
-                msg,
-                arr,
-                self.seq_len,
-                self.documents,
-                self.mask_cross_document_labels,
-                self.layout,
-            )
-        )
-        if self._stager is None:
-            inputs, labels = views(arr, self.seq_len, msg.shift, self.layout)
-            pending = None
-        else:
-            inputs, labels, docs, pending = self._stager.stage_views(
-                arr, self.seq_len, msg.shift, self.layout, docs
-            )
         self.metrics.received(msg.rows * self.seq_len, arr.nbytes)
         batch = {
             "input_ids": inputs,

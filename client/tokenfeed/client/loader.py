@@ -215,10 +215,15 @@ class FeederClient:
             self.metrics.serve(options.metrics_port, options.metrics_addr)
         stager: Any = None
         if self.device is not None:
-            from tokenfeed.client.device import TorchStager  # imports torch
+            from tokenfeed.client.device import make_stager  # imports torch
 
-            # Slots: the queue's, the loop's current batch, and the one being received.
-            stager = TorchStager(self.device, self.prefetch + 2)
+            stager = make_stager(
+                self.device,
+                self.seq_len,
+                self.layout,
+                self.documents,
+                self.mask_cross_document_labels,
+            )
         self._info: DatasetInfo | None = None
         self._reconnects = 0
         self._position = Position(spec, self.rank)
