@@ -16,6 +16,7 @@ copy was issued. It records every breach of the rules in `violations`:
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from typing import Any
@@ -60,6 +61,10 @@ class LateCopies:
     # -------------------------------------------------------- pinned.Device
     def enter_thread(self) -> None:
         self._entered.add(threading.get_ident())
+
+    def side(self) -> contextlib.nullcontext[None]:
+        self._check_thread("side")
+        return contextlib.nullcontext()
 
     def pinned(self, nbytes: int) -> Any:
         self._check_thread("pinned")

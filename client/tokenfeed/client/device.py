@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -204,10 +205,12 @@ class CudaDevice:
         self.stream = torch.cuda.Stream(device)
 
     def enter_thread(self) -> None:
-        # The thread's device first (a new thread starts on device 0, and would create
-        # a context there), then its current stream: all its work is the side stream's.
+        # A new thread starts on device 0: anything it did there (leaving a stream
+        # context restores that device's stream) would create a context on GPU 0.
         self.torch.cuda.set_device(self.device)
-        self.torch.cuda.set_stream(self.stream)
+
+    def side(self) -> AbstractContextManager[Any]:
+        return self.torch.cuda.stream(self.stream)
 
     def pinned(self, nbytes: int) -> Any:
         return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)

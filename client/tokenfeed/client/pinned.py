@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -56,6 +57,10 @@ class Device(Protocol):
     def enter_thread(self) -> None:
         """Called once in every thread, before it touches the device."""
 
+    def side(self) -> AbstractContextManager[Any]:
+        """The side stream as the thread's current stream, for the duration: the
+        copy and the work on it are ordered on it, apart from the loop's stream."""
+
     def pinned(self, nbytes: int) -> Any:
         """A host staging buffer: a uint8 tensor of `nbytes`."""
 
@@ -63,8 +68,8 @@ class Device(Protocol):
         """A new event: record() via `record`, query(), synchronize()."""
 
     def upload(self, host: Any) -> Any:
-        """A non-blocking copy of the uint8 tensor `host` to the device, ordered on
-        the side stream: the current stream of every thread that entered."""
+        """A non-blocking copy of the uint8 tensor `host` to the device (within
+        `side`)."""
 
     def record(self, event: Any) -> None:
         """Record `event` on the side stream, after everything issued so far."""
@@ -115,23 +120,24 @@ class PinnedStager:
         parts = self._parts(arr, seqs)
         offsets, total = _layout(parts)
         slot = self.ring.acquire(total)
-        uploaded = False
-        try:
-            dev = self._upload(slot, parts, offsets, total)
-            uploaded = True
-        finally:
-            self.ring.release(slot, in_flight=uploaded)
-        on_device = {
-            name: dev[at : at + part.nbytes].view(self._dtype(part.dtype))
-            for (name, part), at in zip(parts.items(), offsets, strict=True)
-        }
-        inputs, labels, docs, tensors = self._build(arr, on_device, seqs)
-        tensors.append(dev)  # cu_seqlens is a view of the uploaded bytes
-        try:
-            event = self._events.pop()
-        except IndexError:
-            event = self.device.event()
-        self.device.record(event)
+        with self.device.side():
+            uploaded = False
+            try:
+                dev = self._upload(slot, parts, offsets, total)
+                uploaded = True
+            finally:
+                self.ring.release(slot, in_flight=uploaded)
+            on_device = {
+                name: dev[at : at + part.nbytes].view(self._dtype(part.dtype))
+                for (name, part), at in zip(parts.items(), offsets, strict=True)
+            }
+            inputs, labels, docs, tensors = self._build(arr, on_device, seqs)
+            tensors.append(dev)  # cu_seqlens is a view of the uploaded bytes
+            try:
+                event = self._events.pop()
+            except IndexError:
+                event = self.device.event()
+            self.device.record(event)
         return inputs, labels, docs, (tensors, event)
 
     def _parts(self, arr: np.ndarray, seqs: documents.Sequences | None) -> dict[str, np.ndarray]:
