@@ -52,8 +52,9 @@ from tokenfeed.v1 import feeder_pb2
 class FeederClient:
     """Streams this rank's batches from a feeder; see the module docstring.
 
-    Batches are dicts: `input_ids`, `labels` (numpy views of one buffer when
-    `device` is None, else int64 tensors on the device), `shift`, `epoch`, `step`,
+    Batches are dicts: `input_ids`, `labels` (read-only numpy views of one buffer
+    when `device` is None, else two independent contiguous int64 tensors on the
+    device; docs/client.md, "Devices and layouts"), `shift`, `epoch`, `step`,
     `offset` and `starts` (int64 numpy array: the store offset of each window); a
     mixture's also `sources` (int64 numpy array: each row's index into `sources`).
 
