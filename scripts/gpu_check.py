@@ -50,18 +50,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
 from tokenfeed.cli.process import serve_argv, stop, wait_for_port
 from tokenfeed.client import FeederClient
-from tokenfeed.client.buffers import batch_array, document_arrays, views
+from tokenfeed.client.buffers import NumpyStager, batch_array
 from tokenfeed.client.device import make_stager
 from tokenfeed.core import documents
+from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.store import write_store
-from tokenfeed.v1 import feeder_pb2
+from tokenfeed.v1 import feeder_pb2, feeder_pb2_grpc
 
-EOS = 65_535  # the store's EOS: the top of the uint16 range, widened right or not at all
 SEQ_LEN, BATCH = 256, 8
 OUTPUTS = documents.OUTPUTS
 
@@ -117,27 +118,11 @@ def _cycles_per_ms() -> float:
     return _CYCLES[0]
 
 
-def message(tokens: np.ndarray, shift: int) -> feeder_pb2.Batch:
-    """A Batch message of a [rows, seq_len + shift] token array, with its document ends."""
-    rows, cols = tokens.shape
-    return feeder_pb2.Batch(
-        shift=shift,
-        rows=rows,
-        cols=cols,
-        dtype=str(tokens.dtype),
-        tokens=tokens.tobytes(),
-        document_ends=documents.ends_to_bytes(documents.eos_ends(tokens, EOS)),
-    )
-
-
-def expected(msg: feeder_pb2.Batch, layout: str = "flat", docs: bool = True) -> dict[str, Any]:
-    """The batch as the numpy path makes it: what every staged batch must equal."""
-    arr = batch_array(msg)
-    out: dict[str, Any] = document_arrays(msg, arr, SEQ_LEN, OUTPUTS, True, layout) if docs else {}
-    inputs, labels = views(arr.astype(np.int64), SEQ_LEN, msg.shift, layout)
-    out["input_ids"] = inputs
-    out.setdefault("labels", labels)
-    return out
+def expected(msg: feeder_pb2.Batch, layout: str = "flat") -> dict[str, Any]:
+    """The batch as the numpy path makes it (ids widened): what a staged one must equal."""
+    numpy = NumpyStager(SEQ_LEN, layout, OUTPUTS, True)
+    inputs, labels, docs, _ = numpy.stage(msg, batch_array(msg))
+    return {"input_ids": inputs.astype(np.int64), "labels": labels, **(docs or {})}
 
 
 def same(batch: dict[str, Any], want: dict[str, Any]) -> str | None:
@@ -157,15 +142,36 @@ def same(batch: dict[str, Any], want: dict[str, Any]) -> str | None:
     return None
 
 
-def random_batch(
-    rng: np.random.Generator, dtype: str, shift: int, rows: int = BATCH, seq_len: int = SEQ_LEN
-) -> feeder_pb2.Batch:
-    high = int(np.iinfo(np.dtype(dtype)).max)
-    tokens = rng.integers(0, high, size=(rows, seq_len + shift), endpoint=True).astype(dtype)
-    edges = [e for e in (0, 1, 2**15 - 1, 2**15, 2**16 - 1, 2**31 - 1, 2**31, high) if e <= high]
-    tokens.flat[: len(edges)] = edges  # where a signed reading would go wrong
-    tokens[rng.random(tokens.shape) < 0.01] = EOS
-    return message(tokens, shift)
+def messages(
+    rig: Rig,
+    dataset: str,
+    shift: int,
+    count: int,
+    rows: int = BATCH,
+    seq_len: int = SEQ_LEN,
+    seed: int | None = None,
+) -> list[feeder_pb2.Batch]:
+    """Up to `count` Batch messages of `dataset` as the feeder sends them, document ends
+    included: from the epoch's first step (its first window holds the store's edge
+    ids), or shuffled by `seed`."""
+    spec = SamplingSpec(
+        dataset=dataset,
+        seq_len=seq_len,
+        batch_size=rows,
+        shift=shift,
+        shuffle=seed is not None,
+        seed=seed or 0,
+    )
+    request = feeder_pb2.StreamBatchesRequest(
+        params=spec.to_proto(), batches_per_message=1, document_ends=True
+    )
+    out: list[feeder_pb2.Batch] = []
+    with grpc.insecure_channel(rig.address) as channel:
+        for response in feeder_pb2_grpc.FeederStub(channel).StreamBatches(request):
+            out.extend(response.batches)
+            if len(out) >= count:
+                break
+    return out[:count]
 
 
 def staged(stager: Any, msg: feeder_pb2.Batch) -> dict[str, Any]:
@@ -182,7 +188,7 @@ def staged(stager: Any, msg: feeder_pb2.Batch) -> dict[str, Any]:
 def check_ceiling(rig: Rig) -> tuple[str, str]:
     # A batch as large as a training step's: 16 x 2048 tokens.
     rows, seq_len = 16, 2048
-    msgs = [random_batch(np.random.default_rng(i), "uint16", 1, rows, seq_len) for i in range(8)]
+    msgs = messages(rig, "docs", 1, 8, rows, seq_len)
     nbytes = len(msgs[0].tokens)
     count = rig.n(2000)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=rig.cuda)
@@ -214,21 +220,20 @@ def check_ceiling(rig: Rig) -> tuple[str, str]:
 
 
 def check_ids(rig: Rig) -> tuple[str, str]:
-    rng = np.random.default_rng(0)
     n = 0
-    for dtype in ("uint16", "uint32"):
+    for dataset in ("docs", "wide"):  # uint16, uint32
         for shift in (1, 4):
+            first, *more = messages(rig, dataset, shift, 2)
             for layout in ("flat", "grouped"):
                 stager = make_stager(rig.device, SEQ_LEN, layout, OUTPUTS, True)
                 side = getattr(stager.device, "stream", None)
-                for late in (False, True):
-                    msg = random_batch(rng, dtype, shift)
+                for late, msg in ((False, first), (True, more[0])):
                     # Late: the side stream is busy, so the copy lands after ready();
                     # else the compute stream is: the copy runs beside it.
                     rig.busy(20, side if late else None)
                     bad = same(staged(stager, msg), expected(msg, layout))
                     if bad:
-                        return "FAIL", f"{dtype} shift {shift} {layout} late={late}: {bad}"
+                        return "FAIL", f"{dataset} shift {shift} {layout} late={late}: {bad}"
                     n += 1
     rig.sync()
     return "PASS", f"{n} batches, uint16 and uint32 over their full range, both layouts"
@@ -240,10 +245,11 @@ def check_readers(rig: Rig) -> tuple[str, str]:
     count = rig.n(300)
 
     def reader(k: int) -> None:
-        rng = np.random.default_rng(k)
         try:
+            # Each thread its own order of the epoch, two shifts taking turns.
+            batches = [messages(rig, "docs", shift, count, seed=k) for shift in (1, 4)]
             for i in range(count):
-                msg = random_batch(rng, "uint16", (1, 4)[(i + k) % 2])
+                msg = batches[i % 2][i % len(batches[i % 2])]
                 inputs, labels, docs, pending = stager.stage(msg, batch_array(msg))
                 out.put((msg, {"input_ids": inputs, "labels": labels, **(docs or {})}, pending))
         except Exception as e:
@@ -275,11 +281,11 @@ def check_readers(rig: Rig) -> tuple[str, str]:
 
 def check_loop(rig: Rig) -> tuple[str, str]:
     stager = make_stager(rig.device, SEQ_LEN, "flat", OUTPUTS, True)
-    rng = np.random.default_rng(7)
+    batches = [messages(rig, "docs", shift, 64, seed=7) for shift in (1, 2, 4)]
     kept: list[dict[str, Any]] = []
     count = rig.n(400)
     for step in range(count):
-        msg = random_batch(rng, "uint16", (1, 2, 4)[step % 3])
+        msg = batches[step % 3][step // 3 % 64]
         batch = staged(stager, msg)
         want = expected(msg)
         inputs = batch["input_ids"]
@@ -467,6 +473,28 @@ CHECKS: dict[str, Callable[[Rig], tuple[str, str]]] = {
 # ------------------------------------------------------------------------------ running
 
 
+def write_documents(path: Path, dtype: str, total: int) -> None:
+    """A store of documents of ~300 tokens, ids over the dtype's whole range, the top
+    one the EOS; the first window starts with the ids a signed reading would get wrong."""
+    top = int(np.iinfo(np.dtype(dtype)).max)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, top, size=total, endpoint=True, dtype=np.int64)
+    tokens[tokens == top] = 0
+    tokens[np.cumsum(rng.geometric(1 / 300, size=total // 100)) % total] = top
+    edges = [e for e in (0, 1, 2**15 - 1, 2**15, 2**16 - 1, 2**31 - 1, 2**31, top) if e <= top]
+    tokens[: len(edges)] = edges
+    write_store(
+        path,
+        tokens.astype(dtype),
+        dtype=dtype,
+        tokens_per_chunk=1 << 16,
+        eos_token_id=top,
+        vocab_size=top + 1,
+        tokenizer="synthetic",
+        source={"kind": "gpu_check"},
+    )
+
+
 @contextmanager
 def feeder(address: str | None) -> Iterator[str]:
     """`address`, or a feeder of its own on a fresh store of documents."""
@@ -475,19 +503,8 @@ def feeder(address: str | None) -> Iterator[str]:
         return
     with tempfile.TemporaryDirectory(prefix="tokenfeed-gpu-check-") as tmp:
         root = Path(tmp)
-        rng = np.random.default_rng(0)
-        tokens = rng.integers(0, EOS, size=400_000).astype(np.uint16)
-        tokens[np.cumsum(rng.geometric(1 / 300, size=4_000)) % len(tokens)] = EOS
-        write_store(
-            root / "docs",
-            tokens,
-            dtype="uint16",
-            tokens_per_chunk=1 << 16,
-            eos_token_id=EOS,
-            vocab_size=EOS + 1,
-            tokenizer="synthetic",
-            source={"kind": "gpu_check"},
-        )
+        write_documents(root / "docs", "uint16", 400_000)
+        write_documents(root / "wide", "uint32", 100_000)
         port_file = root / "port"
         proc = subprocess.Popen(
             serve_argv(root, port_file), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.client import FeederClient
-from tokenfeed.client.buffers import HostRing, batch_array, document_arrays, views
+from tokenfeed.client.buffers import HostRing, NumpyStager, batch_array
 from tokenfeed.client.device import resolve_device
 from tokenfeed.core import documents
 from tokenfeed.v1 import feeder_pb2
@@ -166,15 +166,11 @@ def _message(tokens: np.ndarray, shift: int, eos: int | None = None) -> feeder_p
 def _expected(
     msg: feeder_pb2.Batch, seq_len: int, layout: str, outputs: tuple[str, ...], mask: bool
 ) -> dict[str, Any]:
-    """The batch as the numpy path makes it, widened: the reference of every stager."""
-    arr = batch_array(msg)
-    out: dict[str, Any] = {}
-    if outputs or mask:
-        out = document_arrays(msg, arr, seq_len, outputs, mask, layout)
-    inputs, labels = views(arr.astype(np.int64), seq_len, msg.shift, layout)
-    out["input_ids"] = inputs
-    out.setdefault("labels", labels)
-    return out
+    """The batch as the numpy path makes it, widened: the reference of the torch
+    stagers (test_client_documents checks the numpy path against loop references)."""
+    numpy = NumpyStager(seq_len, layout, outputs, mask)
+    inputs, labels, docs, _ = numpy.stage(msg, batch_array(msg))
+    return {"input_ids": inputs.astype(np.int64), "labels": labels.astype(np.int64), **(docs or {})}
 
 
 def _assert_staged(staged: tuple[Any, Any, Any], want: dict[str, Any]) -> None:
@@ -264,17 +260,13 @@ def test_two_readers_through_the_ring_while_copies_finish_late() -> None:
                 loop.put((msg, stager.stage(msg, batch_array(msg))))
         except Exception as e:  # the loop re-raises it
             loop.put(e)
-        loop.put(None)
 
     readers = [threading.Thread(target=reader, args=(k,)) for k in range(2)]
     for t in readers:
         t.start()
-    events, ended = set(), 0
-    while ended < 2:
+    events = set()
+    for _ in range(2 * per_reader):
         item = loop.get(timeout=60)
-        if item is None:
-            ended += 1
-            continue
         if isinstance(item, Exception):
             raise item
         msg, (inputs, labels, docs, pending) = item

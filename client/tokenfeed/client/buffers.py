@@ -99,6 +99,40 @@ def views(buf: Any, seq_len: int, shift: int, layout: str = "flat") -> tuple[Any
     return inputs, labels
 
 
+class NumpyStager:
+    """device=None: each batch as numpy arrays. `input_ids` and `labels` are `views` of
+    the message's read-only buffer (nothing copied); the document `outputs` and masked
+    labels are `document_arrays`. The same interface as the torch stagers (device.py,
+    pinned.py): `stage` in the reader thread, `ready` in next()."""
+
+    def __init__(
+        self,
+        seq_len: int,
+        layout: str = "flat",
+        outputs: tuple[str, ...] = (),
+        mask_labels: bool = False,
+    ) -> None:
+        self.seq_len, self.layout = seq_len, layout
+        self.outputs, self.mask_labels = outputs, mask_labels
+
+    def stage(
+        self, msg: feeder_pb2.Batch, arr: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None, None]:
+        """(input_ids, labels, document outputs or None, None: nothing to wait for)."""
+        docs = (
+            document_arrays(msg, arr, self.seq_len, self.outputs, self.mask_labels, self.layout)
+            if self.outputs or self.mask_labels
+            else None
+        )
+        inputs, labels = views(arr, self.seq_len, msg.shift, self.layout)
+        if docs is not None and self.mask_labels:
+            labels = docs.pop("labels")
+        return inputs, labels, docs, None
+
+    def ready(self, tensors: list[Any], event: Any) -> None:
+        """Nothing to wait for."""
+
+
 def widened(
     arr: np.ndarray,
     seq_len: int,

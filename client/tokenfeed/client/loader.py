@@ -29,6 +29,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from tokenfeed.client.buffers import NumpyStager
 from tokenfeed.client.connection import (
     Backoff,
     Connection,
@@ -214,17 +215,12 @@ class FeederClient:
         self.metrics = ClientMetrics(self.rank, options.registry)
         if options.metrics_port is not None:
             self.metrics.serve(options.metrics_port, options.metrics_addr)
-        stager: Any = None
+        stage = (self.seq_len, self.layout, self.documents, self.mask_cross_document_labels)
+        stager: Any = NumpyStager(*stage)
         if self.device is not None:
             from tokenfeed.client.device import make_stager  # imports torch
 
-            stager = make_stager(
-                self.device,
-                self.seq_len,
-                self.layout,
-                self.documents,
-                self.mask_cross_document_labels,
-            )
+            stager = make_stager(self.device, *stage)
         self._info: DatasetInfo | None = None
         self._reconnects = 0
         self._position = Position(spec, self.rank)
