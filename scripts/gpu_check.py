@@ -526,17 +526,17 @@ def main() -> int:
     if args.context_child:
         context_child(args.context_child, args.address)
         return 0
+    names = args.only.split(",") if args.only else list(CHECKS)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        print(f"unknown checks {unknown}; known: {', '.join(CHECKS)}", file=sys.stderr)
+        return 2
     device = "cpu" if args.dry_run else args.device
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: run on a GPU machine, or --dry-run on the CPU", file=sys.stderr)
         return 2
     if not args.dry_run:
         torch.cuda.set_device(device)  # as a training script does
-    names = args.only.split(",") if args.only else list(CHECKS)
-    unknown = [n for n in names if n not in CHECKS]
-    if unknown:
-        print(f"unknown checks {unknown}; known: {', '.join(CHECKS)}", file=sys.stderr)
-        return 2
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
     with feeder(args.address) as address:
         rig = Rig(device, address, args.dry_run)
