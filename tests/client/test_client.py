@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 import tokenfeed.client
 from tokenfeed.client import Backoff, Connection, FeederClient, FeederUnavailable
-from tokenfeed.client.buffers import batch_array, views
+from tokenfeed.client.buffers import NumpyStager, batch_array, views
 from tokenfeed.client.epochs import LOOKAHEAD_STEPS
 from tokenfeed.client.metrics import ClientMetrics, StallWindow
 from tokenfeed.client.transport import Channels, expand
-from tokenfeed.core import errors
+from tokenfeed.core import documents, errors
 from tokenfeed.core.errors import (
     DataLoss,
     FailedPrecondition,
@@ -161,6 +161,26 @@ def test_views_share_one_buffer_flat_and_grouped() -> None:
     assert np.shares_memory(gl, buf)
     assert (gi.reshape(3, 8) == inputs).all()
     assert (gl.reshape(3, 8) == labels).all()
+
+
+def test_the_numpy_batch_is_read_only_views_and_masked_labels_a_copy() -> None:
+    """What docs/client.md says writing into the numpy batch does: the views of the
+    message's buffer refuse it; masked labels are a writable int64 array of their own."""
+    msg = _batch_msg(3, 8, 2)
+    inputs, labels, docs, _ = NumpyStager(8).stage(msg, batch_array(msg))
+    assert docs is None
+    assert np.shares_memory(inputs, labels)
+    for view in (inputs, labels):
+        with pytest.raises(ValueError, match="read-only"):
+            view[0, 0] = 7
+    msg.document_ends = documents.ends_to_bytes(np.array([4, 15], dtype=np.int64))
+    inputs, masked, _, _ = NumpyStager(8, mask_labels=True).stage(msg, batch_array(msg))
+    assert masked.dtype == np.int64
+    assert (masked == documents.IGNORE_INDEX).sum() > 0  # labels across an end
+    assert not np.shares_memory(inputs, masked)
+    before = inputs.copy()
+    masked[:] = -100
+    assert (inputs == before).all()
 
 
 def test_batch_array_rejects_a_size_mismatch_and_unknown_dtype() -> None:
