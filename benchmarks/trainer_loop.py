@@ -28,6 +28,10 @@ a 5 ms sleep on this VM); the stall is that plus the rare empty ring (a reader o
 feeder descheduled on a busy machine: see the max column). 20 ms stands for an
 ordinary training step. The numbers are from one run on a shared machine: read the
 ratios, not the digits (benchmarks/README.md has the latest).
+
+`--baseline-client DIR` also runs each feeder variant with the client package of
+another revision (DIR is its `client/` source root, e.g. from `git archive main client
+| tar -x -C /tmp/base`), named `<variant>@base`, in the same rounds.
 """
 
 from __future__ import annotations
@@ -187,8 +191,12 @@ def child(args: argparse.Namespace) -> None:
     side = TrainerSide()
     root = Path(args.root) / DATASET
     starts = np.load(Path(args.root) / "starts.npy")
+    client_root = ""
     if args.child.startswith("feeder/"):
+        import tokenfeed.client
         from tokenfeed.client import FeederClient
+
+        client_root = str(Path(tokenfeed.client.__file__).parents[2])
 
         loader: Any = FeederClient(
             args.address,
@@ -240,6 +248,7 @@ def child(args: argparse.Namespace) -> None:
         json.dumps(
             {
                 "variant": args.child,
+                "client": client_root,
                 "empty": empty,
                 "train": train,
                 "peak_rss_mb": side.stop() / 2**20,
@@ -269,6 +278,11 @@ def main() -> None:
         help="median document length of the store, lognormal (default 400: mean ~660)",
     )
     p.add_argument("--repeat", type=int, default=1, help="rounds of every variant, interleaved")
+    p.add_argument(
+        "--baseline-client",
+        type=Path,
+        help="client/ source root of another revision: its feeder variants run as <variant>@base",
+    )
     p.add_argument("--json", help="also write every result to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
@@ -309,19 +323,33 @@ def main() -> None:
             print(
                 f"store: {n / 1e6:.0f}M uint16 tokens in {n // (1 << 21)} chunks; batches "
                 f"{BATCH} x {SEQ_LEN}, shuffled; {args.seconds:g} s per measurement; "
-                f"simulated steps {args.step_ms} ms; {os.cpu_count()} CPUs",
+                f"simulated steps {args.step_ms} ms; {os.cpu_count()} CPUs; load average "
+                f"{os.getloadavg()[0]:.1f} at the start",
                 flush=True,
             )
             results = []
-            rounds = [args.variants.split(",")] * args.repeat
+            variants = args.variants.split(",")
+            if args.baseline_client:  # each right after its own, under the same load
+                variants = [
+                    w
+                    for v in variants
+                    for w in ([v, f"{v}@base"] if v.startswith("feeder/") else [v])
+                ]
+            rounds = [variants] * args.repeat
             for k, variant in ((k, v) for k, vs in enumerate(rounds) for v in vs):
                 feeder_cpu0 = _proc(feeder.pid)[1]
+                load0 = os.getloadavg()[0]
+                env = dict(os.environ)
+                if variant.endswith("@base"):  # the other revision's client package first
+                    env["PYTHONPATH"] = os.pathsep.join(
+                        [str(args.baseline_client.resolve()), env.get("PYTHONPATH", "")]
+                    )
                 out = subprocess.run(
                     [
                         sys.executable,
                         __file__,
                         "--child",
-                        variant,
+                        variant.removesuffix("@base"),
                         "--root",
                         str(root),
                         "--address",
@@ -334,8 +362,13 @@ def main() -> None:
                     check=True,
                     capture_output=True,
                     text=True,
+                    env=env,
                 )
                 r = json.loads(out.stdout.strip().splitlines()[-1])
+                if variant.endswith("@base"):  # the other client was the one imported
+                    assert Path(r["client"]) == args.baseline_client.resolve(), r["client"]
+                r["variant"] = variant
+                r["load"] = (load0 + os.getloadavg()[0]) / 2
                 moved = r["empty"]["tokens"] + sum(t["tokens"] for t in r["train"])
                 r["feeder_cpu"] = (
                     (_proc(feeder.pid)[1] - feeder_cpu0) / moved * 1e9
@@ -355,31 +388,40 @@ def main() -> None:
             print(f"\n== round {k + 1} of {args.repeat}")
         report([r for r in results if r["round"] == k], args.step_ms)
     if args.repeat > 1:
-        ratio_ranges(results)
+        ratio_ranges(results, args.step_ms)
 
 
-def ratio_ranges(results: list[dict[str, Any]]) -> None:
-    """Each feeder variant against DataLoader(0 workers) of the same round: min, median
-    and max over the rounds."""
+def _spread(values: list[float], fmt: str = ".2f") -> str:
+    v = sorted(values)
+    return f"{v[0]:{fmt}} / {v[len(v) // 2]:{fmt}} / {v[-1]:{fmt}}"
+
+
+def ratio_ranges(results: list[dict[str, Any]], step_ms: str) -> None:
+    """Over the rounds (min / median / max): each feeder variant against the
+    DataLoader with 0 workers of the same round, then each one's stall and p99
+    next() at every simulated step, with the load average during its runs."""
     base = {r["round"]: r["empty"] for r in results if r["variant"] == "dataloader/w0"}
-    if not base:
-        return
-    print("\nagainst dataloader/w0 of the same round (min / median / max over rounds):")
     names = sorted({r["variant"] for r in results if r["variant"].startswith("feeder/")})
-    for name in names:
+    if base:
+        print("\nagainst dataloader/w0 of the same round (min / median / max over rounds):")
+    for name in names if base else ():
         rows = [r for r in results if r["variant"] == name and r["round"] in base]
-        tps = sorted(r["empty"]["tokens_per_s"] / base[r["round"]]["tokens_per_s"] for r in rows)
-        cpu = sorted(
+        tps = [r["empty"]["tokens_per_s"] / base[r["round"]]["tokens_per_s"] for r in rows]
+        cpu = [
             r["empty"]["cpu_s_per_1e9_tokens"] / base[r["round"]]["cpu_s_per_1e9_tokens"]
             for r in rows
-        )
-        stall = sorted(r["train"][-1]["stall_fraction"] * 100 for r in rows)
-        print(
-            f"  {name:<22} tokens/s {tps[0]:.2f} / {tps[len(tps) // 2]:.2f} / {tps[-1]:.2f}x   "
-            f"CPU per token {cpu[0]:.2f} / {cpu[len(cpu) // 2]:.2f} / {cpu[-1]:.2f}x   "
-            f"stall at the last step {stall[0]:.2f} / {stall[len(stall) // 2]:.2f} / "
-            f"{stall[-1]:.2f} %"
-        )
+        ]
+        print(f"  {name:<24} tokens/s {_spread(tps)}x   CPU per token {_spread(cpu)}x")
+    print("\nsimulated steps (min / median / max over rounds):")
+    for name in names:
+        rows = [r for r in results if r["variant"] == name]
+        load = _spread([r["load"] for r in rows], ".1f")
+        cpu = _spread([r["empty"]["cpu_s_per_1e9_tokens"] for r in rows], ".1f")
+        print(f"  {name:<24} load {load}; trainer CPU s/1e9 tokens {cpu}")
+        for i, ms in enumerate(step_ms.split(",")):
+            stall = _spread([r["train"][i]["stall_fraction"] * 100 for r in rows])
+            p99 = _spread([r["train"][i]["wait_p99_ms"] for r in rows], ".3f")
+            print(f"  {'':<24}   {ms:>3} ms: stall {stall} %   p99 next() {p99} ms")
 
 
 def report(results: list[dict[str, Any]], step_ms: str) -> None:

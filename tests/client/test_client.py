@@ -18,12 +18,11 @@ from prometheus_client import CollectorRegistry, Counter
 
 import tokenfeed.client
 from tokenfeed.client import Backoff, Connection, FeederClient, FeederUnavailable
-from tokenfeed.client.buffers import HostRing, batch_array, views
-from tokenfeed.client.device import resolve_device
+from tokenfeed.client.buffers import NumpyStager, batch_array, views
 from tokenfeed.client.epochs import LOOKAHEAD_STEPS
 from tokenfeed.client.metrics import ClientMetrics, StallWindow
 from tokenfeed.client.transport import Channels, expand
-from tokenfeed.core import errors
+from tokenfeed.core import documents, errors
 from tokenfeed.core.errors import (
     DataLoss,
     FailedPrecondition,
@@ -164,6 +163,26 @@ def test_views_share_one_buffer_flat_and_grouped() -> None:
     assert (gl.reshape(3, 8) == labels).all()
 
 
+def test_the_numpy_batch_is_read_only_views_and_masked_labels_a_copy() -> None:
+    """What docs/client.md says writing into the numpy batch does: the views of the
+    message's buffer refuse it; masked labels are a writable int64 array of their own."""
+    msg = _batch_msg(3, 8, 2)
+    inputs, labels, docs, _ = NumpyStager(8).stage(msg, batch_array(msg))
+    assert docs is None
+    assert np.shares_memory(inputs, labels)
+    for view in (inputs, labels):
+        with pytest.raises(ValueError, match="read-only"):
+            view[0, 0] = 7
+    msg.document_ends = documents.ends_to_bytes(np.array([4, 15], dtype=np.int64))
+    inputs, masked, _, _ = NumpyStager(8, mask_labels=True).stage(msg, batch_array(msg))
+    assert masked.dtype == np.int64
+    assert (masked == documents.IGNORE_INDEX).sum() > 0  # labels across an end
+    assert not np.shares_memory(inputs, masked)
+    before = inputs.copy()
+    masked[:] = -100
+    assert (inputs == before).all()
+
+
 def test_batch_array_rejects_a_size_mismatch_and_unknown_dtype() -> None:
     msg = _batch_msg(2, 4, 1)
     msg.rows = 3
@@ -173,49 +192,6 @@ def test_batch_array_rejects_a_size_mismatch_and_unknown_dtype() -> None:
     msg.dtype = "float32"
     with pytest.raises(ValueError, match="float32"):
         batch_array(msg)
-
-
-def test_host_ring_reuses_slots_only_after_their_wait() -> None:
-    made: list[int] = []
-    ring = HostRing(2, lambda n: made.append(n) or np.zeros(n, np.uint8))
-    waited: list[int] = []
-    i0, s0 = ring.acquire(10)
-    ring.release_after(i0, lambda: waited.append(i0))
-    i1, _ = ring.acquire(10)
-    assert (i0, i1) == (0, 1)
-    assert waited == []
-    i2, s2 = ring.acquire(8)  # slot 0 again: its wait runs first, the buffer is reused
-    assert i2 == 0
-    assert waited == [0]
-    assert np.shares_memory(s0, s2)
-    assert len(s2) == 8
-    ring.acquire(10)
-    ring.acquire(50)  # grows
-    assert made == [10, 10, 50]
-
-
-# ----------------------------------------------------------------------------- devices
-
-
-def test_resolve_device_uses_local_rank_for_cuda() -> None:
-    assert resolve_device(None) is None
-    assert resolve_device("cuda", {"LOCAL_RANK": "3"}) == "cuda:3"
-    assert resolve_device("cuda", {}) == "cuda"
-    assert resolve_device("cuda:1", {"LOCAL_RANK": "3"}) == "cuda:1"
-    assert resolve_device("cpu", {"LOCAL_RANK": "3"}) == "cpu"
-
-
-def test_torch_cpu_stager_widens_unsigned_tokens() -> None:
-    torch = pytest.importorskip("torch")
-    from tokenfeed.client.device import TorchStager
-
-    arr = np.array([[0, 1, 40_000, 65_535]], dtype=np.uint16)
-    wide, event = TorchStager("cpu", 2).stage(arr)
-    assert event is None
-    assert wide.dtype == torch.int64
-    assert wide.tolist() == [[0, 1, 40_000, 65_535]]
-    arr32 = np.array([[3_000_000_000, 7]], dtype=np.uint32)
-    assert TorchStager("cpu", 2).stage(arr32)[0].tolist() == [[3_000_000_000, 7]]
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -864,23 +840,6 @@ def test_a_whole_message_of_batches_may_wait_in_the_buffer(feeder) -> None:  # t
         assert c._epochs._queue.qsize() == 4 == c._epochs._queue.maxsize
         # A new iteration from the loop's position: the buffered batches come again.
         assert len(_starts(c)) == (len(c) - 1) * 4
-
-
-def test_torch_cpu_views_are_int64_views_of_one_buffer() -> None:
-    torch = pytest.importorskip("torch")
-    from tokenfeed.client.device import TorchStager
-
-    arr = batch_array(_batch_msg(3, 8, 2))
-    for layout, shape in (("flat", (3, 8)), ("grouped", (3, 4, 2))):
-        inputs, labels, docs, pending = TorchStager("cpu", 2).stage_views(arr, 8, 2, layout)
-        assert pending is None
-        assert docs is None
-        assert inputs.dtype == labels.dtype == torch.int64
-        assert inputs.shape == labels.shape == shape
-        ref_in, ref_lab = views(arr.astype(np.int64), 8, 2, layout)
-        assert (inputs.numpy() == ref_in).all()
-        assert (labels.numpy() == ref_lab).all()
-        assert np.shares_memory(inputs.numpy(), labels.numpy())
 
 
 def test_a_channel_closed_by_another_stream_is_retried_not_raised(feeder) -> None:

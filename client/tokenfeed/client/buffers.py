@@ -1,18 +1,23 @@
-"""Host-side batch buffers: one buffer per batch, both views of it, and a reusable ring.
+"""Host-side batch buffers: the views of a batch's buffer, its int64 copies for torch,
+and the ring of staging slots the copies to a GPU go through.
 
-A batch arrives as rows x (seq_len + shift) tokens. `input_ids` and `labels` are two
-views of that one buffer (`buf[:, :seq_len]` and `buf[:, shift:]`), and the grouped
-layout of the original loader is a reshape of the same views, so nothing is copied.
+A batch arrives as rows x (seq_len + shift) tokens. Without a device, `input_ids` and
+`labels` are two views of that one buffer (`buf[:, :seq_len]` and `buf[:, shift:]`),
+the grouped layout of the original loader a reshape of the same views: nothing is
+copied, and the buffer is the received message's bytes themselves, fresh and read-only
+for each batch, which a training loop may keep as long as it likes. For torch they
+are two independent contiguous int64 copies (`widened`), what a DataLoader's collate
+gives: in-place writes to one never show in the other, and `.view(-1)` works.
 
-Without a device the buffer is the received message's bytes themselves: a fresh,
-read-only buffer per batch, which a training loop may keep as long as it likes. With
-CUDA the bytes are copied into a slot of a `HostRing` of pinned buffers and from there
-to the GPU asynchronously; pinned memory is expensive to allocate, so the slots are
-reused, each only after the copy out of it has finished (`ready` callback).
+On CUDA the bytes go through a `HostRing` of pinned slots to the device. Pinned memory
+is expensive to allocate, so slots are reused, each only once the copy out of it has
+completed; the reader threads (an epoch's and the next epoch's opened ahead) share
+the ring.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -94,37 +99,147 @@ def views(buf: Any, seq_len: int, shift: int, layout: str = "flat") -> tuple[Any
     return inputs, labels
 
 
-class HostRing:
-    """`slots` reusable host buffers, handed out round-robin.
+class NumpyStager:
+    """device=None: each batch as numpy arrays. `input_ids` and `labels` are `views` of
+    the message's read-only buffer (nothing copied); the document `outputs` and masked
+    labels are `document_arrays`. The same interface as the torch stagers (device.py,
+    pinned.py): `stage` in the reader thread, `ready` in next()."""
 
-    `allocate(nbytes)` makes a slot (pinned memory on CUDA); a slot grows when a batch
-    needs more room. `acquire(nbytes, ready)` returns a flat uint8 slot view of
-    `nbytes`, after calling the previous user's `ready` wait (the event of the copy
-    that read the slot), so a buffer is never overwritten while still being read.
+    def __init__(
+        self,
+        seq_len: int,
+        layout: str = "flat",
+        outputs: tuple[str, ...] = (),
+        mask_labels: bool = False,
+    ) -> None:
+        self.seq_len, self.layout = seq_len, layout
+        self.outputs, self.mask_labels = outputs, mask_labels
+
+    def stage(
+        self, msg: feeder_pb2.Batch, arr: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, Any] | None, None]:
+        """(input_ids, labels, document outputs or None, None: nothing to wait for)."""
+        docs = (
+            document_arrays(msg, arr, self.seq_len, self.outputs, self.mask_labels, self.layout)
+            if self.outputs or self.mask_labels
+            else None
+        )
+        inputs, labels = views(arr, self.seq_len, msg.shift, self.layout)
+        if docs is not None and self.mask_labels:
+            labels = docs.pop("labels")
+        return inputs, labels, docs, None
+
+    def ready(self, tensors: list[Any], event: Any) -> None:
+        """Nothing to wait for."""
+
+
+def widened(
+    arr: np.ndarray,
+    seq_len: int,
+    shift: int,
+    layout: str = "flat",
+    labels: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, labels) of a [rows, seq_len + shift] token buffer as new contiguous
+    int64 arrays that do not overlap (one allocation), shaped as `views`. `labels`
+    given (masked labels: a copy of their own already) are returned instead."""
+    rows = arr.shape[0]
+    shape = (rows, seq_len // shift, shift) if layout == "grouped" else (rows, seq_len)
+    out = np.empty((1 if labels is not None else 2, rows, seq_len), dtype=np.int64)
+    np.copyto(out[0], arr[:, :seq_len])
+    if labels is None:
+        np.copyto(out[1], arr[:, shift : shift + seq_len])
+        labels = out[1].reshape(shape)
+    return out[0].reshape(shape), labels
+
+
+def batch_sequences(batch: feeder_pb2.Batch, seq_len: int) -> documents.Sequences:
+    """The document sequences of a Batch message (sparse: what the CUDA path ships to
+    the device, which expands them there). ValueError for ends that do not fit it."""
+    ends = documents.ends_from_bytes(batch.document_ends)
+    return documents.sequences(ends, batch.rows, seq_len, batch.shift)
+
+
+class Slot:
+    """One staging buffer of a `HostRing`, its capacity in bytes, and the event recorded
+    after the copy out of it (reused for every copy out of this slot)."""
+
+    __slots__ = ("buffer", "capacity", "event", "held", "in_flight", "released")
+
+    def __init__(self, event: Any) -> None:
+        self.buffer: Any = None
+        self.capacity = 0
+        self.event = event
+        self.held = False  # a reader has it, between acquire and release
+        self.in_flight = False  # released with a copy out of it until `event` completes
+        self.released = 0  # when, in releases: the oldest in flight is waited for first
+
+
+class HostRing:
+    """Staging slots shared by the reader threads, each reused only once the copy out
+    of it has completed.
+
+    A slot is free, held (by one reader, from `acquire` to `release`) or in flight
+    (released after the copy out of it was issued and `slot.event` recorded, until the
+    event completes). `acquire` never hands out a held slot, and an in-flight one only
+    after its event completes: it asks the events (`query()`), makes a new slot while
+    there are fewer than `limit`, and otherwise waits for the copy released first
+    (`synchronize()`, outside the lock). So the ring holds as many slots as copies in
+    flight need, at most `limit`. `allocate(nbytes)` makes a slot's buffer (pinned
+    memory on CUDA), grown when a batch needs more room; `new_event()` its event.
     """
 
-    def __init__(self, slots: int, allocate: Callable[[int], Any]) -> None:
-        if slots < 1:
-            raise ValueError(f"a ring needs at least one slot, got {slots}")
-        self._allocate = allocate
-        self._slots: list[Any] = [None] * slots
-        self._waits: list[Callable[[], None] | None] = [None] * slots
-        self._next = 0
+    def __init__(
+        self, allocate: Callable[[int], Any], new_event: Callable[[], Any], limit: int
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"a ring needs at least one slot, got {limit}")
+        self._allocate, self._new_event, self.limit = allocate, new_event, limit
+        self._slots: list[Slot] = []
+        self._releases = 0
+        self._changed = threading.Condition()
 
     def __len__(self) -> int:
         return len(self._slots)
 
-    def acquire(self, nbytes: int) -> tuple[int, Any]:
-        i = self._next
-        self._next = (i + 1) % len(self._slots)
-        wait, self._waits[i] = self._waits[i], None
-        if wait is not None:
-            wait()
-        slot = self._slots[i]
-        if slot is None or len(slot) < nbytes:
-            slot = self._slots[i] = self._allocate(max(nbytes, 1))
-        return i, slot[:nbytes]
+    def acquire(self, nbytes: int) -> Slot:
+        """A slot of at least `nbytes` that no one else holds or reads; release it."""
+        with self._changed:
+            while True:
+                slot, wait = self._pick()
+                if slot is not None:
+                    break
+                self._changed.wait()  # every slot held by the other readers
+            slot.held = True
+        if wait:
+            slot.event.synchronize()
+        slot.in_flight = False
+        if slot.capacity < nbytes:
+            # Room to spare: batches vary a little (shift="auto", document ends).
+            slot.capacity = -(-(nbytes + nbytes // 4) // 4096) * 4096
+            slot.buffer = self._allocate(slot.capacity)
+        return slot
 
-    def release_after(self, index: int, wait: Callable[[], None]) -> None:
-        """Before slot `index` is handed out again, `wait()` is called."""
-        self._waits[index] = wait
+    def _pick(self) -> tuple[Slot | None, bool]:
+        """Under the lock: (a slot to take, whether its copy must be waited for)."""
+        oldest: Slot | None = None
+        for slot in self._slots:
+            if slot.held:
+                continue
+            if not slot.in_flight or slot.event.query():
+                return slot, False
+            if oldest is None or slot.released < oldest.released:
+                oldest = slot
+        if len(self._slots) < self.limit:
+            slot = Slot(self._new_event())
+            self._slots.append(slot)
+            return slot, False
+        return oldest, oldest is not None
+
+    def release(self, slot: Slot, in_flight: bool = True) -> None:
+        """Give `slot` back: `in_flight` when a copy out of it was issued and
+        `slot.event` recorded after it (False: nothing reads it any more)."""
+        with self._changed:
+            self._releases += 1
+            slot.held, slot.in_flight, slot.released = False, in_flight, self._releases
+            self._changed.notify()

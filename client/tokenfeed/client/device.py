@@ -1,29 +1,42 @@
 """Batches to a torch device: the ONLY client module that imports torch, and only when
 a device is asked for (`import tokenfeed.client` and `device=None` never load it).
 
-The narrow store dtype (uint16/uint32) is what travels: over the network, into the
-host buffer and, on CUDA, over PCIe; it is widened to int64 as late as possible, on
-the device. On CUDA the reader thread copies each batch into a pinned slot of a
-`HostRing`, issues the host-to-device copy and the widening on a side stream with
-`non_blocking=True`, and records an event; the training loop's stream waits on that
-event (a GPU-side wait, the CPU does not block) when it takes the batch, so copying
-batch n+1 overlaps computing on batch n. On CPU the widening happens in the reader
-thread, which overlaps it with the loop's compute just the same.
+With a device, `input_ids` and `labels` are two independent contiguous int64 tensors
+and every document output a tensor of its own, all made in the reader thread, never
+in the loop's next(). The narrow store dtype (uint16/uint32) is what travels: over the
+network, into the host buffer and, on CUDA, over PCIe; it is widened to int64 as late
+as possible. On the CPU (and devices other than CUDA) the reader thread makes them in
+numpy and torch shares that memory (`HostStager`); on CUDA they are made on the device
+on a side stream from the narrow tokens and the sparse document description, through
+pinned memory (`pinned.PinnedStager` over a `CudaDevice`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
-from tokenfeed.client.buffers import HostRing, views
+from tokenfeed.client.buffers import document_arrays, widened
+from tokenfeed.client.pinned import PinnedStager
+from tokenfeed.v1 import feeder_pb2
 
 
-def resolve_device(device: Any, environ: Mapping[str, str] | None = None) -> str | None:
-    """None stays None; "cuda" becomes "cuda:<LOCAL_RANK>" under torchrun."""
+def resolve_device(
+    device: Any,
+    environ: Mapping[str, str] | None = None,
+    cuda_devices: Callable[[], tuple[int, int]] | None = None,
+) -> str | None:
+    """The device a client stages on: None stays None (numpy, no torch), and "cuda"
+    without an index becomes one device: cuda:<LOCAL_RANK> where the process sees at
+    least LOCAL_RANK + 1 devices (torchrun on a node whose GPUs every rank sees),
+    cuda:0 where it sees one (CUDA_VISIBLE_DEVICES gives each rank its own), and
+    without LOCAL_RANK the current device (torch.cuda.set_device's). Anything else
+    as given. `cuda_devices()` is (devices visible, current device), asked of torch
+    only for "cuda"."""
     if device is None:
         return None
     if not isinstance(device, str) and type(device).__name__ != "device":
@@ -32,10 +45,37 @@ def resolve_device(device: Any, environ: Mapping[str, str] | None = None) -> str
             f"got {device!r}"
         )
     name = str(device)
+    if name != "cuda":
+        return name
+    count, current = (cuda_devices or _cuda_devices)()
+    if count == 0:
+        return name  # check_device says why
     env = os.environ if environ is None else environ
-    if name == "cuda" and env.get("LOCAL_RANK", "").strip():
-        return f"cuda:{int(env['LOCAL_RANK'])}"
-    return name
+    local = env.get("LOCAL_RANK", "").strip()
+    if not local:
+        return f"cuda:{current}"
+    try:
+        rank = int(local)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={local!r} is not an integer") from None
+    if rank < count:
+        return f"cuda:{rank}"
+    if count == 1:
+        return "cuda:0"
+    raise ValueError(
+        f"FeederClient device='cuda' with LOCAL_RANK={rank}, but this process sees {count} "
+        f"CUDA devices (cuda:0..cuda:{count - 1}, CUDA_VISIBLE_DEVICES="
+        f"{env.get('CUDA_VISIBLE_DEVICES')!r}): make every GPU of the node visible to "
+        "each rank, or one to each, or pass device='cuda:N'"
+    )
+
+
+def _cuda_devices() -> tuple[int, int]:
+    torch = _import_torch()
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return 0, 0
+    count = torch.cuda.device_count()
+    return count, (torch.cuda.current_device() if count else 0)
 
 
 def _import_torch() -> Any:
@@ -78,8 +118,10 @@ def check_device(name: str) -> None:
         if device.index is not None and device.index >= count:
             raise ValueError(
                 f"FeederClient device={name!r}, but torch sees {count} CUDA device(s) "
-                f"(cuda:0..cuda:{count - 1}); under torchrun pass device='cuda' (it becomes "
-                "cuda:<LOCAL_RANK>)"
+                f"(cuda:0..cuda:{count - 1}, CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); pass device='cuda': it is "
+                "cuda:<LOCAL_RANK> where the process sees every GPU of the node, the only "
+                "one where it sees one"
             )
         return
     if device.type == "cpu":
@@ -99,94 +141,92 @@ def check_device(name: str) -> None:
         ) from None
 
 
-class TorchStager:
-    """[rows, cols] narrow numpy batch -> int64 tensor on `device` (+ a ready event)."""
+def make_stager(
+    device: str, seq_len: int, layout: str, outputs: tuple[str, ...], mask_labels: bool
+) -> HostStager | PinnedStager:
+    """What stages a client's batches on `device` (checked by check_device)."""
+    torch = _import_torch()
+    target = torch.device(device)
+    if target.type == "cuda":
+        return PinnedStager(CudaDevice(torch, target), seq_len, layout, outputs, mask_labels)
+    return HostStager(torch, target, seq_len, layout, outputs, mask_labels)
 
-    def __init__(self, device: str, slots: int) -> None:
-        torch = self.torch = _import_torch()
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.cpu = self.device.type == "cpu"
-        if self.cuda:
-            self.stream = torch.cuda.Stream(self.device)
-            self.ring = HostRing(
-                slots, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True)
-            )
 
-    def stage(self, arr: np.ndarray) -> tuple[Any, Any]:
-        """Called in the reader thread. Returns (int64 tensor, event or None)."""
-        torch = self.torch
-        if not self.cuda:
-            # astype makes a fresh writable int64 array: torch shares it, no second copy.
-            wide = torch.from_numpy(arr.astype(np.int64))
-            return (wide if self.device.type == "cpu" else wide.to(self.device)), None
-        index, slot = self.ring.acquire(arr.nbytes)
-        np.copyto(slot.numpy(), arr.reshape(-1).view(np.uint8))
-        signed = torch.int16 if arr.dtype.itemsize == 2 else torch.int32
-        mask = (1 << (8 * arr.dtype.itemsize)) - 1
-        with torch.cuda.stream(self.stream):
-            narrow = slot.to(self.device, non_blocking=True).view(signed).view(arr.shape)
-            # Reinterpret as signed (every torch has int16/int32), widen, undo the sign.
-            wide = narrow.to(torch.int64).bitwise_and_(mask)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self.ring.release_after(index, event.synchronize)
-        return wide, event
+class HostStager:
+    """The CPU (and devices other than CUDA): the reader thread makes the int64 copies
+    and the document arrays in numpy (`buffers.widened`, `buffers.document_arrays`),
+    torch shares that memory (from_numpy: about half the CPU of slicing tensors), and
+    another device gets a copy of each."""
 
-    def stage_views(
+    def __init__(
         self,
-        arr: np.ndarray,
+        torch: Any,
+        device: Any,
         seq_len: int,
-        shift: int,
         layout: str,
-        docs: dict[str, Any] | None = None,
-    ) -> tuple[Any, Any, dict[str, Any] | None, Any]:
-        """Called in the reader thread: (input_ids, labels, docs, pending), the two
-        int64 tensors views of one buffer (`buffers.views`), the document arrays
-        (`buffers.document_arrays`, built on the host) as tensors on the device, and
-        what the loop waits for before using them ((tensors, event)) or None.
+        outputs: tuple[str, ...] = (),
+        mask_labels: bool = False,
+    ) -> None:
+        self.torch, self.device = torch, device
+        self.seq_len, self.layout = seq_len, layout
+        self.outputs, self.mask_labels = outputs, mask_labels
+        self._to = None if device.type == "cpu" else device
 
-        On CPU the views are taken in numpy and wrapped by `torch.from_numpy`: about
-        half the CPU of slicing a tensor twice (each torch view is a new TensorImpl),
-        for the same memory; the document arrays are shared the same way, and masked
-        labels in `docs` are the labels (the view of the buffer is not wrapped)."""
-        torch = self.torch
-        if self.cpu:
-            wrap = torch.from_numpy
-            inputs, labels = views(arr.astype(np.int64), seq_len, shift, layout)
-            if docs is None:
-                return wrap(inputs), wrap(labels), None, None
-            docs = {k: v if type(v) is int else wrap(v) for k, v in docs.items()}
-            labels = docs["labels"] if "labels" in docs else wrap(labels)
-            return wrap(inputs), labels, docs, None
-        if docs is not None and self.cuda:
-            # Into the side stream before stage() records its event, so the loop's wait
-            # on that event covers them too. Pageable sources: torch copies them before
-            # returning, so the numpy arrays may go.
-            with torch.cuda.stream(self.stream):
-                docs = {k: _tensor(torch, v, self.device) for k, v in docs.items()}
-        elif docs is not None:
-            docs = {k: _tensor(torch, v, self.device) for k, v in docs.items()}
-        buf, event = self.stage(arr)
-        inputs, labels = views(buf, seq_len, shift, layout)
-        if event is None:
-            return inputs, labels, docs, None
-        tensors = [buf] + [v for v in (docs or {}).values() if not isinstance(v, int)]
-        return inputs, labels, docs, (tensors, event)
+    def stage(
+        self, msg: feeder_pb2.Batch, arr: np.ndarray
+    ) -> tuple[Any, Any, dict[str, Any] | None, None]:
+        """(input_ids, labels, document outputs or None, None: nothing to wait for)."""
+        docs = (
+            document_arrays(msg, arr, self.seq_len, self.outputs, self.mask_labels, self.layout)
+            if self.outputs or self.mask_labels
+            else None
+        )
+        masked = docs.pop("labels") if docs is not None and self.mask_labels else None
+        inputs, labels = widened(arr, self.seq_len, msg.shift, self.layout, masked)
+        tensor = self._tensor
+        if docs is not None:
+            docs = {k: v if type(v) is int else tensor(v) for k, v in docs.items()}
+        return tensor(inputs), tensor(labels), docs, None
+
+    def _tensor(self, array: np.ndarray) -> Any:
+        t = self.torch.from_numpy(array)
+        return t if self._to is None else t.to(self._to)
 
     def ready(self, tensors: list[Any], event: Any) -> None:
-        """Called in the training loop: its stream waits for the copies (on the GPU)."""
-        if event is None:
-            return
+        """Nothing to wait for: the tensors are complete when staged."""
+
+
+class CudaDevice:
+    """A CUDA device for `pinned.PinnedStager`: pinned slots, one side stream for the
+    copies and the work on them, reusable events."""
+
+    def __init__(self, torch: Any, device: Any) -> None:
+        self.torch, self.device = torch, device
+        self.stream = torch.cuda.Stream(device)
+
+    def enter_thread(self) -> None:
+        # A new thread starts on device 0: anything it did there (leaving a stream
+        # context restores that device's stream) would create a context on GPU 0.
+        self.torch.cuda.set_device(self.device)
+
+    def side(self) -> AbstractContextManager[Any]:
+        return self.torch.cuda.stream(self.stream)
+
+    def pinned(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True)
+
+    def event(self) -> Any:
+        # Blocking: a reader that waits for a slot's copy sleeps instead of spinning.
+        return self.torch.cuda.Event(blocking=True)
+
+    def upload(self, host: Any) -> Any:
+        return host.to(self.device, non_blocking=True)
+
+    def record(self, event: Any) -> None:
+        event.record(self.stream)
+
+    def wait(self, event: Any, tensors: list[Any]) -> None:
         current = self.torch.cuda.current_stream(self.device)
         current.wait_event(event)
         for tensor in tensors:
-            tensor.record_stream(current)  # the allocator must not reuse them early
-
-
-def _tensor(torch: Any, value: Any, device: Any = None) -> Any:
-    """A document array as a tensor (shared with numpy on CPU); ints stay ints."""
-    if isinstance(value, int):
-        return value
-    t = torch.from_numpy(value)
-    return t if device is None else t.to(device, non_blocking=True)
+            tensor.record_stream(current)  # not reused before the loop's stream is done

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenfeed.client.buffers import batch_array, batch_starts, document_arrays, views
+from tokenfeed.client.buffers import batch_array, batch_starts
 from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.info import DatasetInfo
 from tokenfeed.client.metrics import ClientMetrics
@@ -49,7 +49,8 @@ class Epochs:
     """The streams of rank `rank` of `spec`, moving `position` as the loop receives.
 
     `info` gives the feeder's DatasetInfo (an Info call the first time), `stager`
-    the torch device's (None: numpy), `on_reconnect` is told each reconnect's reason.
+    makes each batch's arrays or tensors (buffers.NumpyStager, device.make_stager),
+    `on_reconnect` is told each reconnect's reason.
     """
 
     def __init__(
@@ -73,8 +74,6 @@ class Epochs:
             spec.world_size,
         )
         self.sources = spec.source_names
-        self.layout, self.documents = options.layout, options.documents
-        self.mask_cross_document_labels = options.mask_cross_document_labels
         self.prefetch = options.prefetch
         # A mixture stream is endless: it has no next epoch to open ahead.
         self.lookahead = options.lookahead and not spec.is_mixture
@@ -206,29 +205,12 @@ class Epochs:
         """Reader thread: a Batch message -> what the loop takes from the queue: (the
         batch dict, the loop's offset and step after it, the device copy to wait for
         or None, whether to open the next epoch's stream now)."""
+        arr = batch_array(msg)
+        # First: on CUDA it sets this thread's device before anything frees tensors.
+        inputs, labels, docs, pending = self._stager.stage(msg, arr)
         spent = self._spent
         while len(spent) > 1:  # not the newest: the loop may still hold it (see next)
             spent.popleft()
-        arr = batch_array(msg)
-        docs = (
-            None
-            if not (self.documents or self.mask_cross_document_labels)
-            else document_arrays(
-                msg,
-                arr,
-                self.seq_len,
-                self.documents,
-                self.mask_cross_document_labels,
-                self.layout,
-            )
-        )
-        if self._stager is None:
-            inputs, labels = views(arr, self.seq_len, msg.shift, self.layout)
-            pending = None
-        else:
-            inputs, labels, docs, pending = self._stager.stage_views(
-                arr, self.seq_len, msg.shift, self.layout, docs
-            )
         self.metrics.received(msg.rows * self.seq_len, arr.nbytes)
         batch = {
             "input_ids": inputs,
@@ -242,7 +224,7 @@ class Epochs:
         if self.sources:
             batch["sources"] = np.array(msg.sources, dtype=np.int64)
         if docs is not None:
-            batch.update(docs)  # masked labels replace the view
+            batch.update(docs)
         offset = min(msg.offset + self.batch_size * self.world_size, num_windows)
         return batch, offset, msg.step + 1, pending, msg.step == ahead_step
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from tokenfeed.client.buffers import NumpyStager
 from tokenfeed.client.connection import (
     Backoff,
     Connection,
@@ -52,8 +53,9 @@ from tokenfeed.v1 import feeder_pb2
 class FeederClient:
     """Streams this rank's batches from a feeder; see the module docstring.
 
-    Batches are dicts: `input_ids`, `labels` (numpy views of one buffer when
-    `device` is None, else int64 tensors on the device), `shift`, `epoch`, `step`,
+    Batches are dicts: `input_ids`, `labels` (read-only numpy views of one buffer
+    when `device` is None, else two independent contiguous int64 tensors on the
+    device; docs/client.md, "Devices and layouts"), `shift`, `epoch`, `step`,
     `offset` and `starts` (int64 numpy array: the store offset of each window); a
     mixture's also `sources` (int64 numpy array: each row's index into `sources`).
 
@@ -213,12 +215,12 @@ class FeederClient:
         self.metrics = ClientMetrics(self.rank, options.registry)
         if options.metrics_port is not None:
             self.metrics.serve(options.metrics_port, options.metrics_addr)
-        stager: Any = None
+        stage = (self.seq_len, self.layout, self.documents, self.mask_cross_document_labels)
+        stager: Any = NumpyStager(*stage)
         if self.device is not None:
-            from tokenfeed.client.device import TorchStager  # imports torch
+            from tokenfeed.client.device import make_stager  # imports torch
 
-            # Slots: the queue's, the loop's current batch, and the one being received.
-            stager = TorchStager(self.device, self.prefetch + 2)
+            stager = make_stager(self.device, *stage)
         self._info: DatasetInfo | None = None
         self._reconnects = 0
         self._position = Position(spec, self.rank)
