@@ -21,6 +21,7 @@ the same code the project's own benchmarks use, imported by path.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pickle
@@ -124,7 +125,8 @@ def first_batch(make: Callable[[], Peer]) -> tuple[Peer, float, Any]:
 def endless(peer: Peer) -> Iterator[Any]:
     """The loader's batches across epochs."""
     while True:
-        yield from peer.epoch()
+        for batch in peer.epoch():  # noqa: UP028 (`yield from` would close the loader with this)
+            yield batch
 
 
 # ------------------------------------------------------------------------- modes
@@ -170,7 +172,8 @@ def resume(make: Callable[..., Peer], args: argparse.Namespace) -> dict[str, Any
     t0 = time.perf_counter()
     state = pickle.dumps(peer.state_dict())
     save_s = time.perf_counter() - t0
-    rest = [keys(peer.rows(batch)) for batch in it]  # the uninterrupted run, to the end
+    left = peer.epoch_batches() - stop  # the uninterrupted run, to the epoch's end
+    rest = [keys(peer.rows(batch)) for batch in itertools.islice(it, left)]
     del it
     peer.close()
     reference = rest[: args.check]
