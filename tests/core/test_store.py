@@ -20,9 +20,9 @@ from tokenfeed.core.store import (
     checksum,
     is_complete,
     iter_tokens,
+    meta,
     write_store,
 )
-from tokenfeed.core.store import meta
 
 
 def test_dtype_follows_the_vocabulary() -> None:

@@ -46,7 +46,7 @@ def _crc32() -> Callable[[Any], int]:
         from isal.isal_zlib import crc32
     except ImportError:
         return zlib.crc32
-    return crc32  # type: ignore[no-any-return]
+    return crc32
 
 
 crc32 = _crc32()
