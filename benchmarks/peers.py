@@ -277,6 +277,12 @@ class Bench:
         self.kinds = [k for k in self.kinds if k not in missing]
         self.results: list[dict[str, Any]] = []
 
+    def variants(self, kind: PeerKind) -> list[str]:
+        """`kind`'s variants that --variants names (all when it names none of them)."""
+        asked = [v.split("/", 1) for v in self.args.variants.split(",") if "/" in v]
+        mine = [v for k, v in asked if k == kind.name and v in kind.variants]
+        return mine or list(kind.variants)
+
     def data(self, kind: PeerKind, names: list[str]) -> list[str]:
         """The --data arguments of `kind` for these datasets."""
         if kind.name == "tokenfeed":
@@ -323,46 +329,53 @@ class Bench:
     def run_part(self, part: str) -> None:
         mixture = part == "mixture"
         names = [n for n, _ in MIXTURE] if mixture else ["main"]
-        runs = [(k, v) for k in self.kinds for v in k.variants]
+        runs = [(k, v) for k in self.kinds for v in self.variants(k)]
         for r, (kind, variant) in interleaved(runs, self.args.rounds):
-            argv = ["--data", *self.data(kind, names), "--variant", variant]
-            argv += ["--seconds", str(self.args.seconds), "--step-ms", str(self.args.step_ms)]
+            argv = ["--seconds", str(self.args.seconds), "--step-ms", str(self.args.step_ms)]
             if mixture:
                 argv += ["--weights", *(str(w) for _, w in MIXTURE)]
+                argv += ["--mixture-batches", str(self.args.mixture_batches)]
             drop_from_page_cache(self.files(kind, names))
-            feeder = self.feeder(kind)
-            try:
-                result = adapter(kind, self.args, "run", argv, feeder)
-            except RuntimeError as e:
-                self.log(f"  {kind.name}/{variant} {part} failed: {e}")
-                continue
-            finally:
-                if feeder is not None:
-                    feeder.stop()
-            result.update(name=f"{kind.name}/{variant}", part=part, round=r)
-            self.results.append(result)
-            self.log(
-                f"  {part} round {r + 1}: {kind.name}/{variant} "
-                f"{result['empty']['tokens_per_s'] / 1e6:.1f} Mtok/s"
-            )
+            result = self.one(kind, variant, "run", names, argv, part, r)
+            if result is not None:
+                self.log(
+                    f"  {part} round {r + 1}: {kind.name}/{variant} "
+                    f"{result['empty']['tokens_per_s'] / 1e6:.1f} Mtok/s"
+                )
 
     def resume(self) -> None:
         for kind in self.kinds:
-            variant = kind.variants[0]
-            argv = ["--data", *self.data(kind, ["main"]), "--variant", variant]
-            argv += ["--elastic-world-size", "2"]
-            feeder = self.feeder(kind)
-            try:
-                result = adapter(kind, self.args, "resume", argv, feeder)
-            except RuntimeError as e:
-                self.log(f"  {kind.name} resume failed: {e}")
-                continue
-            finally:
-                if feeder is not None:
-                    feeder.stop()
-            result.update(name=f"{kind.name}/{variant}", part="resume", round=0)
-            self.results.append(result)
-            self.log(f"  resume {kind.name}: {result['resume_s'] * 1e3:.1f} ms")
+            argv = ["--elastic-world-size", "2"]
+            variant = self.variants(kind)[0]
+            result = self.one(kind, variant, "resume", ["main"], argv, "resume", 0)
+            if result is not None:
+                self.log(f"  resume {kind.name}: {result['resume_s'] * 1e3:.1f} ms")
+
+    def one(
+        self,
+        kind: PeerKind,
+        variant: str,
+        mode: str,
+        names: list[str],
+        argv: list[str],
+        part: str,
+        round_: int,
+    ) -> dict[str, Any] | None:
+        """One adapter run over `names` (a feeder of its own for tokenfeed); its result,
+        kept, or None when it failed (logged: the other runs go on)."""
+        argv = ["--data", *self.data(kind, names), "--variant", variant, *argv]
+        feeder = self.feeder(kind)
+        try:
+            result = adapter(kind, self.args, mode, argv, feeder)
+        except RuntimeError as e:
+            self.log(f"  {kind.name}/{variant} {part} failed: {e}")
+            return None
+        finally:
+            if feeder is not None:
+                feeder.stop()
+        result.update(name=f"{kind.name}/{variant}", part=part, round=round_)
+        self.results.append(result)
+        return result
 
 
 # --------------------------------------------------------------------- report
@@ -419,7 +432,15 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="per loop (default 5)")
     p.add_argument("--step-ms", type=float, default=5.0, help="the stepped loop's sleep")
     p.add_argument("--peers", default=",".join(k.name for k in PEERS))
+    p.add_argument(
+        "--variants",
+        default="",
+        help="only these variants of their loaders, e.g. tokenfeed/numpy,grain/w0 (default: all)",
+    )
     p.add_argument("--parts", default="write,run,mixture,resume", help="which parts (default: all)")
+    p.add_argument(
+        "--mixture-batches", type=int, default=1000, help="batches the deviation is taken over"
+    )
     p.add_argument("--peers-dir", type=Path, default=REPO / ".peers", help="the peer venvs")
     p.add_argument("--workdir", type=Path, help="keep the data here (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=600.0, help="per adapter run, seconds")

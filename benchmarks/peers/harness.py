@@ -93,6 +93,53 @@ class Peer:
         """Stop workers and threads (the default: nothing to stop)."""
 
 
+class LoaderPeer(Peer):
+    """A peer whose `loader` is a DataLoader-like object with its own state: iterating
+    it is an epoch, `len()` its batches, `state_dict()` / `load_state_dict()` its state
+    (MosaicML Streaming's and LitData's StreamingDataLoader)."""
+
+    loader: Any
+
+    def epoch(self) -> Iterable[Any]:
+        return self.loader
+
+    def epoch_batches(self) -> int:
+        return len(self.loader)
+
+    def state_dict(self) -> Any:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.loader.load_state_dict(state)
+
+    def close(self) -> None:
+        it = getattr(self.loader, "_iterator", None)  # torch's DataLoader: its workers
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+
+class FlatWindows:
+    """Window i = T[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] of a flat uint16 file, read
+    with np.memmap (opened in the process that reads: workers too)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.n = (path.stat().st_size // 2 - WINDOW) // SEQ_LEN + 1
+        self._map: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    def window(self, i: int) -> np.ndarray:
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint16, mode="r")
+        s = int(i) * SEQ_LEN
+        return self._map[s : s + WINDOW]
+
+    def __getstate__(self) -> dict[str, Any]:  # sent to workers without the map
+        return {**self.__dict__, "_map": None}
+
+
 def keys(rows: np.ndarray) -> list[bytes]:
     """Each row's identity: its first KEY_TOKENS tokens."""
     return [bytes(r) for r in np.ascontiguousarray(rows[:, :KEY_TOKENS], dtype=np.uint16)]

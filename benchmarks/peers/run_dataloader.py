@@ -17,28 +17,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from harness import BATCH, SEQ_LEN, WINDOW, Peer, main
+from harness import BATCH, FlatWindows, LoaderPeer, main
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler, WeightedRandomSampler
 
 MIXTURE_SAMPLES = 1 << 20  # rows per "epoch" of the weighted sampler
 
 
-class MemmapWindows(Dataset[torch.Tensor]):
-    """Window i = T[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] of a flat uint16 file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.n = (path.stat().st_size // 2 - WINDOW) // SEQ_LEN + 1
-        self._map: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return self.n
+class MemmapWindows(FlatWindows, Dataset[torch.Tensor]):
+    """The DataLoader's map-style Dataset: window i as an int64 tensor."""
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if self._map is None:  # opened in the process that reads (workers too)
-            self._map = np.memmap(self.path, dtype=np.uint16, mode="r")
-        s = i * SEQ_LEN
-        return torch.from_numpy(self._map[s : s + WINDOW].astype(np.int64))
+        return torch.from_numpy(self.window(i).astype(np.int64))
 
 
 class EpochSampler(Sampler[int]):
@@ -63,7 +52,7 @@ class EpochSampler(Sampler[int]):
         return self.steps() * BATCH
 
 
-class TorchDataLoader(Peer):
+class TorchDataLoader(LoaderPeer):
     elastic = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -119,11 +108,6 @@ class TorchDataLoader(Peer):
     def load_state_dict(self, state: Any) -> None:
         self.sampler.epoch, self.sampler.consumed = state["epoch"], state["consumed"]
         self.resumed = True
-
-    def close(self) -> None:
-        it = getattr(self.loader, "_iterator", None)
-        if it is not None:
-            it._shutdown_workers()
 
 
 def write(flats: list[Path], out: Path) -> None:

@@ -13,28 +13,14 @@ from typing import Any
 
 import grain
 import numpy as np
-from harness import BATCH, SEQ_LEN, WINDOW, Peer, main
+from harness import BATCH, FlatWindows, Peer, main
 
 
-class MemmapWindows:
-    """Window i = T[i * SEQ_LEN : i * SEQ_LEN + SEQ_LEN + 1] of a flat uint16 file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.n = (path.stat().st_size // 2 - WINDOW) // SEQ_LEN + 1
-        self._map: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return self.n
+class MemmapWindows(FlatWindows):
+    """Grain's random-access data source: window i as a numpy array."""
 
     def __getitem__(self, i: int) -> np.ndarray:
-        if self._map is None:  # opened in the process that reads (workers too)
-            self._map = np.memmap(self.path, dtype=np.uint16, mode="r")
-        s = int(i) * SEQ_LEN
-        return np.asarray(self._map[s : s + WINDOW])
-
-    def __getstate__(self) -> dict[str, Any]:  # sent to workers without the map
-        return {"path": self.path, "n": self.n, "_map": None}
+        return np.asarray(self.window(i))
 
 
 class Grain(Peer):

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from harness import BATCH, WINDOW, Peer, main
+from harness import BATCH, WINDOW, LoaderPeer, main
 from litdata import (
     CombinedStreamingDataset,
     StreamingDataLoader,
@@ -25,7 +25,7 @@ from litdata import (
 PIECE = 1 << 22  # tokens per input of optimize: bounded memory
 
 
-class LitData(Peer):
+class LitData(LoaderPeer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         sets = [
@@ -47,25 +47,8 @@ class LitData(Peer):
             dataset, batch_size=BATCH, num_workers=self.workers, drop_last=True
         )
 
-    def epoch(self) -> Any:
-        return self.loader
-
     def rows(self, batch: Any) -> np.ndarray:
         return batch.numpy()
-
-    def epoch_batches(self) -> int:
-        return len(self.loader)
-
-    def state_dict(self) -> Any:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: Any) -> None:
-        self.loader.load_state_dict(state)
-
-    def close(self) -> None:
-        it = getattr(self.loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
 
 
 def pieces(flat: str) -> Iterator[torch.Tensor]:

@@ -9,6 +9,7 @@ adapters, one process each, do not do.
 
 from __future__ import annotations
 
+import gc
 import importlib.machinery
 import sys
 import types
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from harness import BATCH, SEQ_LEN, WINDOW, Peer, main
+from harness import BATCH, SEQ_LEN, WINDOW, LoaderPeer, main
 
 
 def _module(name: str) -> types.ModuleType:
@@ -61,7 +62,7 @@ from streaming import MDSWriter, Stream, StreamingDataLoader, StreamingDataset  
 from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 
 
-class MosaicStreaming(Peer):
+class MosaicStreaming(LoaderPeer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         clean_stale_shared_memory()
@@ -82,28 +83,12 @@ class MosaicStreaming(Peer):
             drop_last=True,
         )
 
-    def epoch(self) -> Any:
-        return self.loader
-
     def rows(self, batch: Any) -> np.ndarray:
         return batch["tokens"].numpy()
 
-    def epoch_batches(self) -> int:
-        return len(self.loader)
-
-    def state_dict(self) -> Any:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: Any) -> None:
-        self.loader.load_state_dict(state)
-
     def close(self) -> None:
-        it = getattr(self.loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        del self.loader, self.dataset
-        import gc
-
+        super().close()
+        del self.loader, self.dataset  # its shared memory goes with it
         gc.collect()
         clean_stale_shared_memory()
 

@@ -10,14 +10,18 @@ the flat file by `tokenfeed import --format nanogpt` (a flat uint16 file is nano
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from harness import BATCH, SEQ_LEN, Peer, main
+from harness import BATCH, SEQ_LEN, LoaderPeer, main
+
+if "torch" in sys.argv:  # a trainer has torch imported already, as the other adapters do
+    import torch  # noqa: F401
 
 
-class Tokenfeed(Peer):
+class Tokenfeed(LoaderPeer):
     elastic = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -36,32 +40,26 @@ class Tokenfeed(Peer):
         address = os.environ["TOKENFEED_ADDRESS"]
         if self.weights:
             mixture = {d.name: w for d, w in zip(self.data, self.weights, strict=True)}
-            self.client = FeederClient(address, mixture=mixture, **common)
+            self.loader = FeederClient(address, mixture=mixture, **common)
         else:
-            self.client = FeederClient(address, dataset=self.data[0].name, **common)
+            self.loader = FeederClient(address, dataset=self.data[0].name, **common)
         self.next_epoch = 0
 
     def epoch(self) -> Any:
         if not self.weights:  # a mixture is one endless stream
-            self.client.set_epoch(self.next_epoch)
+            self.loader.set_epoch(self.next_epoch)
             self.next_epoch += 1
-        return self.client
+        return self.loader
 
     def rows(self, batch: Any) -> np.ndarray:
         return np.asarray(batch["input_ids"])
 
-    def epoch_batches(self) -> int:
-        return len(self.client)
-
-    def state_dict(self) -> Any:
-        return self.client.state_dict()
-
     def load_state_dict(self, state: Any) -> None:
-        self.client.load_state_dict(state)
+        super().load_state_dict(state)
         self.next_epoch = state["epoch"]  # set_epoch of the saved epoch keeps its position
 
     def close(self) -> None:
-        self.client.close()
+        self.loader.close()
 
 
 def write(flats: list[Path], out: Path) -> None:

@@ -6,13 +6,12 @@ The peers' own venvs (benchmarks/peers/setup.sh) are not needed by any test here
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -20,25 +19,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def load(path: Path) -> ModuleType:
-    sys.path.insert(0, str(path.parent))  # the driver imports procs, the harness too
-    try:
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(path.parent))
-
-
-peers = load(BENCHMARKS / "peers.py")
-harness = load(BENCHMARKS / "peers" / "harness.py")
-procs = load(BENCHMARKS / "procs.py")
+# Programs, not a package: imported as their adapters import each other, by path.
+sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS / "peers")]
+harness = importlib.import_module("harness")
+peers = importlib.import_module("peers")  # benchmarks/peers.py, not the folder beside it
+procs = importlib.import_module("procs")
 
 
 def test_help_runs_without_the_peer_venvs() -> None:
@@ -156,6 +141,10 @@ def test_a_small_run_of_tokenfeed_and_the_dataloader(tmp_path: Path) -> None:
             str(BENCHMARKS / "peers.py"),
             "--peers",
             "tokenfeed,dataloader",
+            "--variants",
+            "tokenfeed/numpy,dataloader/w0",
+            "--mixture-batches",
+            "200",
             "--parts",
             "write,mixture,resume",
             "--tokens",
@@ -182,9 +171,9 @@ def test_a_small_run_of_tokenfeed_and_the_dataloader(tmp_path: Path) -> None:
         assert (e["lost"], e["repeated"], e["foreign"]) == (0, 0, 0), name
         assert e["rows"] == e["rows_left"] > 0
     mixed = {r["name"]: r for r in results if r["part"] == "mixture"}
-    assert set(mixed) == {"tokenfeed/numpy", "tokenfeed/torch", "dataloader/w0", "dataloader/w2"}
+    assert set(mixed) == {"tokenfeed/numpy", "dataloader/w0"}
     for r in mixed.values():
-        assert r["deviation"]["batches"] == 1000
+        assert r["deviation"]["batches"] == 200
         assert r["empty"]["tokens_per_s"] > 0
         assert r["peak_pss"] > 0
     # tokenfeed's apportionment keeps every source within 1 row of its share
