@@ -80,7 +80,7 @@ class Peer:
         raise NotImplementedError
 
     def epoch_batches(self) -> int:
-        """Batches in one epoch of this rank."""
+        """Batches in one whole epoch of this rank (not what is left of it)."""
         raise NotImplementedError
 
     def state_dict(self) -> Any:
@@ -213,13 +213,14 @@ def resume(make: Callable[..., Peer], args: argparse.Namespace) -> dict[str, Any
     loader (the uninterrupted run) against those of a new loader from the state."""
     peer = make()
     it = iter(peer.epoch())
-    stop = int(peer.epoch_batches() * args.fraction)
+    batches = peer.epoch_batches()
+    stop = int(batches * args.fraction)
     for _ in range(stop):
         next(it)
     t0 = time.perf_counter()
     state = pickle.dumps(peer.state_dict())
     save_s = time.perf_counter() - t0
-    left = peer.epoch_batches() - stop  # the uninterrupted run, to the epoch's end
+    left = batches - stop  # the uninterrupted run, to the epoch's end
     rest = [keys(peer.rows(batch)) for batch in itertools.islice(it, left)]
     del it
     peer.close()
@@ -251,7 +252,8 @@ def elastic(
 ) -> dict[str, Any]:
     """The state loaded at another world size, every rank in turn in this process: the
     rows all ranks receive to the end of the epoch must be the rows the uninterrupted
-    run had left, none lost, none repeated."""
+    run had left, none lost, none repeated, but for the epoch's last rows that no longer
+    fill a whole step of world_size x BATCH (a training epoch drops a short last step)."""
     w = args.elastic_world_size
     got: list[bytes] = []
     seconds = []
@@ -264,13 +266,16 @@ def elastic(
                 seconds.append(time.perf_counter() - t0)
             got += keys(peer.rows(batch))
         peer.close()
-    want = {k for batch in rest for k in batch}
+    left = [k for batch in rest for k in batch]  # in the order of the epoch
+    whole = len(left) // (w * BATCH) * (w * BATCH)
+    want = set(left[:whole])
     have = set(got)
     return {
         "world_size": w,
         "resume_s": max(seconds),
         "rows": len(got),
         "rows_left": len(want),
+        "short_last_step": len(left) - whole,
         "lost": len(want - have),
         "repeated": len(got) - len(have),
         "foreign": len(have - want),

@@ -100,7 +100,7 @@ class TorchDataLoader(LoaderPeer):
         return batch.numpy()
 
     def epoch_batches(self) -> int:
-        return len(self.sampler) // BATCH
+        return self.sampler.n // (BATCH * self.world_size)  # a whole epoch's, from its start
 
     def state_dict(self) -> Any:
         return {"epoch": self.sampler.epoch, "consumed": self.sampler.consumed}

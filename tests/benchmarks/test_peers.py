@@ -170,6 +170,7 @@ def test_a_small_run_of_tokenfeed_and_the_dataloader(tmp_path: Path) -> None:
         e = r["elastic"]
         assert (e["lost"], e["repeated"], e["foreign"]) == (0, 0, 0), name
         assert e["rows"] == e["rows_left"] > 0
+        assert 0 <= e["short_last_step"] < 2 * 16  # only what no longer fills a step of 2 ranks
     mixed = {r["name"]: r for r in results if r["part"] == "mixture"}
     assert set(mixed) == {"tokenfeed/numpy", "dataloader/w0"}
     for r in mixed.values():
