@@ -1,7 +1,7 @@
 """tokenfeed side by side with the loaders a team would otherwise pick, on the same tokens.
 
     benchmarks/peers/setup.sh                 # once: a venv per peer under .peers/ (~5 min)
-    .venv/bin/python benchmarks/peers.py      # everything, 3 interleaved rounds (~25 min)
+    .venv/bin/python benchmarks/peers.py      # everything, 3 interleaved rounds (<1 h)
 
 The peers, each given the same random uint16 tokens in its own recommended format and
 run in its own virtual environment by a small adapter (benchmarks/peers/run_*.py) that
