@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from procs import stat
 
 from tokenfeed.cli.bench import measure
 from tokenfeed.cli.process import serve_argv, wait_for_port
@@ -69,8 +70,6 @@ DOC_OPTIONS: dict[str, dict[str, Any]] = {
     "mask": {"mask_cross_document_labels": True},
 }
 EOS = 50256
-PAGE = os.sysconf("SC_PAGE_SIZE")
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ the baselines
@@ -144,13 +143,6 @@ class LruChunkWindows(MemmapWindows):
 # ------------------------------------------------------------- measuring a process
 
 
-def _proc(pid: int) -> tuple[int, float]:
-    """(RSS bytes, CPU seconds) of a process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[21]) * PAGE, (int(fields[11]) + int(fields[12])) / TICK
-
-
 class TrainerSide:
     """Samples RSS of this process and its worker children; sums the workers' CPU."""
 
@@ -170,14 +162,14 @@ class TrainerSide:
             total = 0
             for pid in self._pids():
                 with contextlib.suppress(OSError):
-                    total += _proc(pid)[0]
+                    total += stat(pid)[0]
             self.peak = max(self.peak, total)
 
     def worker_cpu(self) -> float:
         cpu = 0.0
         for pid in self._pids()[1:]:
             with contextlib.suppress(OSError):
-                cpu += _proc(pid)[1]
+                cpu += stat(pid)[1]
         return cpu
 
     def stop(self) -> int:
@@ -337,7 +329,7 @@ def main() -> None:
                 ]
             rounds = [variants] * args.repeat
             for k, variant in ((k, v) for k, vs in enumerate(rounds) for v in vs):
-                feeder_cpu0 = _proc(feeder.pid)[1]
+                feeder_cpu0 = stat(feeder.pid)[1]
                 load0 = os.getloadavg()[0]
                 env = dict(os.environ)
                 if variant.endswith("@base"):  # the other revision's client package first
@@ -371,7 +363,7 @@ def main() -> None:
                 r["load"] = (load0 + os.getloadavg()[0]) / 2
                 moved = r["empty"]["tokens"] + sum(t["tokens"] for t in r["train"])
                 r["feeder_cpu"] = (
-                    (_proc(feeder.pid)[1] - feeder_cpu0) / moved * 1e9
+                    (stat(feeder.pid)[1] - feeder_cpu0) / moved * 1e9
                     if variant.startswith("feeder")
                     else None
                 )

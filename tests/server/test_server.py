@@ -78,6 +78,17 @@ def assert_matches(
         check_positional(b, modulo)
 
 
+def test_batch_threads_are_started_before_the_first_request(feeder_root: Path) -> None:
+    # Started one per task, each start would keep the event loop waiting in the way of
+    # the first streams' first batches.
+    def batch_threads() -> int:
+        return sum(t.name.startswith("tokenfeed-batch") for t in threading.enumerate())
+
+    before = batch_threads()
+    with running_feeder(feeder_root, assembly_threads=3):
+        assert batch_threads() - before == 3
+
+
 # ----------------------------------------------------------------------------- Info
 
 

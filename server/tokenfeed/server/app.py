@@ -17,6 +17,7 @@ import hmac
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -221,6 +222,7 @@ class FeederServer:
             port = server.add_insecure_port(bind)
         if port == 0:
             raise OSError(f"could not bind {bind}")
+        start_threads(self.executor, self.config.num_assembly_threads)
         await server.start()
         self._server, self.port = server, port
         for name in ("", SERVICE_NAME):
@@ -254,6 +256,16 @@ class FeederServer:
     async def wait_for_termination(self) -> None:
         assert self._server is not None
         await self._server.wait_for_termination()
+
+
+def start_threads(pool: ThreadPoolExecutor, n: int) -> None:
+    """Start `n` threads of `pool` now: it starts them one per task as tasks come, and on
+    a busy machine each start makes the event loop wait for the new thread to be
+    scheduled, in the way of the first streams' first batches."""
+    ready = threading.Barrier(n + 1)
+    for _ in range(n):  # each task holds its thread at the barrier, so the next needs a new one
+        pool.submit(ready.wait, 10.0)
+    ready.wait(10.0)
 
 
 def create_server(

@@ -23,6 +23,7 @@ owns the format.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,25 @@ META_NAME = "meta.json"
 DEFAULT_TOKENS_PER_CHUNK = 1 << 24  # 32 MiB of uint16: big sequential reads, few files
 
 
+def _crc32() -> Callable[[Any], int]:
+    """The fastest CRC-32 at hand: ISA-L's (the `server` extra installs it) computes the
+    same value as zlib's ~10x faster, which is most of a chunk load from the page cache
+    (a stream's first batch waits for its chunks)."""
+    try:
+        from isal.isal_zlib import crc32
+    except ImportError:
+        return zlib.crc32
+    return crc32
+
+
+crc32 = _crc32()
+
+
 def checksum(data: bytes | memoryview | np.ndarray) -> str:
     """Checksum of a chunk's bytes, as stored in meta.json (`crc32:%08x`)."""
     if isinstance(data, np.ndarray):
         data = np.ascontiguousarray(data).data.cast("B")
-    return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    return f"crc32:{crc32(data) & 0xFFFFFFFF:08x}"
 
 
 def check_checksum(data: np.ndarray, chunk: Chunk, where: str) -> None:
