@@ -71,6 +71,35 @@ def agreed(states: Iterable[Mapping[str, Any]], where: str) -> dict[str, Any]:
     return dict(json.loads(distinct.pop()))
 
 
+class EpochMap:
+    """A framework's epoch counter onto the loader's epochs.
+
+    The offset between the two is fixed at the first epoch after a start or a
+    resume: then the loader's epoch is its position's (or the next one, if that is
+    used up). A framework counts epochs in its own steps or marks a stopped epoch
+    done, which after a resume, another world size or gradient accumulation differs
+    from the loader's epochs; the loader's position is the one that is exact.
+    """
+
+    def __init__(self, loader: FeederClient) -> None:
+        self.loader = loader
+        self._base: int | None = None
+
+    def reset(self) -> None:
+        """A new position was loaded: the offset is fixed again at the next epoch."""
+        self._base = None
+
+    def __call__(self, epoch: int) -> int:
+        """The loader's epoch for the framework's `epoch`."""
+        if self._base is None:
+            loader = self.loader
+            own = int(loader.state_dict()["epoch"])
+            if not loader.is_mixture and loader.steps_left == 0:
+                own += 1
+            self._base = own - epoch
+        return epoch + self._base
+
+
 def common_steps(loader: FeederClient) -> int:
     """Steps of a full epoch that every rank has: validation gives the ranks of a
     short last step one step more than the others (docs/sampling.md, "Steps and

@@ -38,7 +38,7 @@ from typing import Any
 
 from tokenfeed.client import FeederClient
 from tokenfeed.core.atomic import write_atomic
-from tokenfeed.integrations.ranks import agreed, common_steps, rank_loader, require
+from tokenfeed.integrations.ranks import EpochMap, agreed, common_steps, rank_loader, require
 
 _transformers = require("transformers", "transformers")
 _trainer_utils = require("transformers.trainer_utils", "transformers")
@@ -70,28 +70,17 @@ class FeederBatches:
     def __init__(self, loader: FeederClient, steps: int | None = None) -> None:
         self.loader = loader
         self._steps = steps  # None: the loader's len(); else stop after this many
-        # The loader's epoch minus the Trainer's, fixed at the first set_epoch: after a
-        # resume the Trainer counts epochs in its own steps, which another world size
-        # or gradient accumulation makes differ from the loader's epochs.
-        self._base: int | None = None
+        self._epochs = EpochMap(loader)  # the Trainer counts epochs in its own steps
         self._epoch: int | None = None
 
     def __len__(self) -> int:
         return len(self.loader) if self._steps is None else self._steps
 
     def set_epoch(self, epoch: int) -> None:
-        if self._base is None:
-            self._base = self._resumed_epoch() - epoch
-        if self._epoch != epoch + self._base:
-            self._epoch = epoch + self._base
-            self.loader.set_epoch(self._epoch)
-
-    def _resumed_epoch(self) -> int:
-        """The loader's epoch: its position's, or the next one if that is used up."""
-        epoch = int(self.loader.state_dict()["epoch"])
-        if self.loader.is_mixture or self.loader.steps_left > 0:
-            return epoch
-        return epoch + 1
+        own = self._epochs(epoch)
+        if self._epoch != own:  # the Trainer may say it twice before iterating
+            self._epoch = own
+            self.loader.set_epoch(own)
 
     @property
     def steps_left(self) -> int:
