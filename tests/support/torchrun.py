@@ -3,7 +3,7 @@
     run = TorchRun(EXAMPLE, 2, ["--feeder", address, ...])
     run.wait_for(r"checkpoint saved at step (\\d+)")      # a regex match, or AssertionError
     run.pids("train_ddp")                               # each rank's pid, from its log line
-    run.steps("train_ddp")                              # (rank, step) -> starts trained
+    run.steps("train_ddp")                              # (rank, step) -> starts, epoch 0
 
 The examples log `[rank R] NAME: rank R of W, pid P` at start and, with
 `--log-starts`, `[rank R] NAME: epoch E step S starts a,b,c` before training a batch.
@@ -86,8 +86,8 @@ class TorchRun:
         return "\n".join(self.lines[-60:])
 
     def steps(self, name: str) -> dict[tuple[int, int], list[int]]:
-        """(rank, step) -> the starts that rank trained on at that step."""
-        line = re.compile(rf"\[rank (\d+)\] {name}: epoch \d+ step (\d+) starts ([\d,]+)")
+        """(rank, step) -> the starts that rank trained on at that step of epoch 0."""
+        line = re.compile(rf"\[rank (\d+)\] {name}: epoch 0 step (\d+) starts ([\d,]+)")
         out = {}
         for text in list(self.lines):
             if m := line.search(text):
