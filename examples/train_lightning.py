@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from tokenfeed.integrations.lightning import FeederDataModule
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ddp import TinyGPT  # noqa: E402 - the same tiny model
+from train_ddp import TinyGPT
 
 log = logging.getLogger("train_lightning")
 

@@ -39,7 +39,7 @@ from torchtitan.components.optimizer.optimizer import OptimizersContainer, Param
 from tokenfeed.integrations.torchtitan import FeederDataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_ddp import TinyGPT  # noqa: E402 - the same tiny model
+from train_ddp import TinyGPT
 
 log = logging.getLogger("train_torchtitan")
 

@@ -109,7 +109,9 @@ def main() -> None:
         LlamaForCausalLM(config), training, train_loader=loader, callbacks=[LogLines()]
     )
     resume = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
-    log.info("rank %d of %d, pid %d, resuming from %s", rank, loader.world_size, os.getpid(), resume)
+    log.info(
+        "rank %d of %d, pid %d, resuming from %s", rank, loader.world_size, os.getpid(), resume
+    )
     trainer.train(resume_from_checkpoint=resume)
     log.info("done after %d steps", trainer.state.global_step)
     loader.close()

@@ -43,7 +43,8 @@ def test_pairs_from_torchtitans_build_call_endless_across_epochs(lm_feeder) -> N
         seen: dict[int, list[int]] = {0: [], 1: []}
         for n, (inputs, labels) in enumerate(loader):
             batch = loader.batch
-            assert set(inputs) == {"input"} and inputs["input"].dtype == torch.int64
+            assert set(inputs) == {"input"}
+            assert inputs["input"].dtype == torch.int64
             assert inputs["input"].device.type == "cpu"
             want = np.asarray(batch["starts"])[:, None] + np.arange(33)
             np.testing.assert_array_equal(inputs["input"].numpy(), want[:, :32] % 512)
@@ -52,7 +53,8 @@ def test_pairs_from_torchtitans_build_call_endless_across_epochs(lm_feeder) -> N
             if n == steps + 2:
                 break
     assert len(seen[0]) == len(set(seen[0])) == steps * 8  # a whole epoch, then the next
-    assert len(seen[1]) == 3 * 8 and seen[1] != seen[0][:24]  # reshuffled
+    assert len(seen[1]) == 3 * 8
+    assert seen[1] != seen[0][:24]
 
 
 def test_documents_add_positions(lm_feeder) -> None:
@@ -77,8 +79,9 @@ def test_state_is_one_entry_per_dp_rank_and_resumes_on_another_dp_size(lm_feeder
 
     alone = built(lm_feeder.address, 0, 1)
     alone.load_state_dict(states[1])
-    _, labels = next(iter(alone))
-    assert alone.batch["step"] == 5 and alone.batch["offset"] == 5 * 8 * 2
+    _, _labels = next(iter(alone))
+    assert alone.batch["step"] == 5
+    assert alone.batch["offset"] == 5 * 8 * 2
     for r in (*ranks, alone):
         r.close()
 
@@ -117,7 +120,9 @@ def one_process_group():
 
     from support import free_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 

@@ -51,9 +51,14 @@ def test_trainer_loss_is_cross_entropy_on_the_feeders_labels(
         model,
         arguments(tmp_path),
         train_loader=dict(
-            address=lm_feeder.address, dataset=DOCUMENTS, seq_len=64, batch_size=8, shift=shift,
-            documents=masked, mask_cross_document_labels=masked,
-        ),  # fmt: skip
+            address=lm_feeder.address,
+            dataset=DOCUMENTS,
+            seq_len=64,
+            batch_size=8,
+            shift=shift,
+            documents=masked,
+            mask_cross_document_labels=masked,
+        ),
     )
     with trainer.train_loader:
         batch = next(iter(trainer.get_train_dataloader()))
@@ -76,7 +81,8 @@ def test_batch_size_comes_from_the_loader_with_a_warning_if_args_said_otherwise(
     loader = dict(address=lm_feeder.address, dataset=COUNTING, seq_len=32, batch_size=4)
     with caplog.at_level(logging.WARNING, "tokenfeed.integrations.transformers"):
         quiet = FeederTrainer(tiny_gpt2(), arguments(tmp_path), train_loader=loader)
-    assert quiet.args.per_device_train_batch_size == 4 and not caplog.records
+    assert quiet.args.per_device_train_batch_size == 4
+    assert not caplog.records
     with caplog.at_level(logging.WARNING, "tokenfeed.integrations.transformers"):
         told = FeederTrainer(
             tiny_gpt2(), arguments(tmp_path, per_device_train_batch_size=16), train_loader=loader
@@ -108,7 +114,8 @@ def test_train_checkpoints_every_position_and_resumes_without_skipping(
     assert first.state.global_step == 20
     everything, seen[:] = list(seen), []
     state = load_loader_state(tmp_path / "out" / "checkpoint-14")
-    assert state["step"] == 28 and state["epoch"] == 0  # 14 updates of 2 micro-batches
+    assert state["step"] == 28
+    assert state["epoch"] == 0
     stored = json.loads((tmp_path / "out" / "checkpoint-14" / "tokenfeed-rank0.json").read_text())
     assert stored == state
     first.train_loader.close()
@@ -116,18 +123,21 @@ def test_train_checkpoints_every_position_and_resumes_without_skipping(
     second = Recording(tiny_gpt2(), args, train_loader=loader)
     second.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-14"))
     assert seen == everything[28 * 16 :]  # no batch skipped by iterating, none lost
-    assert second.state.global_step == 20 and steps == 78
+    assert second.state.global_step == 20
+    assert steps == 78
     second.train_loader.close()
 
 
 def test_a_loader_for_another_rank_or_without_a_device_is_refused(lm_feeder, tmp_path) -> None:
     common = dict(dataset=COUNTING, seq_len=32, batch_size=4)
-    with FeederClient(lm_feeder.address, rank=1, world_size=2, device="cpu", **common) as other:
-        with pytest.raises(ValueError, match="rank 1 of 2, but this process is rank 0 of 1"):
-            FeederTrainer(tiny_gpt2(), arguments(tmp_path), train_loader=other)
-    with FeederClient(lm_feeder.address, **common) as numpy_loader:
-        with pytest.raises(ValueError, match="needs tensors"):
-            FeederTrainer(tiny_gpt2(), arguments(tmp_path), train_loader=numpy_loader)
+    other = FeederClient(lm_feeder.address, rank=1, world_size=2, device="cpu", **common)
+    with other, pytest.raises(ValueError, match="rank 1 of 2, but this process is rank 0 of 1"):
+        FeederTrainer(tiny_gpt2(), arguments(tmp_path), train_loader=other)
+    with (
+        FeederClient(lm_feeder.address, **common) as numpy_loader,
+        pytest.raises(ValueError, match="needs tensors"),
+    ):
+        FeederTrainer(tiny_gpt2(), arguments(tmp_path), train_loader=numpy_loader)
     with pytest.raises(ValueError, match="label_smoothing_factor"):
         FeederTrainer(
             tiny_gpt2(),
@@ -173,7 +183,8 @@ def test_example_two_processes_killed_after_a_checkpoint_resume_with_one(tmp_pat
         newest = transformers.trainer_utils.get_last_checkpoint(str(out))
         state = load_loader_state(newest)
         done = state["step"]  # the first epoch step not trained on before the checkpoint
-        assert state["offset"] == done * BATCH * 2 and done >= 10
+        assert state["offset"] == done * BATCH * 2
+        assert done >= 10
 
         second = example(1, feeder.address, out)
         second.wait_for(r"done after \d+ steps", timeout=300)

@@ -73,7 +73,10 @@ class TorchRun:
 
     def pids(self, name: str, ranks: int) -> list[int]:
         """Each rank's pid, from its `rank R of W, pid P` line."""
-        return [int(self.wait_for(rf"\[rank {r}\] {name}: rank {r} of \d+, pid (\d+)")[1]) for r in range(ranks)]
+        return [
+            int(self.wait_for(rf"\[rank {r}\] {name}: rank {r} of \d+, pid (\d+)")[1])
+            for r in range(ranks)
+        ]
 
     def kill(self, pids: list[int]) -> None:
         """SIGKILL the ranks (a crash: no cleanup, no final checkpoint), then torchrun."""

@@ -103,7 +103,7 @@ class FeederDataModule(LightningDataModule):  # type: ignore[misc]
         self._train: FeederBatches | None = None
         self._pending: dict[str, Any] | None = None  # a state loaded before setup()
         if val is None:  # no validation: Lightning sees the base class's hook, not ours
-            self.val_dataloader = LightningDataModule.val_dataloader.__get__(self)
+            self.val_dataloader = LightningDataModule.val_dataloader.__get__(self)  # type: ignore[method-assign]
 
     def _client(self, args: Mapping[str, Any], what: str) -> FeederClient:
         trainer = self.trainer

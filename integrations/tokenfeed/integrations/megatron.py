@@ -55,7 +55,7 @@ def parse_blend(
             f"the weights you write"
         )
     else:
-        pairs = list(zip(words[0::2], words[1::2]))
+        pairs = list(zip(words[0::2], words[1::2], strict=False))
     mixture: dict[str, str] = {}
     for weight, prefix in pairs:
         name = _dataset_name(prefix, data_root)

@@ -92,7 +92,7 @@ class FeederBatches:
         batches = iter(self.loader)
         if self._steps is None:
             return map(model_inputs, batches)
-        return (model_inputs(b) for _, b in zip(range(self._steps), batches))
+        return (model_inputs(b) for _, b in zip(range(self._steps), batches, strict=False))
 
 
 class FeederTrainer(Trainer):  # type: ignore[misc]
@@ -168,13 +168,16 @@ class FeederTrainer(Trainer):  # type: ignore[misc]
         the Trainer so makes its last gradient accumulation end on the epoch's last
         batch, as in a run that was never stopped."""
         batches = kwargs.get("train_dataloader")
-        if isinstance(batches, FeederBatches) and not batches.loader.is_mixture:
-            if "steps_in_epoch" in kwargs and "num_update_steps_per_epoch" in kwargs:
-                batches.set_epoch(kwargs["epoch"])
-                steps = batches.steps_left
-                accumulate = self.args.gradient_accumulation_steps
-                kwargs["steps_in_epoch"] = max(steps, 1)
-                kwargs["num_update_steps_per_epoch"] = max(math.ceil(steps / accumulate), 1)
+        if (
+            isinstance(batches, FeederBatches)
+            and not batches.loader.is_mixture
+            and {"epoch", "steps_in_epoch", "num_update_steps_per_epoch"} <= kwargs.keys()
+        ):
+            batches.set_epoch(kwargs["epoch"])
+            steps = batches.steps_left
+            accumulate = self.args.gradient_accumulation_steps
+            kwargs["steps_in_epoch"] = max(steps, 1)
+            kwargs["num_update_steps_per_epoch"] = max(math.ceil(steps / accumulate), 1)
         return super()._run_epoch(*args, **kwargs)
 
     # ------------------------------------------------------------- checkpoints
@@ -182,12 +185,10 @@ class FeederTrainer(Trainer):  # type: ignore[misc]
         """The Trainer's train(); a resume also loads the loader's position from the
         checkpoint folder (any number of processes)."""
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = _trainer_utils.get_last_checkpoint(
-                self.args.output_dir
-            )
+            resume_from_checkpoint = _trainer_utils.get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in {self.args.output_dir}")
-        if resume_from_checkpoint:
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             self.train_loader.load_state_dict(load_loader_state(resume_from_checkpoint))
             self._train_batches = FeederBatches(self.train_loader)
             log.info("tokenfeed: resuming at %s", self.train_loader.state_dict())
