@@ -18,7 +18,7 @@ from tokenfeed.integrations.lightning import FeederDataModule
 from support import ROOT
 from support.feeders import FeederProcess
 from support.stores import COUNTING, write_counting_store
-from support.torchrun import TorchRun, assert_epoch_once
+from support.torchrun import TorchRun, assert_epoch_once, finished, kill_after
 
 # Lightning 2.6's own use of torch's pytree (not ours) warns under torch 2.13.
 pytestmark = pytest.mark.filterwarnings("ignore:`isinstance.treespec, LeafSpec.` is deprecated")
@@ -119,22 +119,20 @@ def test_example_two_processes_killed_after_a_checkpoint_resume_with_one(tmp_pat
     checkpoints = tmp_path / "ckpt"
     with FeederProcess(root) as feeder:
         first = example(2, feeder.address, checkpoints)
-        pids = []
-        try:
-            pids = first.pids("train_lightning", 2)
-            first.wait_for(r"\[rank 0\] train_lightning: checkpoint saved at step 10")
-            first.wait_for(r"\[rank 0\] train_lightning: epoch 0 step 1[1-9] starts")  # saved
-        finally:
-            first.kill(pids)
-        assert not any("done after" in line for line in first.lines)  # killed mid-epoch
+        kill_after(
+            first,
+            "train_lightning",
+            2,
+            r"\[rank 0\] train_lightning: checkpoint saved at step 10",
+            r"\[rank 0\] train_lightning: epoch 0 step 1[1-9] starts",  # written by then
+        )
         state = torch.load(checkpoints / "last.ckpt", weights_only=False)["FeederDataModule"]
         done = state["train"]["step"]  # the first epoch step not trained on before it
         assert state["train"]["offset"] == done * BATCH * 2
         assert done >= 10
 
         second = example(1, feeder.address, checkpoints)
-        second.wait_for(r"done after \d+ steps", timeout=300)
-        assert second.finish() == 0, second.output()
+        finished(second)
     windows = (TOKENS - SEQ_LEN - 1) // SEQ_LEN + 1
     starts = set(range(0, TOKENS, SEQ_LEN))
     assert_epoch_once(first, second, "train_lightning", done, 2, BATCH, windows, starts)

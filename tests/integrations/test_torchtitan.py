@@ -20,7 +20,7 @@ from tokenfeed.integrations.torchtitan import FeederDataLoader
 from support import ROOT
 from support.feeders import FeederProcess
 from support.stores import COUNTING, write_counting_store
-from support.torchrun import TorchRun, assert_epoch_once
+from support.torchrun import TorchRun, assert_epoch_once, finished, kill_after
 
 
 def built(address: str, dp_rank: int = 0, dp_world_size: int = 1, **config) -> FeederDataLoader:
@@ -174,20 +174,13 @@ def test_example_two_processes_killed_after_a_checkpoint_resume_with_one(tmp_pat
     windows = (TOKENS - SEQ_LEN - 1) // SEQ_LEN + 1
     with FeederProcess(root) as feeder:
         first = example(2, feeder.address, checkpoints, 1000)
-        pids = []
-        try:
-            pids = first.pids("train_torchtitan", 2)
-            for r in (0, 1):
-                first.wait_for(rf"\[rank {r}\] train_torchtitan: checkpoint saved at step 10")
-        finally:
-            first.kill(pids)
-        assert not any("done after" in line for line in first.lines)  # killed mid-epoch
+        saved = [rf"\[rank {r}\] train_torchtitan: checkpoint saved at step 10" for r in (0, 1)]
+        kill_after(first, "train_torchtitan", 2, *saved)
         newest = max(checkpoints.iterdir(), key=lambda p: int(p.name.split("-")[1]))
         done = int(newest.name.split("-")[1])  # steps trained before the checkpoint
         # The resumed rank trains the epoch's rest (and a few steps into the next).
         second = example(1, feeder.address, checkpoints, done + (windows - done * 8) // 4 + 3)
-        second.wait_for(r"done after \d+ steps", timeout=300)
-        assert second.finish() == 0, second.output()
+        finished(second)
     assert f"resumed at step {done}" in "\n".join(second.lines)
     starts = set(range(0, TOKENS, SEQ_LEN))
     assert_epoch_once(first, second, "train_torchtitan", done, 2, BATCH, windows, starts)

@@ -21,7 +21,7 @@ from tokenfeed.integrations.transformers import FeederTrainer, load_loader_state
 from support import ROOT
 from support.feeders import FeederProcess
 from support.stores import COUNTING, write_counting_store
-from support.torchrun import TorchRun, assert_epoch_once
+from support.torchrun import TorchRun, assert_epoch_once, finished, kill_after
 
 DOCUMENTS = "docs"  # the lm_root fixture's (tests/integrations/conftest.py)
 
@@ -172,14 +172,8 @@ def test_example_two_processes_killed_after_a_checkpoint_resume_with_one(tmp_pat
     out = tmp_path / "out"
     with FeederProcess(root) as feeder:
         first = example(2, feeder.address, out)
-        pids = []
-        try:
-            pids = first.pids("train_transformers", 2)
-            for r in (0, 1):
-                first.wait_for(rf"\[rank {r}\] train_transformers: checkpoint saved at step 10")
-        finally:
-            first.kill(pids)
-        assert not any("done after" in line for line in first.lines)  # killed mid-epoch
+        saved = [rf"\[rank {r}\] train_transformers: checkpoint saved at step 10" for r in (0, 1)]
+        kill_after(first, "train_transformers", 2, *saved)
         newest = transformers.trainer_utils.get_last_checkpoint(str(out))
         state = load_loader_state(newest)
         done = state["step"]  # the first epoch step not trained on before the checkpoint
@@ -187,8 +181,7 @@ def test_example_two_processes_killed_after_a_checkpoint_resume_with_one(tmp_pat
         assert done >= 10
 
         second = example(1, feeder.address, out)
-        second.wait_for(r"done after \d+ steps", timeout=300)
-        assert second.finish() == 0, second.output()
+        finished(second)
     windows = (TOKENS - SEQ_LEN - 1) // SEQ_LEN + 1
     starts = set(range(0, TOKENS, SEQ_LEN))
     assert_epoch_once(first, second, "train_transformers", done, 2, BATCH, windows, starts)

@@ -101,6 +101,25 @@ class TorchRun:
         return [float(m[1]) for m in re.finditer(r" loss ([\d.]+)", "\n".join(self.lines))]
 
 
+def kill_after(run: TorchRun, name: str, ranks: int, *patterns: str) -> None:
+    """Wait for each of `patterns` in the output of `run`, then SIGKILL its ranks (a
+    crash: no cleanup, no final checkpoint), which had not finished."""
+    pids: list[int] = []
+    try:
+        pids = run.pids(name, ranks)
+        for pattern in patterns:
+            run.wait_for(pattern)
+    finally:
+        run.kill(pids)
+    assert not any("done after" in line for line in run.lines)  # killed mid-epoch
+
+
+def finished(run: TorchRun) -> None:
+    """Wait for `run` to say it is done and to exit 0."""
+    run.wait_for(r"done after \d+ steps", timeout=300)
+    assert run.finish() == 0, run.output()
+
+
 def assert_epoch_once(
     first: TorchRun,
     second: TorchRun,
