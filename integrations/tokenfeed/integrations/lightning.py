@@ -10,8 +10,8 @@
 
 `setup()` builds each rank's FeederClient from the trainer's global rank and world
 size (on the strategy's device unless the arguments name one). The train loader's
-position is the first batch Lightning has not trained on: Lightning fetches ahead of
-the loop, so the position moves when a batch is handed to the model
+position is the first batch Lightning has not trained on: Lightning may read a batch
+ahead of the loop, so a batch counts when it is handed to the model
 (`on_before_batch_transfer`), not when it is read. `state_dict()` carries it into
 every checkpoint (the train iterable is resumable too, so Lightning restores it in
 the middle of an epoch without a warning), with the same or another number of
@@ -20,6 +20,7 @@ devices (docs/integrations.md, "Lightning").
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,9 +40,10 @@ class FeederBatches:
         self._epoch = epoch  # () -> Lightning's current epoch; None: always epoch 0
         self._epochs = EpochMap(loader)
         self._steps = steps  # None: the loader's len(); else stop after this many
-        # (epoch, step) of a batch read -> the position after it, until it is trained.
-        self._after: dict[tuple[int, int], dict[str, Any]] = {}
-        self._trained: dict[str, Any] | None = None
+        # (epoch, offset, step) of the batches read and not yet trained, oldest first:
+        # the oldest is where a resume starts (a batch's own position is the first
+        # batch not trained on while it waits); with none, the loader's position is.
+        self._untrained: deque[tuple[int, int, int]] = deque()
 
     def __len__(self) -> int:
         return len(self.loader) if self._steps is None else self._steps
@@ -52,31 +54,37 @@ class FeederBatches:
         loader = self.loader
         if not loader.is_mixture:
             loader.set_epoch(0 if self._epoch is None else self._epochs(int(self._epoch())))
+        self._untrained.clear()  # a new epoch starts afresh: nothing of the last one waits
         limit = len(self) if self._steps is not None else None
         for n, batch in enumerate(loader):
             if limit is not None and n >= limit:
                 return
             if self._epoch is not None:
-                self._after[batch["epoch"], batch["step"]] = loader.state_dict()
+                self._untrained.append(_position(batch))
             yield batch
 
     def trained(self, batch: Mapping[str, Any]) -> None:
-        """`batch` goes to the model: the position is now the one after it."""
-        key = (int(batch["epoch"]), int(batch["step"]))
-        if key in self._after:
-            self._trained = self._after.pop(key)
-            for older in [k for k in self._after if k < key]:
-                del self._after[older]
+        """`batch` goes to the model: it and the batches read before it are trained."""
+        position = _position(batch)
+        if position in self._untrained:
+            while self._untrained.popleft() != position:
+                pass
 
     def state_dict(self) -> dict[str, Any]:
         """The first batch not trained on."""
-        return dict(self.loader.state_dict() if self._trained is None else self._trained)
+        state = self.loader.state_dict()
+        if self._untrained:
+            state["epoch"], state["offset"], state["step"] = self._untrained[0]
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.loader.load_state_dict(dict(state))
         self._epochs.reset()
-        self._after.clear()
-        self._trained = None
+        self._untrained.clear()
+
+
+def _position(batch: Mapping[str, Any]) -> tuple[int, int, int]:
+    return int(batch["epoch"]), int(batch["offset"]), int(batch["step"])
 
 
 class FeederDataModule(LightningDataModule):  # type: ignore[misc]
