@@ -126,3 +126,21 @@ def megatron_corpus(root: Path, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.concatenate([s for d in docs for s in d])
     ends = np.cumsum([sum(len(s) for s in d) for d in docs])
     return tokens, ends
+
+
+COUNTING = "mod512"  # write_counting_store's dataset name
+
+
+def write_counting_store(root: Path, tokens: int) -> Path:
+    """Dataset COUNTING under `root`: token i is i mod 512 (uint16, vocabulary 512), so
+    the next token always follows and a tiny model learns it in a few dozen steps."""
+    write_store(
+        root / COUNTING,
+        (np.arange(tokens) % 512).astype(np.uint16),
+        dtype="uint16",
+        tokens_per_chunk=4_000,
+        vocab_size=512,
+        eos_token_id=511,
+        tokenizer="mod512",
+    )
+    return root / COUNTING
