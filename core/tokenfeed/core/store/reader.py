@@ -110,21 +110,15 @@ class TokenStore(StoreReader):
         self.files = files
 
     @classmethod
-    def open(
-        cls, path: str | os.PathLike[str], dtype: str | None = None, check_sizes: bool = True
-    ) -> TokenStore:
-        """Open a store (a directory or `s3://bucket/prefix`); check that every chunk
-        exists with the size meta.json claims.
-
-        `check_sizes=False` opens a damaged store anyway, so `verify` can list every
-        problem instead of stopping at the first.
-        """
-        return cls.open_files(open_files(path), dtype, check_sizes)
+    def open(cls, path: str | os.PathLike[str], dtype: str | None = None) -> TokenStore:
+        """Open a store (a directory or `s3://bucket/prefix`): read and check its
+        meta.json. The chunk files are not touched: each is checked (exists, its size,
+        its checksum) when it is first read, so opening costs the same for 10 chunks
+        as for 60,000 (docs/stores.md, "What is checked when")."""
+        return cls.open_files(open_files(path), dtype)
 
     @classmethod
-    def open_files(
-        cls, files: StoreFiles, dtype: str | None = None, check_sizes: bool = True
-    ) -> TokenStore:
+    def open_files(cls, files: StoreFiles, dtype: str | None = None) -> TokenStore:
         root = files.location
         if isinstance(files, LocalFiles) and not files.path.is_dir():
             raise NotFound(f"no token store at {root}: not a directory")
@@ -142,12 +136,7 @@ class TokenStore(StoreReader):
                 )
         else:
             meta = _bare_meta(files, dtype)
-        store = cls(files, meta, generation)
-        if check_sizes:
-            sizes = files.names() if files.remote else None
-            for c in meta.chunks:
-                store._check_size(c, sizes)
-        return store
+        return cls(files, meta, generation)
 
     @property
     def path(self) -> Path:
@@ -174,7 +163,8 @@ class TokenStore(StoreReader):
             )
 
     def read_chunk(self, index: int, verify: bool = True) -> np.ndarray:
-        """The tokens of chunk `index`, read whole; DataLoss if short or corrupt.
+        """The tokens of chunk `index`, read whole; DataLoss naming it if it is missing,
+        not the size meta.json gives, or corrupt.
 
         The array lives in its own anonymous memory map, so dropping it (a cache
         eviction) hands the memory straight back to the OS: with malloc, freed chunks
@@ -184,14 +174,9 @@ class TokenStore(StoreReader):
         nbytes = c.tokens * self.dtype.itemsize
         try:
             buf = self.files.read(c.file, nbytes)
-        except DataLoss:
-            size = self.files.size(c.file)
-            if size is None:
-                raise DataLoss(f"{self.location}: chunk {c.file} is missing") from None
-            raise DataLoss(
-                f"{self.location}: chunk {c.file} holds {size // self.dtype.itemsize} tokens, "
-                f"meta.json says {c.tokens}"
-            ) from None
+        except (DataLoss, NotFound) as e:
+            self._check_size(c)  # missing, or not the size meta.json gives: say which
+            raise DataLoss(e.message) from None
         data = np.frombuffer(buf, dtype=self.dtype, count=c.tokens)
         if verify:
             check_checksum(data, c, self.location)
