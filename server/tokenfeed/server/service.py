@@ -426,6 +426,7 @@ class FeederService:
         finally:
             if building is not None:
                 building.cancel()  # a running build finishes its burst; the result is dropped
+            pipe.close()
             if by_source is not None:
                 by_source.flush()  # what was written and not yet counted
 

@@ -83,6 +83,22 @@ class StoreReader(ABC):
     def verify(self) -> list[str]:
         """Every problem found (empty = healthy), each naming its file."""
 
+    @property
+    def in_place(self) -> bool:
+        """Whether every chunk's bytes lie, as served, in a local file (`chunk_file`), so
+        that their rows can be read in place; False when reading a chunk converts its
+        ids, or the chunks are not local (object storage)."""
+        return False
+
+    def chunk_file(self, index: int) -> tuple[str, int]:
+        """Where chunk `index`'s bytes lie in its local file: (path, byte offset)."""
+        raise NotImplementedError(f"{self.format} stores are not read in place")
+
+    def check_chunk_file(self, index: int, size: int | None) -> None:
+        """DataLoss naming chunk `index` unless its file (`chunk_file`) has `size` bytes
+        as the store says (None: the file is missing)."""
+        raise NotImplementedError(f"{self.format} stores are not read in place")
+
     def document_ends(self) -> np.ndarray | None:
         """Exclusive end offsets (int64, non-decreasing) of the recorded documents, or
         None when the format records none (documents then end at EOS)."""
@@ -151,6 +167,17 @@ class TokenStore(StoreReader):
 
     def chunk_path(self, index: int) -> Path:
         return self.path / self.meta.chunks[index].file
+
+    @property
+    def in_place(self) -> bool:
+        return not self.files.remote
+
+    def chunk_file(self, index: int) -> tuple[str, int]:
+        return os.path.join(self.files.location, self.meta.chunks[index].file), 0
+
+    def check_chunk_file(self, index: int, size: int | None) -> None:
+        c = self.meta.chunks[index]
+        self._check_size(c, {} if size is None else {c.file: size})
 
     def _check_size(self, c: Chunk, sizes: dict[str, int] | None = None) -> None:
         size = sizes.get(c.file) if sizes is not None else self.files.size(c.file)
