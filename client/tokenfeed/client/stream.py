@@ -227,9 +227,11 @@ class StreamReader(threading.Thread):
             self._put(Failure(e))
 
     def _put(self, item: Any) -> bool:
+        # A full ring's wait uses no CPU; stop() empties the ring, which wakes it, so
+        # the timeout is a safety net only (each wake-up of an idle reader costs CPU).
         while not self._stop_event.is_set():
             try:
-                self.out.put(item, timeout=0.1)
+                self.out.put(item, timeout=10.0)
                 return True
             except queue.Full:
                 continue
