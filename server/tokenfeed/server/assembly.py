@@ -32,7 +32,7 @@ from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.readahead import ReadaheadPolicy
-from tokenfeed.server.rounds import LocatedRound, RoundQueue, Span
+from tokenfeed.server.rounds import LocatedRound, RoundQueue, Span, spans_chunks
 
 # A burst is built in one go: one pin of its chunks, one thread-pool round trip, which
 # costs more than building one small message. Past a few messages a burst saves no
@@ -227,6 +227,8 @@ class MessageBuilder:
         moved = self.rounds.advance(cursor)
         if self.files is None:  # a stream reading in place never loads a chunk whole
             self.readahead.look_ahead(moved, chunks)
+        else:
+            self.files.keep(spans_chunks(messages[-1]))
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
         return burst

@@ -10,9 +10,10 @@ ranks or more whose burst needs chunks that are not all cached reads its rows ou
 the chunk files, a positioned read each (from the OS page cache, or the disk:
 splice.splice_files): the bytes it reads are the rows it sends, whatever W.
 
-A stream keeps the files of its last burst open for the next (`ChunkFiles`): a shuffle
-group's chunks serve several bursts. Each file is advised random access, so a row
-missing from the page cache reads its own pages, not the kernel's 128 KiB read-ahead.
+A stream keeps up to KEEP_FILES files of its last burst open for the next
+(`ChunkFiles`): a shuffle group's chunks serve several bursts. Each file is advised
+random access, so a row missing from the page cache reads its own pages, not the
+kernel's 128 KiB read-ahead.
 
 What is checked: the file's size against the store, when it is opened (a chunk missing
 or cut short is DataLoss naming it, for the streams that need it; one cut while open
@@ -40,6 +41,12 @@ from tokenfeed.server.rounds import LocatedRound, Span
 # over, while a smaller job is usually served by one feeder, whose cache shares each
 # load among all its ranks (and checks the chunk's checksum).
 IN_PLACE_WORLD_SIZE = 16
+# Files a stream keeps open between bursts: a shuffle group's chunks (8 by default),
+# which serve the stream's next bursts until it moves on. A burst opens what it needs
+# (tens of files at most, for as long as a worker thread builds it); 1,024 streams
+# hold at most 8,192 between bursts (docs/serving.md, "Limits").
+KEEP_FILES = 8
+FILES_PER_STREAM = 1 + KEEP_FILES  # its connection, and the chunk files it keeps open
 
 
 class ChunkFiles:
@@ -49,6 +56,15 @@ class ChunkFiles:
     def __init__(self, store: StoreReader) -> None:
         self.store = store
         self._files: dict[int, tuple[int, int, int]] = {}  # chunk -> (fd, base, size)
+
+    def keep(self, chunks: set[int]) -> None:
+        """After a burst: close the files beyond KEEP_FILES, `chunks` (the chunks of its
+        last message, the likeliest to serve the next) first kept."""
+        if len(self._files) <= KEEP_FILES:
+            return
+        order = sorted(self._files, key=lambda c: c not in chunks)
+        for c in order[KEEP_FILES:]:
+            os.close(self._files.pop(c)[0])
 
     def burst(self, chunks: list[int]) -> InPlace:
         """The files of `chunks` (ascending), open; DataLoss naming the first that is
