@@ -41,9 +41,9 @@ import grpc
 from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.transport import (
     MAX_RECEIVE_BYTES,
-    RETRYABLE,
     Channels,
     details_of,
+    retryable,
     status_of,
     tls_problem,
     to_feeder_error,
@@ -284,7 +284,7 @@ class StreamReader(threading.Thread):
                 if self._stop_event.is_set():
                     return
                 code = status_of(e)
-                if code not in RETRYABLE:
+                if not retryable(e):
                     raise to_feeder_error(e, self.channels.current) from None
                 reason, message = code.name.lower(), f"{code.name}: {details_of(e)}"
             except OSError as e:  # resolving a name failed: retried like an unreachable server
@@ -342,7 +342,7 @@ def call_with_retry(
             return result
         except grpc.RpcError as e:
             code = status_of(e)
-            if code not in RETRYABLE:
+            if not retryable(e):
                 raise to_feeder_error(e, channels.current) from None
             reason, message = code.name.lower(), f"{code.name}: {details_of(e)}"
         except OSError as e:

@@ -17,3 +17,10 @@ MAX_PARAM = 1 << 40
 MAX_SEED = (1 << 64) - 1
 # Sources of a mixture: each costs work in every round (its counts, its passes).
 MAX_SOURCES = 1 << 12
+# Bytes of a request on the wire (StreamBatchesRequest, InfoRequest): the feeder's
+# receive limit, which the Python client checks before it sends. A mixture of 1,000
+# sources with 100 schedule segments is about 2.5 MB; a request over the limit is
+# refused at once, never retried.
+MAX_REQUEST_BYTES = 16 << 20
+# What a request holds beside its SamplingParams (rank, epoch, offset, ...): at most.
+REQUEST_FIELDS_BYTES = 1 << 10

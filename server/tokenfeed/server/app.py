@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.core.atomic import write_atomic
+from tokenfeed.core.limits import MAX_REQUEST_BYTES
 from tokenfeed.core.store import TokenStore
 from tokenfeed.core.store.objects import GET_BUFFER_BYTES, is_url
 from tokenfeed.server.cache import ChunkCache
@@ -49,7 +50,7 @@ READAHEAD_THREADS_LOCAL = 2
 READAHEAD_THREADS_REMOTE = 8
 MALLOC_ARENAS_REMOTE = 2
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
-_REQUEST_LIMIT = 1 << 20  # requests are small; responses are bounded by --max-batch-bytes
+_REQUEST_LIMIT = MAX_REQUEST_BYTES  # responses are bounded by --max-batch-bytes
 
 
 def _fewer_malloc_arenas() -> None:

