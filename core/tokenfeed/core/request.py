@@ -208,7 +208,7 @@ class SamplingSpec:
         object.__setattr__(
             self,
             "schedule",
-            tuple((tok, mix.weights(j)) for j, (tok, _) in enumerate(mix.segments) if j),
+            tuple((tok, mix.weights(j)) for j, tok in enumerate(mix.from_tokens) if j),
         )
         object.__setattr__(self, "_mixture", mix)
 

@@ -45,6 +45,7 @@ class Mixture:
         self.names, segments = spec.parse(sources, schedule)
         self.k = len(self.names)
         self._segments = segments
+        self.from_tokens = tuple(s.from_tokens for s in segments)  # where each segment starts
         self._given = tuple(s.weights for s in segments)
         self.apportionment = Apportionment(segments, self.seq_len)
 
@@ -56,7 +57,10 @@ class Mixture:
 
     def weights(self, j: int) -> tuple[tuple[str, float], ...]:
         """Segment j's weights as given (not normalized), (name, float) in source order."""
-        return tuple((name, float(w)) for name, w in zip(self.names, self._given[j], strict=True))
+        given = self._given[j]  # n / d: Fraction.__float__ costs 10x more
+        return tuple(
+            (name, w.numerator / w.denominator) for name, w in zip(self.names, given, strict=True)
+        )
 
     # ............................................................... apportionment
 

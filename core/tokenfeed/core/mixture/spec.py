@@ -70,8 +70,9 @@ def parse_weight(value: Any, field: str) -> Fraction:
 def normalize(weights: Sequence[Fraction]) -> tuple[tuple[int, ...], int]:
     """Exact weights -> integers a_i and D with a_i / D = w_i / sum(w) in lowest common
     terms (D is the least common denominator of the shares; sum of a = D)."""
-    common = math.lcm(*(Fraction(w).denominator for w in weights))
-    m = [w.numerator * (common // w.denominator) for w in map(Fraction, weights)]
+    ws = [w if type(w) is Fraction else Fraction(w) for w in weights]  # made once
+    common = math.lcm(*(w.denominator for w in ws))
+    m = [w.numerator * (common // w.denominator) for w in ws]
     total = sum(m)
     if total == 0:
         raise ValueError("all weights are 0")
