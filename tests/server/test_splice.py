@@ -261,3 +261,50 @@ def test_a_stream_is_byte_identical_without_the_extension(tmp_path) -> None:
     compiled, reference = both_ways(messages)
     assert len(compiled) > 10
     assert compiled == reference
+
+
+def test_a_mixture_of_many_sources_reads_its_rows_in_place_the_same(tmp_path, monkeypatch) -> None:
+    """A rank of a mixture of 16 sources (W x k >= inplace.IN_PLACE_WORLD_SIZE) reads its
+    rows from the chunk files, not whole chunks through the cache, and its messages are
+    the bytes the whole-chunk path builds."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenfeed.core.request import SamplingSpec
+    from tokenfeed.server import inplace
+    from tokenfeed.server.assembly import MessageBuilder
+    from tokenfeed.server.cache import ChunkCache
+    from tokenfeed.server.datasets import Catalog
+    from tokenfeed.server.metrics import ServerMetrics
+    from tokenfeed.server.mixtures import MixtureSpace
+    from tokenfeed.server.service import mixture_sampler_for
+
+    from support.stores import make_positional_store
+
+    names = [f"s{i:02d}" for i in range(16)]
+    for n in names:
+        make_positional_store(tmp_path / n, 6_000, 1_000, dtype="uint16")
+    catalog = Catalog(tmp_path)
+    sources = [catalog.get(n) for n in names]
+    weights = tuple((n, float(1 + i % 3)) for i, n in enumerate(names))
+    spec = SamplingSpec(dataset="", sources=weights, seq_len=90, batch_size=4, shuffle=True)
+
+    def messages() -> tuple[list[bytes], bool, int]:
+        ds = MixtureSpace.of(sources)
+        sampler = mixture_sampler_for(spec, sources)
+        cache = ChunkCache(1 << 22)
+        metrics = ServerMetrics(CollectorRegistry())
+        pipe = MessageBuilder(ds, sampler, sampler.rounds(0, 0), 4, cache, metrics)
+        out = []
+        while len(out) < 60 and (burst := pipe.next_burst()):
+            out += [data for data, _, _, _ in burst]
+        pipe.close()
+        cache.close()
+        return out, pipe.files is not None, cache.stats.loads
+
+    in_place, read_in_place, loads = messages()
+    monkeypatch.setattr(inplace, "IN_PLACE_WORLD_SIZE", 1 << 40)
+    whole, read_whole, whole_loads = messages()
+    assert (read_in_place, read_whole) == (True, False)
+    assert loads == 0 < whole_loads
+    assert len(in_place) == 60
+    assert in_place == whole

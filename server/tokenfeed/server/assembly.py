@@ -153,11 +153,13 @@ class MessageBuilder:
         self.readahead = ReadaheadPolicy(
             ds, sampler, self.rounds, cache, self.burst_messages * per_message, then
         )
-        # a rank of a large job reads its rows from the chunk files (inplace.py)
+        # a rank of a large job, or of a mixture of many sources, reads its rows from
+        # the chunk files (inplace.py)
         self.files: inplace.ChunkFiles | None = None
         self._guard = threading.Lock()  # close() from the event loop, bursts on threads
         self._building = self._closed = False
-        if sampler.world_size >= inplace.IN_PLACE_WORLD_SIZE and ds.store.in_place:
+        shares = sampler.world_size * max(1, sources)
+        if shares >= inplace.IN_PLACE_WORLD_SIZE and ds.store.in_place:
             self.files = inplace.ChunkFiles(ds.store)
         else:
             self.readahead.look_ahead()

@@ -10,6 +10,11 @@ ranks or more whose burst needs chunks that are not all cached reads its rows ou
 the chunk files, a positioned read each (from the OS page cache, or the disk:
 splice.splice_files): the bytes it reads are the rows it sends, whatever W.
 
+A mixture of k sources spreads a rank's windows over k shuffle groups at once: loading
+whole chunks, one stream of a mixture of 1,000 sources needed 1,000 groups' chunks in
+the cache (far more than it holds) and reloaded a chunk for nearly every window. So
+the threshold is on W x k, the shares each chunk's windows go to.
+
 A stream keeps up to KEEP_FILES files of its last burst open for the next
 (`ChunkFiles`): a shuffle group's chunks serve several bursts. Each file is advised
 random access, so a row missing from the page cache reads its own pages, not the
