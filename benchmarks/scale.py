@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -121,12 +122,14 @@ def _tree(pid: int) -> list[int]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its children (workers)."""
-    total = 0.0
+    """CPU seconds of a process and its children (workers): the run time of their
+    threads in nanoseconds (/proc/.../schedstat; /proc/PID/stat counts 10 ms ticks)."""
+    total = 0
     for p in _tree(pid):
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+        for task in Path(f"/proc/{p}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended
+                total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def children_cpu() -> float:
@@ -660,13 +663,13 @@ def main() -> int:
     args = ap.parse_args()
     q = args.quick
     big_tokens = (2_000 if q else 59_605) * CHUNK
-    repeats = 2 if q else 5
+    repeats = 3 if q else 5
     print(f"tokenfeed scale ({'quick' if q else 'full'}), {os.cpu_count()} cores, {load()}")
     with tempfile.TemporaryDirectory(prefix="tokenfeed-scale-") as d:
         tmp = Path(d)
-        big_store(tmp, big_tokens, 20 if q else 100, repeats)
-        world_size(tmp / "big", 20 if q else 100, repeats)
-        mixture(tmp, 1_000, 100, 20 if q else 100, repeats)
+        big_store(tmp, big_tokens, 100 if q else 400, repeats)
+        world_size(tmp / "big", 100 if q else 400, repeats)
+        mixture(tmp, 1_000, 100, 100 if q else 400, repeats)
         one_node(tmp / "big", 128 if q else 1_024, 4 if q else 20)
         replicas(tmp / "big", 256 if q else 4_096, 3)
         plan()
