@@ -63,6 +63,7 @@ class Row:
 
 
 ROWS: list[Row] = []
+MEASURED: dict[str, float] = {}  # figures one item measures and item 8 checks
 
 
 def row(item: str, goal: str, measured: str, ok: bool, functional: bool = False) -> None:
@@ -446,6 +447,7 @@ def world_size(root: Path, batches: int, repeats: int) -> None:
             return feeder_cpu_per_batch(proc, params("ds", world=w), batches, r, rank=w // 2)
 
         cpu = interleaved({str(w): partial(case, w) for w in (1, 64, 1024)}, repeats)
+        MEASURED["cpu_per_batch"] = cpu["1024"]
         spread = max(cpu.values()) / min(cpu.values())
         shown = ", ".join(f"W={w}: {v * 1e3:.3f} ms" for w, v in cpu.items())
         row(
@@ -538,6 +540,8 @@ def one_node(root: Path, streams: int, batches: int) -> None:
         worst <= 0.2,
     )
     grown = (peak[0] - idle) / MiB
+    MEASURED["bytes_per_stream"] = max(0, peak[0] - idle) / streams
+    MEASURED["fds_per_stream"] = peak[2] / streams
     bound = 128 + streams
     row(
         "5 one node",
@@ -625,32 +629,31 @@ def replicas(root: Path, ranks: int, steps: int) -> None:
 
 
 def plan() -> None:
+    """tokenfeed plan for 16,384 GPUs against what one node measured (items 5 and 1)."""
     print("8. tokenfeed plan for 16,384 GPUs", flush=True)
-    out = subprocess.run(
-        [
-            TOKENFEED,
-            "plan",
-            "--gpus",
-            "16384",
-            "--tokens-per-gpu-s",
-            "12000",
-            "--seq-len",
-            str(SEQ),
-            "--batch-size",
-            str(B),
-            "--json",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    figures = json.loads(out.stdout)
+    argv = [TOKENFEED, "plan", "--gpus", "16384", "--tokens-per-gpu-s", "12000"]
+    argv += ["--seq-len", str(SEQ), "--batch-size", str(B), "--cores-per-node", "2", "--json"]
+    doc = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
     row(
         "8 plan",
-        "tokenfeed plan answers for 16,384 GPUs",
-        ", ".join(f"{k}={v}" for k, v in figures.items() if isinstance(v, (int, float)))[:120],
-        True,
+        "16,384 GPUs on 2-core nodes",
+        f"{doc['cores']} cores, {doc['replicas']} "
+        f"replicas, {doc['streams_per_replica']:,} streams each",
+        doc["cores_by_streams"] > 0,
     )
+    if "fds_per_stream" in MEASURED:
+        fds, mem = MEASURED["fds_per_stream"], MEASURED["bytes_per_stream"]
+        row("8 plan", "plan's 9 descriptors per stream hold", f"measured {fds:.2f}", fds <= 9)
+        row("8 plan", "plan's 1 MiB per stream holds", f"measured {mem / MiB:.2f} MiB", mem <= MiB)
+    if "cpu_per_batch" in MEASURED:
+        # the feeder CPU 16,384 ranks need at the plan's steps/s, at this build's cost
+        need = 16384 * doc["steps_per_s"] * MEASURED["cpu_per_batch"] * doc["headroom"]
+        row(
+            "8 plan",
+            "plan's cores cover the measured CPU per batch",
+            f"{need:.2f} cores needed at W = 1,024 (x2 headroom), plan {doc['cores']}",
+            need <= doc["cores"],
+        )
 
 
 # ----------------------------------------------------------------------------- main
