@@ -40,6 +40,7 @@ from typing import Any
 
 import grpc
 
+from tokenfeed.client.transport import RETRYABLE
 from tokenfeed.core.store.meta import Chunk, StoreMeta, chunk_name
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
@@ -205,8 +206,8 @@ async def stream(
     start: int = 0,
 ) -> Stream:
     """Read `batches` batches of `rank` from step `start` of `epoch`; `pace` s after
-    each is a consumer's rate; on UNAVAILABLE the next address takes over at the first
-    batch not received (what FeederClient does)."""
+    each is a consumer's rate; on a status FeederClient retries, the next address takes
+    over at the first batch not received (what FeederClient does)."""
     s = Stream(rank, [], [], time.monotonic())
     at = first
     while len(s.starts) < batches * p.batch_size:
@@ -232,12 +233,13 @@ async def stream(
                     if pace:
                         await asyncio.sleep(pace)  # the consumer's rate
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.UNAVAILABLE or s.resumed > 3 * len(addresses):
+            if e.code() not in RETRYABLE or s.resumed >= 10 * len(addresses):
                 s.failures += 1
                 s.error = f"{e.code().name}: {e.details()}"
                 return s
             s.resumed += 1
             at += 1
+            await asyncio.sleep(0.05 * min(s.resumed, 20))  # FeederClient's backoff, shorter
     return s
 
 
