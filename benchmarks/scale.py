@@ -14,7 +14,7 @@ wall-clock figures (first batch, Info, rates) are medians and depend on that loa
 Each goal is printed with its measured figure and PASS or MISS; the functional checks
 (every stream got all its batches, every window exactly once, no failures) are rows
 too, and the exit status is 1 when one of those fails. The goals are in
-benchmarks/README.md, "Scale".
+benchmarks/README.md, "scale.py".
 """
 
 from __future__ import annotations
