@@ -97,3 +97,14 @@ def test_a_mixture_splits_the_rate_by_source_in_each_segment(tmp_path) -> None:
     assert late["from_tokens"] == 1_000_000
     assert base["tokens_per_s"] == pytest.approx({"web": 0.7 * total, "code": 0.3 * total})
     assert late["tokens_per_s"] == pytest.approx({"web": total / 2, "code": total / 2})
+
+
+def test_the_streams_of_a_large_job_can_decide_the_cores() -> None:
+    """16,384 ranks hold 16,384 streams: at 2x headroom 16 workers of 2,048 streams,
+    whatever the token rate; each replica's streams size its memory and open files."""
+    doc = plan_json("--gpus", "16384", "--per-core-tokens-s", "1e12", "--cores-per-node", "8")
+    assert doc["cores"] == doc["cores_by_streams"] == 16
+    assert (doc["replicas"], doc["workers_per_replica"]) == (2, 8)
+    assert doc["streams_per_replica"] == 8192
+    assert doc["open_files_per_replica"] == 8192 * 9 + 8 * 256
+    assert doc["memory_beside_cache_bytes"] == 8192 * (1 << 20) + 8 * (100 << 20)

@@ -100,3 +100,20 @@ def test_a_loop_and_a_reader_at_uneven_paces_lose_nothing() -> None:
             out.append(h.get(timeout=30))
     t.join(30)
     assert out == list(range(n))
+
+
+def test_a_reader_waiting_for_room_sleeps_until_the_ring_is_half_empty() -> None:
+    """A reader finding the ring full blocks on an event, with no timeout of its own
+    (an idle client costs no CPU), and the loop wakes it once, at half a ring."""
+    h = Handoff(4)
+    for i in range(4):
+        h.put(i, timeout=1)
+    t = threading.Thread(target=lambda: h.put(4, timeout=60))
+    t.start()
+    wait_until(lambda: h._full, 30, "the reader to wait for room")
+    assert h.get_nowait() == 0  # three left: not woken
+    assert not h._room.is_set()
+    assert h.get(timeout=1) == 1  # two left, half the ring: woken
+    t.join(30)
+    assert not t.is_alive()
+    assert [h.get_nowait() for _ in range(3)] == [2, 3, 4]

@@ -213,31 +213,31 @@ def test_the_weight_metric_follows_the_loops_position(feeder) -> None:
 
 
 def test_a_change_that_would_outgrow_the_feeders_request_limit_is_refused() -> None:
-    """256 sources: a run-time segment takes 2 kB on the wire, so ~500 reach 1 MiB. The
-    loader needs no feeder for this (set_weights outside an iteration)."""
+    """256 sources: a run-time segment takes 2 kB on the wire, so a few thousand reach
+    the limit. The loader needs no feeder for this (set_weights outside an iteration)."""
     names = [f"s{i:03d}" for i in range(256)]
     ld = FeederClient("127.0.0.1:1", mixture={n: 1 for n in names}, seq_len=SEQ, batch_size=1)
     state = ld.state_dict()
-    # a trajectory of 500 changes, one source at 2 and the next at 0 in each
-    trajectory = []
-    for step in range(1, 501):
+    last = MAX_REQUEST_BYTES // (8 * 257) - 10  # a trajectory ten changes short of it
+    trajectory = []  # one source at 2 and the next at 0 in each change
+    for step in range(1, last + 1):
         weights = [1.0] * 256
         weights[step % 256], weights[(step + 1) % 256] = 2.0, 0.0
         trajectory.append([step * SEQ, weights])
     mixture = {**state["mixture"], "runtime": trajectory}
-    ld.load_state_dict({**state, "offset": 500, "step": 500, "mixture": mixture})
-    step, refused = 500, None
-    while refused is None and step < 600:
+    ld.load_state_dict({**state, "offset": last, "step": last, "mixture": mixture})
+    step, refused = last, None
+    while refused is None and step < last + 100:
         try:
             ld.set_weights({n: 1 for n in names} | {names[step % 256]: 3}, at_step=step)
             step += 1
         except ValueError as e:
             refused = str(e)
     assert refused is not None
-    assert "over the feeder's limit of 1048576" in refused
+    assert f"over the feeder's limit of {MAX_REQUEST_BYTES}" in refused
     assert "change the weights less often" in refused
-    assert 500 < step < 510
+    assert last < step < last + 20
     assert len(ld.spec.to_proto().SerializeToString()) <= MAX_REQUEST_BYTES
-    # steps 500 .. step - 1 made it, the first replacing the saved change at step 500
+    # steps last .. step - 1 made it, the first replacing the saved change at step last
     assert len(ld.state_dict()["mixture"]["runtime"]) == step - 1
     ld.close()

@@ -173,24 +173,44 @@ def test_flipped_byte_is_data_loss_naming_the_chunk(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda p: (p / "chunk_000002.bin").write_bytes(b"\0" * 10), "has 10 bytes, expected"),
-        (lambda p: (p / "chunk_000000.bin").unlink(), "chunk_000000.bin is missing"),
         (lambda p: _edit_meta(p, lambda d: d.update(total_tokens=9999)), "total_tokens=9999"),
         (lambda p: _edit_meta(p, lambda d: d["chunks"][1].update(tokens=999)), "chunks hold 2999"),
-        (lambda p: _edit_meta(p, _lie_without_total), "expected 999 tokens"),
         (lambda p: _edit_meta(p, lambda d: d.update(dtype="int8")), "unknown token dtype"),
-        (lambda p: _edit_meta(p, lambda d: d.update(dtype="uint32")), "expected"),
         (lambda p: _edit_meta(p, lambda d: d["chunks"].append(d["chunks"][0])), "more than once"),
         (lambda p: _edit_meta(p, lambda d: d["chunks"][0].update(file="../x.bin")), "plain file"),
         (lambda p: _edit_meta(p, lambda d: d.pop("chunks")), "malformed meta.json"),
         (lambda p: (p / META_NAME).write_text("{not json"), "unreadable meta.json"),
     ],
 )
-def test_malformed_stores_fail_at_open(tmp_path: Path, damage, message) -> None:
+def test_malformed_meta_fails_at_open(tmp_path: Path, damage, message) -> None:
     path = _store(tmp_path)
     damage(path)
     with pytest.raises((DataLoss, InvalidArgument), match=message):
         TokenStore.open(path)
+
+
+@pytest.mark.parametrize(
+    ("damage", "chunk", "message"),
+    [
+        (lambda p: (p / "chunk_000002.bin").write_bytes(b"\0" * 10), 2, "has 10 bytes, expected"),
+        (lambda p: (p / "chunk_000000.bin").unlink(), 0, "chunk_000000.bin is missing"),
+        (lambda p: _edit_meta(p, _lie_without_total), 1, "2000 bytes, expected 999 tokens"),
+        (
+            lambda p: _edit_meta(p, lambda d: d.update(dtype="uint32")),
+            0,
+            "expected 1000 tokens x 4",
+        ),
+    ],
+)
+def test_damaged_chunk_fails_at_its_first_read(tmp_path: Path, damage, chunk, message) -> None:
+    """Opening reads meta.json only (docs/stores.md, "What is checked when"): a chunk that
+    is missing or not the size meta.json gives is DataLoss naming it when it is read."""
+    path = _store(tmp_path)
+    damage(path)
+    store = TokenStore.open(path)
+    with pytest.raises(DataLoss, match=message):
+        store.read_chunk(chunk)
+    assert any(message in problem for problem in store.verify())
 
 
 def test_missing_store_is_not_found(tmp_path: Path) -> None:

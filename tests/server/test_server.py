@@ -130,13 +130,13 @@ def test_info_lists_every_store_with_metadata_and_split_counts(feeder_root: Path
 def test_info_errors_and_broken_stores(feeder_root: Path) -> None:
     broken = feeder_root / "broken"
     make_positional_store(broken, 2_000, 1_000)
-    (broken / "chunk_000001.bin").unlink()
+    (broken / "meta.json").write_text("{not json")
     with running_feeder(feeder_root) as f:
         names = [d.name for d in stub(f.address).Info(pb.InfoRequest()).datasets]
         assert names == [FEEDER_DATASET]  # a broken store is logged and left out
         err = call_error(f.address, pb.InfoRequest(dataset="broken"), "Info")
         assert err.code() == grpc.StatusCode.DATA_LOSS
-        assert "chunk_000001.bin is missing" in (err.details())
+        assert "unreadable meta.json" in err.details()
         err = call_error(
             f.address, pb.InfoRequest(dataset=FEEDER_DATASET, params=params(stride=-1)), "Info"
         )
@@ -473,6 +473,56 @@ def test_corrupt_chunk_is_data_loss_for_its_streams_only(feeder_root: Path) -> N
     )
 
 
+@pytest.mark.parametrize("world_size", [1, 16])  # chunks loaded whole; rows read in place
+def test_missing_or_short_chunk_is_data_loss_at_its_first_read(
+    feeder_root: Path, world_size: int
+) -> None:
+    """Opening a store reads its meta.json only: a chunk it lists that is missing or cut
+    short is found when a stream first needs it, DATA_LOSS naming it, and only the
+    streams that need it end (docs/stores.md, "What is checked when")."""
+    make_positional_store(feeder_root / "holes", 10_000, 1_000)
+    (feeder_root / "holes" / "chunk_000003.bin").unlink()
+    os.truncate(feeder_root / "holes" / "chunk_000006.bin", 1_000)
+    p = params(dataset="holes", split_rate=1.0, seq_len=100, stride=100, batch_size=1)
+    with running_feeder(feeder_root) as f:
+        (info,) = stub(f.address).Info(pb.InfoRequest(dataset="holes")).datasets
+        assert (info.total_tokens, info.num_chunks) == (10_000, 10)  # opening is cheap
+        healthy: list[int] = []
+        beside = threading.Thread(
+            target=lambda: healthy.append(len(stream(f.address, params(batch_size=1))))
+        )
+        beside.start()
+        for offset, chunk, problem in ((0, 3, "is missing"), (48, 6, "has 1000 bytes")):
+            got: list[pb.Batch] = []
+            with grpc.insecure_channel(f.address) as ch:
+                call = pb_grpc.FeederStub(ch).StreamBatches(
+                    pb.StreamBatchesRequest(
+                        params=params(**{**_fields(p), "world_size": world_size}),
+                        offset=offset,
+                    )
+                )
+                with pytest.raises(grpc.RpcError) as err:  # noqa: PT012 - read to the error
+                    for response in call:
+                        got += response.batches
+            assert err.value.code() == grpc.StatusCode.DATA_LOSS
+            assert f"holes: chunk chunk_00000{chunk}.bin {problem}" in err.value.details()
+            assert str(feeder_root) not in err.value.details()
+            for b in got:  # the batches before it (a burst's, at most) are right
+                check_positional(b, 1 << 32)
+                assert all((s + b.cols - 1) // 1_000 < chunk for s in b.starts)
+        beside.join(120)
+        assert healthy == [len(expected(feeder_root, params(batch_size=1)))]
+        # the chunks that are there are still served: the windows of chunks 7-9
+        tail = stream(f.address, params(**{**_fields(p), "world_size": world_size}), offset=70)
+        assert len(tail) == (99 - 70) // world_size
+        for b in tail:
+            check_positional(b, 1 << 32)
+
+
+def _fields(p: pb.SamplingParams) -> dict:
+    return {f.name: v for f, v in p.ListFields()}
+
+
 def test_resource_exhausted_beyond_max_streams(feeder_root: Path) -> None:
     with running_feeder(feeder_root, max_streams=1) as f, grpc.insecure_channel(f.address) as ch:
         s = pb_grpc.FeederStub(ch)
@@ -592,7 +642,7 @@ def test_rows_across_chunks_and_an_empty_chunk(tmp_path: Path) -> None:
         try:
             cached = pinned.rows(lr, i)
         finally:
-            cache.release_all(pinned.entries)
+            pinned.release()
         for payload in (loaded, cached):
             got = np.frombuffer(payload, dtype="<u4").reshape(rows, cols)
             np.testing.assert_array_equal(got, want)

@@ -105,6 +105,64 @@ def test_the_c_splice_checks_its_arrays() -> None:
         splice.splice([], keys, [b"x", b"y"])
 
 
+@contextlib.contextmanager
+def as_files(views: list, base: int = 3) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Each view written to a file of its own behind `base` bytes of padding: (fds,
+    bases, sizes) for splice_files."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        fds = []
+        try:
+            for i, v in enumerate(views):
+                path = os.path.join(d, str(i))
+                with open(path, "wb") as f:
+                    f.write(b"\xee" * base + bytes(v) + b"\xee")
+                fds.append(os.open(path, os.O_RDONLY))
+            yield (
+                np.array(fds, dtype=np.int64),
+                np.full(len(views), base, dtype=np.int64),
+                np.array([len(v) for v in views], dtype=np.int64),
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+@given(programs())
+def test_splice_files_reads_every_piece_in_order(case) -> None:
+    """The same splice with the chunks' bytes read from files (rows read in place)."""
+    parts, keys, views, want = case
+    with as_files(views) as (fds, bases, sizes):
+        assert both_ways(splice.splice_files, parts, keys, fds, bases, sizes) == (want, want)
+
+
+@pytest.mark.parametrize(
+    "piece",
+    [(7, 0, 1), (3, 4, 1), (3, -1, 1), (3, 0, -1), (-1, 2, 1)],
+    ids=["unknown key", "past the end", "negative offset", "negative count", "past the blob"],
+)
+def test_splice_files_refuses_a_piece_outside_its_chunk(loops, piece) -> None:
+    parts = [(np.array([(3, 0, 2), piece], dtype=np.int64), b"ab")]
+    with as_files([b"wxyz"]) as (fds, bases, sizes), pytest.raises(ValueError, match="splice"):
+        splice.splice_files(parts, np.array([3], dtype=np.int64), fds, bases, sizes)
+
+
+def test_splice_files_says_which_file_came_back_short(loops, tmp_path) -> None:
+    """A file cut after it was opened: EOFError naming the chunk's key, never a message
+    with bytes that are not there."""
+    (tmp_path / "c").write_bytes(b"0123456789")
+    fd = os.open(tmp_path / "c", os.O_RDONLY)
+    try:
+        os.truncate(tmp_path / "c", 4)
+        parts = [(np.array([(5, 2, 6)], dtype=np.int64), b"")]
+        args = (np.array([5]), np.array([fd]), np.array([0]), np.array([10]))
+        with pytest.raises(EOFError, match="key 5"):
+            splice.splice_files(parts, *(np.asarray(a, dtype=np.int64) for a in args))
+    finally:
+        os.close(fd)
+
+
 @st.composite
 def rounds(draw: st.DrawFn):
     """A store of chunks (some empty) holding T = 0, 1, 2, ... and a round of batches
@@ -203,3 +261,50 @@ def test_a_stream_is_byte_identical_without_the_extension(tmp_path) -> None:
     compiled, reference = both_ways(messages)
     assert len(compiled) > 10
     assert compiled == reference
+
+
+def test_a_mixture_of_many_sources_reads_its_rows_in_place_the_same(tmp_path, monkeypatch) -> None:
+    """A rank of a mixture of 16 sources (W x k >= inplace.IN_PLACE_WORLD_SIZE) reads its
+    rows from the chunk files, not whole chunks through the cache, and its messages are
+    the bytes the whole-chunk path builds."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenfeed.core.request import SamplingSpec
+    from tokenfeed.server import inplace
+    from tokenfeed.server.assembly import MessageBuilder
+    from tokenfeed.server.cache import ChunkCache
+    from tokenfeed.server.datasets import Catalog
+    from tokenfeed.server.metrics import ServerMetrics
+    from tokenfeed.server.mixtures import MixtureSpace
+    from tokenfeed.server.service import mixture_sampler_for
+
+    from support.stores import make_positional_store
+
+    names = [f"s{i:02d}" for i in range(16)]
+    for n in names:
+        make_positional_store(tmp_path / n, 6_000, 1_000, dtype="uint16")
+    catalog = Catalog(tmp_path)
+    sources = [catalog.get(n) for n in names]
+    weights = tuple((n, float(1 + i % 3)) for i, n in enumerate(names))
+    spec = SamplingSpec(dataset="", sources=weights, seq_len=90, batch_size=4, shuffle=True)
+
+    def messages() -> tuple[list[bytes], bool, int]:
+        ds = MixtureSpace.of(sources)
+        sampler = mixture_sampler_for(spec, sources)
+        cache = ChunkCache(1 << 22)
+        metrics = ServerMetrics(CollectorRegistry())
+        pipe = MessageBuilder(ds, sampler, sampler.rounds(0, 0), 4, cache, metrics)
+        out = []
+        while len(out) < 60 and (burst := pipe.next_burst()):
+            out += [data for data, _, _, _ in burst]
+        pipe.close()
+        cache.close()
+        return out, pipe.files is not None, cache.stats.loads
+
+    in_place, read_in_place, loads = messages()
+    monkeypatch.setattr(inplace, "IN_PLACE_WORLD_SIZE", 1 << 40)
+    whole, read_whole, whole_loads = messages()
+    assert (read_in_place, read_whole) == (True, False)
+    assert loads == 0 < whole_loads
+    assert len(in_place) == 60
+    assert in_place == whole

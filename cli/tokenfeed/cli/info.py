@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
-def open_store(args: argparse.Namespace, check_sizes: bool = True) -> Any:
+def open_store(args: argparse.Namespace) -> Any:
     """The store at args.path, any format (args.dtype for a folder of bare *.bin files)."""
     from tokenfeed.core.errors import InvalidArgument
     from tokenfeed.core.store import META_NAME, is_url
@@ -103,7 +103,7 @@ def open_store(args: argparse.Namespace, check_sizes: bool = True) -> Any:
             raise InvalidArgument(
                 f"{root} has *.bin files but no meta.json: pass --dtype uint16 or --dtype uint32"
             )
-    return open_any(args.path, dtype=args.dtype, check_sizes=check_sizes)
+    return open_any(args.path, dtype=args.dtype)
 
 
 def _kind(store: Any) -> str:

@@ -10,7 +10,11 @@ The trainers consume GPUs x tokens-per-GPU-per-second input tokens; the feeder s
 each row's shift tokens too (seq_len + shift per row), in the store's dtype. The
 worker processes (cores) it takes are that wire rate times the headroom over the
 per-core figure, and the replicas (nodes) are the cores over the cores per node, or
-more when one node's NIC cannot carry its share.
+more when one node's NIC cannot carry its share. Every rank holds one stream: a worker
+takes at most STREAMS_PER_WORKER of them (`serve --max-streams`' default), so a job of
+many ranks needs at least gpus x headroom / STREAMS_PER_WORKER workers whatever its
+token rate, and each replica's streams size its memory and open files
+(docs/serving.md, "Limits").
 
 The per-core figure is, in order: `--per-core-tokens-s`; `--measure ADDRESS`, the
 rate one stream gets from a running feeder (point it at a feeder with one worker on an
@@ -33,6 +37,12 @@ from tokenfeed.core.dtypes import DTYPES, itemsize
 # on the same quiet machine; this is the dearer figure, 1e9 / 1.73 (benchmarks/README.md).
 # Re-measure when the hot path changes.
 BUILD_PER_CORE_TOKENS_S = 5.8e8
+# What a stream costs a feeder (docs/serving.md, "Limits"; benchmarks/scale.py measures
+# them): `serve --max-streams`' default per worker, descriptors and memory per stream,
+# and per worker process beside its chunks.
+STREAMS_PER_WORKER = 2048
+FILES_PER_STREAM, FILES_PER_WORKER = 9, 256
+STREAM_BYTES, WORKER_BYTES = 1 << 20, 100 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,10 +127,14 @@ def plan(args: argparse.Namespace, per_core: float, source: str) -> dict[str, An
     wire = tokens * (args.seq_len + args.shift) / args.seq_len
     nbytes = wire * itemsize(args.dtype)
     gbit = nbytes * 8 / 1e9
-    cores = max(1, math.ceil(wire * args.headroom / per_core))
+    by_rate = math.ceil(wire * args.headroom / per_core)
+    by_streams = math.ceil(args.gpus * args.headroom / STREAMS_PER_WORKER)
+    cores = max(1, by_rate, by_streams)
     replicas = max(
         math.ceil(cores / args.cores_per_node), math.ceil(gbit * args.headroom / args.nic_gbit)
     )
+    workers = math.ceil(cores / replicas)
+    streams = math.ceil(args.gpus / replicas)  # per replica, before a failover
     return {
         "tokens_per_s": tokens,
         "wire_tokens_per_s": wire,
@@ -129,7 +143,11 @@ def plan(args: argparse.Namespace, per_core: float, source: str) -> dict[str, An
         "steps_per_s": args.tokens_per_gpu_s / (args.batch_size * args.seq_len),
         "cores": cores,
         "replicas": replicas,
-        "workers_per_replica": math.ceil(cores / replicas),
+        "workers_per_replica": workers,
+        "cores_by_streams": by_streams,
+        "streams_per_replica": streams,
+        "open_files_per_replica": streams * FILES_PER_STREAM + workers * FILES_PER_WORKER,
+        "memory_beside_cache_bytes": streams * STREAM_BYTES + workers * WORKER_BYTES,
         "gpus": args.gpus,
         "tokens_per_gpu_s": args.tokens_per_gpu_s,
         "seq_len": args.seq_len,
@@ -189,6 +207,11 @@ def run(args: argparse.Namespace) -> int:
         f"({doc['workers_per_replica']} workers each: `tokenfeed serve --workers "
         f"{doc['workers_per_replica']}`), at {args.headroom:g}x headroom, "
         f"{args.cores_per_node} cores and {args.nic_gbit:g} Gbit/s per node"
+    )
+    print(
+        f"per replica        {doc['streams_per_replica']:,} streams: "
+        f"--cache-bytes + {doc['memory_beside_cache_bytes'] / (1 << 30):,.1f} GiB of memory, "
+        f'`ulimit -n` >= {doc["open_files_per_replica"]:,} (docs/serving.md, "Limits")'
     )
     for seg in doc.get("segments", []):
         shares = ", ".join(f"{n} {t:,.0f}" for n, t in seg["tokens_per_s"].items())

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of --cache-bytes for s3://, 0 for a local root, where read-ahead shares the "
         "cache) [TOKENFEED_READAHEAD_BYTES]",
     )
-    a("--max-streams", type=int, help="concurrent streams (default 256) [TOKENFEED_MAX_STREAMS]")
+    a("--max-streams", type=int, help="concurrent streams (default 2048) [TOKENFEED_MAX_STREAMS]")
     a(
         "--max-batch-bytes",
         help="largest response message, e.g. 64M (default 64 MiB) [TOKENFEED_MAX_BATCH_BYTES]",

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    store = open_store(args, check_sizes=False)
+    store = open_store(args)
     problems = store.verify()
     for problem in problems:
         print(problem, file=sys.stderr)

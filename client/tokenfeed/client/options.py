@@ -116,7 +116,9 @@ def sampling_spec(
     if spec is not None:
         if not isinstance(spec, SamplingSpec):
             raise TypeError(f"spec must be a SamplingSpec, got {spec!r}")
-        return spec if world_size is None else spec.with_(world_size=world_size)
+        spec = spec if world_size is None else spec.with_(world_size=world_size)
+        spec.check_size()
+        return spec
     if dataset is not None and (mixture is not None or schedule is not None):
         raise InvalidArgument(
             "dataset= and mixture= are mutually exclusive: stream one dataset, or "
@@ -130,7 +132,7 @@ def sampling_spec(
     sources: Any = ()
     if mixture is not None or schedule is not None:
         sources, schedule = load_mixture(mixture, schedule)
-    return SamplingSpec(
+    built = SamplingSpec(
         dataset=dataset or "",
         sources=sources,
         schedule=schedule or (),
@@ -145,6 +147,8 @@ def sampling_spec(
         shuffle_blocks=shuffle_blocks,
         world_size=env_int(environ, "WORLD_SIZE", 1) if world_size is None else world_size,
     )
+    built.check_size()  # a request over the feeder's limit: refused here, never retried
+    return built
 
 
 def resolve_rank(rank: int | None, world_size: int, environ: Mapping[str, str]) -> int:

@@ -38,16 +38,13 @@ from functools import partial
 from typing import Any
 
 from tokenfeed.core.errors import InvalidArgument
-from tokenfeed.core.limits import MAX_REQUEST_BYTES, MAX_TOKENS
+from tokenfeed.core.limits import MAX_REQUEST_BYTES, MAX_TOKENS, REQUEST_FIELDS_BYTES
 from tokenfeed.core.mixture import RuntimeSegments, step_position
 from tokenfeed.core.mixture.spec import segment_weights
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.sampling import steps_per_epoch
 
 STATE_KEYS = ("epoch", "offset", "step", "fingerprint", "world_size")
-# A stream request holds the spec and a few integers: room left for them under the
-# feeder's request limit.
-REQUEST_FIELDS_BYTES = 128
 
 
 class Position:

@@ -41,9 +41,9 @@ import grpc
 from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.transport import (
     MAX_RECEIVE_BYTES,
-    RETRYABLE,
     Channels,
     details_of,
+    retryable,
     status_of,
     tls_problem,
     to_feeder_error,
@@ -227,9 +227,11 @@ class StreamReader(threading.Thread):
             self._put(Failure(e))
 
     def _put(self, item: Any) -> bool:
+        # A full ring's wait uses no CPU; stop() empties the ring, which wakes it, so
+        # the timeout is a safety net only (each wake-up of an idle reader costs CPU).
         while not self._stop_event.is_set():
             try:
-                self.out.put(item, timeout=0.1)
+                self.out.put(item, timeout=10.0)
                 return True
             except queue.Full:
                 continue
@@ -282,7 +284,7 @@ class StreamReader(threading.Thread):
                 if self._stop_event.is_set():
                     return
                 code = status_of(e)
-                if code not in RETRYABLE:
+                if not retryable(e):
                     raise to_feeder_error(e, self.channels.current) from None
                 reason, message = code.name.lower(), f"{code.name}: {details_of(e)}"
             except OSError as e:  # resolving a name failed: retried like an unreachable server
@@ -340,7 +342,7 @@ def call_with_retry(
             return result
         except grpc.RpcError as e:
             code = status_of(e)
-            if code not in RETRYABLE:
+            if not retryable(e):
                 raise to_feeder_error(e, channels.current) from None
             reason, message = code.name.lower(), f"{code.name}: {details_of(e)}"
         except OSError as e:

@@ -52,6 +52,16 @@ RETRYABLE = frozenset(
 )
 
 
+def retryable(error: grpc.RpcError) -> bool:
+    """Whether another attempt may succeed: a RETRYABLE status, but not a message over
+    a size limit (grpc's RESOURCE_EXHAUSTED "... message larger than max ..."), which
+    fails the same way every time."""
+    code = status_of(error)
+    return code in RETRYABLE and not (
+        code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details_of(error)
+    )
+
+
 def status_of(error: grpc.RpcError) -> grpc.StatusCode:
     code = error.code() if isinstance(error, grpc.Call) else None
     return code if code is not None else grpc.StatusCode.UNKNOWN

@@ -17,7 +17,12 @@ MAX_PARAM = 1 << 40
 MAX_SEED = (1 << 64) - 1
 # Sources of a mixture: each costs work in every round (its counts, its passes).
 MAX_SOURCES = 1 << 12
-# The largest request a feeder accepts (its gRPC receive limit); responses are bounded by
-# --max-batch-bytes. A mixture's run-time segments are what can grow a request: a client
-# refuses a change that would take its request past this.
-MAX_REQUEST_BYTES = 1 << 20
+# Bytes of a request on the wire (StreamBatchesRequest, InfoRequest): the feeder's
+# receive limit, which the Python client checks before it sends. A mixture of 1,000
+# sources with 100 schedule segments is about 2.5 MB, and a run's weight changes grow
+# it (a client refuses a change that would take its request past this); a request
+# over the limit is refused at once, never retried. Responses are bounded by
+# --max-batch-bytes.
+MAX_REQUEST_BYTES = 16 << 20
+# What a request holds beside its SamplingParams (rank, epoch, offset, ...): at most.
+REQUEST_FIELDS_BYTES = 1 << 10

@@ -34,7 +34,7 @@ from fractions import Fraction
 from typing import Any
 
 from tokenfeed.core.errors import InvalidArgument
-from tokenfeed.core.limits import MAX_PARAM, MAX_SEED
+from tokenfeed.core.limits import MAX_PARAM, MAX_REQUEST_BYTES, MAX_SEED, REQUEST_FIELDS_BYTES
 from tokenfeed.core.mixture import Mixture, RuntimeSegments
 from tokenfeed.core.mixture.files import load_mixture
 from tokenfeed.v1 import feeder_pb2 as pb
@@ -383,6 +383,20 @@ class SamplingSpec:
         if self.runtime:
             p.runtime_segments = self.runtime
         return p
+
+    def check_size(self) -> None:
+        """InvalidArgument unless a request carrying these params fits MAX_REQUEST_BYTES
+        on the wire, the feeder's receive limit (what the client checks before it
+        sends: a request over the limit would be refused, never served)."""
+        size = self.to_proto().ByteSize() + REQUEST_FIELDS_BYTES
+        if size > MAX_REQUEST_BYTES:
+            raise InvalidArgument.at(
+                "schedule" if self.schedule else "sources",
+                f"the request would be {size:,} bytes on the wire ({len(self.sources)} "
+                f"sources, {len(self.schedule)} schedule segments), over the "
+                f"{MAX_REQUEST_BYTES:,} bytes a feeder accepts; use fewer segments or "
+                'sources (docs/request.md, "Request size")',
+            )
 
     @classmethod
     def from_proto(cls, p: pb.SamplingParams, **overrides: Any) -> SamplingSpec:

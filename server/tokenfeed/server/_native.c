@@ -1,9 +1,10 @@
-/* tokenfeed.server._native: the hot path's three loops over rows and batches, in C.
+/* tokenfeed.server._native: the hot path's loops over rows and batches, in C.
  *
  * - splice: a response message is its batches' frames with their rows of tokens
  *   between them, every row a slice of a cached chunk; splice.py describes it as a
  *   program of (key, byte offset, byte count) pieces, and this copies them into one
- *   new bytes object without a Python object per piece.
+ *   new bytes object without a Python object per piece. splice_files reads the rows
+ *   from the chunk files instead (a positioned read each: rows read in place).
  * - program: a round of batches as that program: where each row lies in the store's
  *   chunks (a row crossing chunks is a piece per chunk), the frames between them.
  * - frames: every batch's protobuf bytes before and after its tokens, for a round of
@@ -18,8 +19,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 /* A C-contiguous buffer of int64 rows of 3, or of plain int64 (keys). */
 static int
@@ -64,6 +67,42 @@ typedef struct {
     Py_buffer blob;    /* what key -1 reads */
 } Part;
 
+/* Every part's buffers (in `parts`, `*got` of them taken, to release) and the size of
+ * the message they make (`*total`); -1 with an exception set on a bad part. */
+static int
+get_parts(PyObject *parts_seq, Part *parts, Py_ssize_t *got, Py_ssize_t *total)
+{
+    Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(parts_seq);
+    for (; *got < n_parts; ++*got) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(parts_seq, *got);
+        PyObject *program, *blob;
+        if (!PyTuple_Check(pair) || !PyArg_ParseTuple(pair, "OO", &program, &blob)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "splice: a part is a (program, blob) tuple");
+            return -1;
+        }
+        Part *s = &parts[*got];
+        if (int64_buffer(program, &s->program, 1, "a program") < 0)
+            return -1;
+        if (PyObject_GetBuffer(blob, &s->blob, PyBUF_SIMPLE) < 0) {
+            PyBuffer_Release(&s->program);
+            return -1;
+        }
+        const int64_t *p = s->program.buf;
+        for (Py_ssize_t i = 0; i < s->program.shape[0]; i++) {
+            int64_t count = p[3 * i + 2];
+            if (count < 0 || count > PY_SSIZE_T_MAX - *total) {
+                ++*got;
+                PyErr_Format(PyExc_ValueError, "splice: piece %zd has a bad byte count %lld", i,
+                             (long long)count);
+                return -1;
+            }
+            *total += count;
+        }
+    }
+    return 0;
+}
+
 static PyObject *
 splice(PyObject *module, PyObject *args)
 {
@@ -103,33 +142,8 @@ splice(PyObject *module, PyObject *args)
     }
     /* First pass: every part's buffers and the message's size. */
     Py_ssize_t total = 0;
-    for (; got_parts < n_parts; got_parts++) {
-        PyObject *pair = PySequence_Fast_GET_ITEM(parts_seq, got_parts);
-        PyObject *program, *blob;
-        if (!PyTuple_Check(pair) || !PyArg_ParseTuple(pair, "OO", &program, &blob)) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_TypeError, "splice: a part is a (program, blob) tuple");
-            goto done;
-        }
-        Part *s = &parts[got_parts];
-        if (int64_buffer(program, &s->program, 1, "a program") < 0)
-            goto done;
-        if (PyObject_GetBuffer(blob, &s->blob, PyBUF_SIMPLE) < 0) {
-            PyBuffer_Release(&s->program);
-            goto done;
-        }
-        const int64_t *p = s->program.buf;
-        for (Py_ssize_t i = 0; i < s->program.shape[0]; i++) {
-            int64_t count = p[3 * i + 2];
-            if (count < 0 || count > PY_SSIZE_T_MAX - total) {
-                got_parts++;
-                PyErr_Format(PyExc_ValueError, "splice: piece %zd has a bad byte count %lld", i,
-                             (long long)count);
-                goto done;
-            }
-            total += count;
-        }
-    }
+    if (get_parts(parts_seq, parts, &got_parts, &total) < 0)
+        goto done;
     out = PyBytes_FromStringAndSize(NULL, total);
     if (out == NULL)
         goto done;
@@ -177,6 +191,122 @@ done:
     PyMem_Free(bufs);
     Py_DECREF(parts_seq);
     Py_DECREF(views);
+    return out;
+}
+
+/* splice_files(parts, keys, fds, bases, sizes): splice, with each key's bytes read from
+ * a file: piece (key, offset, count) is `count` bytes at `bases[j] + offset` of file
+ * descriptor `fds[j]` (keys[j] == key), inside [0, sizes[j]). A read that comes back
+ * short (the file was cut) raises EOFError("key K"), a failed one OSError. */
+static PyObject *
+splice_files(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *parts_obj, *keys_obj, *fds_obj, *bases_obj, *sizes_obj;
+    if (!PyArg_ParseTuple(args, "OOOOO:splice_files", &parts_obj, &keys_obj, &fds_obj,
+                          &bases_obj, &sizes_obj))
+        return NULL;
+    PyObject *parts_seq = PySequence_Fast(parts_obj, "splice: parts must be a sequence");
+    if (parts_seq == NULL)
+        return NULL;
+    Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(parts_seq);
+    Part *parts = PyMem_Calloc(n_parts ? n_parts : 1, sizeof(Part));
+    Py_buffer keys = {0}, fds = {0}, bases = {0}, sizes = {0};
+    Py_ssize_t got_parts = 0;
+    PyObject *out = NULL;
+    if (parts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (int64_buffer(keys_obj, &keys, 0, "keys") < 0 || int64_buffer(fds_obj, &fds, 0, "fds") < 0 ||
+        int64_buffer(bases_obj, &bases, 0, "bases") < 0 ||
+        int64_buffer(sizes_obj, &sizes, 0, "sizes") < 0)
+        goto done;
+    Py_ssize_t n_keys = keys.shape[0];
+    if (fds.shape[0] != n_keys || bases.shape[0] != n_keys || sizes.shape[0] != n_keys) {
+        PyErr_SetString(PyExc_ValueError, "splice_files: one fd, base and size per key");
+        goto done;
+    }
+    Py_ssize_t total = 0;
+    if (get_parts(parts_seq, parts, &got_parts, &total) < 0)
+        goto done;
+    out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL)
+        goto done;
+    char *dst = PyBytes_AS_STRING(out);
+    const int64_t *key_of = keys.buf, *fd_of = fds.buf, *base_of = bases.buf, *size_of = sizes.buf;
+    Py_ssize_t bad_part = -1, bad_piece = -1;
+    int64_t short_key = -1;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < n_parts && bad_piece < 0 && short_key < 0 && !err; k++) {
+        const int64_t *p = parts[k].program.buf;
+        const Py_buffer *blob = &parts[k].blob;
+        for (Py_ssize_t i = 0; i < parts[k].program.shape[0]; i++, p += 3) {
+            if (p[0] == -1) {
+                if (p[1] < 0 || p[1] > blob->len || p[2] > blob->len - p[1]) {
+                    bad_part = k, bad_piece = i;
+                    break;
+                }
+                memcpy(dst, (const char *)blob->buf + p[1], (size_t)p[2]);
+                dst += p[2];
+                continue;
+            }
+            Py_ssize_t j = find(key_of, n_keys, p[0]);
+            if (j < 0 || p[1] < 0 || p[1] > size_of[j] || p[2] > size_of[j] - p[1]) {
+                bad_part = k, bad_piece = i;
+                break;
+            }
+            int64_t left = p[2], at = base_of[j] + p[1];
+            while (left > 0) {
+                ssize_t got = pread((int)fd_of[j], dst, (size_t)left, (off_t)at);
+                if (got < 0 && errno == EINTR)
+                    continue;
+                if (got < 0) {
+                    err = errno;
+                    break;
+                }
+                if (got == 0) {
+                    short_key = p[0];
+                    break;
+                }
+                dst += got, at += got, left -= got;
+            }
+            if (err || short_key >= 0)
+                break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (bad_piece >= 0) {
+        const int64_t *p = (const int64_t *)parts[bad_part].program.buf + 3 * bad_piece;
+        PyErr_Format(PyExc_ValueError,
+                     "splice: piece %zd of part %zd (key %lld, offset %lld, count %lld) is "
+                     "not inside its source",
+                     bad_piece, bad_part, (long long)p[0], (long long)p[1], (long long)p[2]);
+        Py_CLEAR(out);
+    } else if (short_key >= 0) {
+        PyErr_Format(PyExc_EOFError, "key %lld", (long long)short_key);
+        Py_CLEAR(out);
+    } else if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_CLEAR(out);
+    }
+done:
+    for (Py_ssize_t k = 0; k < got_parts; k++) {
+        PyBuffer_Release(&parts[k].program);
+        PyBuffer_Release(&parts[k].blob);
+    }
+    if (keys.obj != NULL)
+        PyBuffer_Release(&keys);
+    if (fds.obj != NULL)
+        PyBuffer_Release(&fds);
+    if (bases.obj != NULL)
+        PyBuffer_Release(&bases);
+    if (sizes.obj != NULL)
+        PyBuffer_Release(&sizes);
+    PyMem_Free(parts);
+    Py_DECREF(parts_seq);
     return out;
 }
 
@@ -492,6 +622,8 @@ done:
 static PyMethodDef methods[] = {
     {"splice", splice, METH_VARARGS,
      "splice(parts, keys, views) -> bytes: see tokenfeed.server.splice."},
+    {"splice_files", splice_files, METH_VARARGS,
+     "splice_files(parts, keys, fds, bases, sizes) -> bytes: see tokenfeed.server.splice."},
     {"program", program, METH_VARARGS,
      "program(...) -> (int64 (n, 3) as bytes, int64 piece_lo as bytes): see "
      "tokenfeed.server.splice."},

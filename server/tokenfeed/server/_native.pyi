@@ -7,6 +7,13 @@ import numpy as np
 def splice(
     parts: Sequence[tuple[np.ndarray, Any]], keys: np.ndarray, views: Sequence[Any]
 ) -> bytes: ...
+def splice_files(
+    parts: Sequence[tuple[np.ndarray, Any]],
+    keys: np.ndarray,
+    fds: np.ndarray,
+    bases: np.ndarray,
+    sizes: np.ndarray,
+) -> bytes: ...
 def frames(
     batch_tag: bytes,
     epoch_field: bytes,

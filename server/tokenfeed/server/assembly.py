@@ -16,22 +16,23 @@ Where a burst is built is the servicer's choice (service.py): on the event loop
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from functools import partial
 
 import numpy as np
 
 from tokenfeed.core import sampling
 from tokenfeed.core.mixture.sampler import MixtureSampler
-from tokenfeed.server import splice
+from tokenfeed.server import inplace, splice
 from tokenfeed.server.cache import ChunkCache, Entry, count_by_dataset
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.readahead import ReadaheadPolicy
-from tokenfeed.server.rounds import LocatedRound, RoundQueue, Span
+from tokenfeed.server.rounds import LocatedRound, RoundQueue, Span, spans_chunks
 
 # A burst is built in one go: one pin of its chunks, one thread-pool round trip, which
 # costs more than building one small message. Past a few messages a burst saves no
@@ -46,12 +47,25 @@ Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, 
 
 
 class Pinned:
-    """Chunks pinned in the cache for a burst: their ids (ascending) and byte views."""
+    """Chunks pinned in the cache for a burst: their ids (ascending) and byte views;
+    `release()` lets go. (inplace.InPlace is the same for rows read from the files.)"""
 
-    def __init__(self, entries: list[Entry], keys: list[int] | np.ndarray) -> None:
-        self.entries = entries  # to release
+    def __init__(
+        self,
+        keys: list[int] | np.ndarray,
+        views: list[memoryview | None],
+        release: Callable[[], None],
+    ) -> None:
         self.keys = np.asarray(keys, dtype=np.int64)
-        self.views = [e.view for e in entries]
+        self.views = views
+        self.release = release
+
+    @classmethod
+    def cached(
+        cls, cache: ChunkCache, entries: list[Entry], keys: list[int] | np.ndarray
+    ) -> Pinned:
+        views = [e.view for e in entries]
+        return cls(keys, views, partial(cache.release_all, entries))
 
     def rows(self, lr: LocatedRound, i: int) -> bytes:
         """Batch i's rows of tokens."""
@@ -69,7 +83,7 @@ def pin_views(ds: Dataset, cache: ChunkCache, chunks: list[int]) -> Pinned | Non
     entries = cache.pin_resident([keys[c] for c in chunks])
     if entries is None:
         return None
-    return Pinned(entries, chunks)
+    return Pinned.cached(cache, entries, chunks)
 
 
 def gather(ds: Dataset, cache: ChunkCache, pieces: np.ndarray) -> bytes:
@@ -139,11 +153,30 @@ class MessageBuilder:
         self.readahead = ReadaheadPolicy(
             ds, sampler, self.rounds, cache, self.burst_messages * per_message, then
         )
-        self.readahead.look_ahead()
+        # a rank of a large job, or of a mixture of many sources, reads its rows from
+        # the chunk files (inplace.py)
+        self.files: inplace.ChunkFiles | None = None
+        self._guard = threading.Lock()  # close() from the event loop, bursts on threads
+        self._building = self._closed = False
+        shares = sampler.world_size * max(1, sources)
+        if shares >= inplace.IN_PLACE_WORLD_SIZE and ds.store.in_place:
+            self.files = inplace.ChunkFiles(ds.store)
+        else:
+            self.readahead.look_ahead()
 
     @property
     def finished(self) -> bool:
         return self.rounds.finished
+
+    def close(self) -> None:
+        """The stream ended: close the chunk files it reads in place (once the burst a
+        worker thread may still be building is done)."""
+        with self._guard:
+            self._closed = True
+            if self._building:
+                return  # next_burst closes them as it ends
+        if self.files is not None:
+            self.files.close()
 
     def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int]]:
         """The next n messages as spans of rounds, and the cursor after them."""
@@ -163,21 +196,41 @@ class MessageBuilder:
         A burst is the unit of pinning and of a thread-pool round trip: the hop to a
         worker and back costs more than building one small message.
         """
+        with self._guard:
+            if self._closed:
+                return []
+            self._building = True
+        try:
+            return self._next_burst(inline)
+        finally:
+            with self._guard:
+                self._building = False
+                closed = self._closed
+            if closed and self.files is not None:
+                self.files.close()
+
+    def _next_burst(self, inline: bool) -> list[Message]:
         t0 = time.perf_counter()
         messages, cursor = self._peek(self.burst_messages)
         if not messages:
             return []
         spans = [span for spans in messages for span in spans]
         chunks = self.readahead.chunks_of(spans)
-        pinned = self._pin(sorted(chunks))
+        pinned: Pinned | inplace.InPlace | None = self._pin(sorted(chunks))
         if pinned is None and inline:  # leave the burst to a worker thread
             return []
+        if pinned is None and self.files is not None:
+            pinned = self.files.burst(sorted(chunks))
         try:
             burst = [self._message(spans, pinned) for spans in messages]
         finally:
             if pinned is not None:
-                self.cache.release_all(pinned.entries)
-        self.readahead.look_ahead(self.rounds.advance(cursor), chunks)
+                pinned.release()
+        moved = self.rounds.advance(cursor)
+        if self.files is None:  # a stream reading in place never loads a chunk whole
+            self.readahead.look_ahead(moved, chunks)
+        else:
+            self.files.keep(spans_chunks(messages[-1]))
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
         return burst
@@ -192,9 +245,9 @@ class MessageBuilder:
             ids = np.asarray(chunks, dtype=np.int64)
             memo = self._pins = (chunks, keys, count_by_dataset(keys), ids)
         entries = self.cache.pin_resident(memo[1], memo[2])
-        return None if entries is None else Pinned(entries, memo[3])
+        return None if entries is None else Pinned.cached(self.cache, entries, memo[3])
 
-    def _message(self, spans: list[Span], pinned: Pinned | None) -> Message:
+    def _message(self, spans: list[Span], pinned: Pinned | inplace.InPlace | None) -> Message:
         batches = sum(j - i for _, i, j in spans)
         tokens = sum(lr.token_lo[j] - lr.token_lo[i] for lr, i, j in spans)
         if self.by_source is not None:  # counted by source when written (no numpy call here)
@@ -205,7 +258,7 @@ class MessageBuilder:
             data = b"".join(part for span in spans for part in self._batches(span, pinned))
         return data, batches, tokens, tokens * self.ds.store.dtype.itemsize
 
-    def _batches(self, span: Span, pinned: Pinned | None) -> Iterator[bytes]:
+    def _batches(self, span: Span, pinned: Pinned | inplace.InPlace | None) -> Iterator[bytes]:
         """A span's batches as pieces to join: with their document ends, or with rows
         loaded chunk by chunk (not all resident)."""
         lr, i, j = span

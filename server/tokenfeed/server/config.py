@@ -32,7 +32,9 @@ class ServerConfig:
     # chunks read ahead and not used yet wait outside the cache, in this many bytes
     # (cache.py); -1 = automatic: none for a local root, cache_bytes / 4 for s3://
     readahead_bytes: int = -1
-    max_streams: int = 256
+    # one feeder takes a job of thousands of ranks: each stream costs at most ~1 MiB
+    # and FILES_PER_STREAM descriptors (docs/serving.md, "Limits")
+    max_streams: int = 2048
     max_batch_bytes: int = 64 * MiB  # bytes of one response message (all its batches)
     assembly_threads: int = 0  # batch-assembly threads per process; 0 = automatic
     workers: int = 1  # server processes on one port (supervisor.py); 1 = one process

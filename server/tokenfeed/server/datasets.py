@@ -107,6 +107,7 @@ class Catalog:
                 raise InvalidArgument(f"--data-root {root} is not a directory")
             self.root_text = str(self.root)
         self._open: dict[str, Dataset] = {}
+        self._kinds: dict[Path, tuple[int, str]] = {}  # see _detect
         self._lock = threading.Lock()
         self._probing: dict[str, threading.Lock] = {}  # remote: one HEAD per name at a time
         self._checked: dict[str, float] = {}  # remote: when a name's generation was probed
@@ -154,7 +155,7 @@ class Catalog:
         self.check_name(name)
         path = self._inside(self.root / name)
         if path is not None and path.is_dir():
-            kind = detect(path)
+            kind = self._detect(path)
             if kind is not None:
                 return kind, path
         prefix = self.root / name
@@ -163,6 +164,22 @@ class Catalog:
         if idx is not None and bin_ is not None and idx.is_file() and bin_.is_file():
             return "megatron", prefix
         raise NotFound(self._not_found(name))
+
+    def _detect(self, path: Path) -> str | None:
+        """detect(path), remembered while the directory's entries stay the same (its
+        mtime): telling a native store from a seed layout lists the directory, tens of
+        thousands of chunk files for a 10^12-token store, at every request."""
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            return None
+        known = self._kinds.get(path)
+        if known is not None and known[0] == mtime:
+            return known[1]
+        kind = detect(path)
+        if kind is not None:
+            self._kinds[path] = (mtime, kind)
+        return kind
 
     def resolve(self, name: str) -> Path:
         """The local store of `name` (directory or Megatron prefix); NotFound if none."""

@@ -13,7 +13,9 @@ import logging
 
 from tokenfeed.core import native
 from tokenfeed.server.app import run_until_stopped, serve
+from tokenfeed.server.chunks import raise_open_files_limit
 from tokenfeed.server.config import ServerConfig
+from tokenfeed.server.inplace import FILES_PER_STREAM
 from tokenfeed.server.supervisor import Supervisor
 
 log = logging.getLogger("tokenfeed.server")
@@ -31,6 +33,29 @@ def run(config: ServerConfig) -> int:
             "in Python and windows sampled in numpy, which costs about 30 % more server CPU "
             "per token"
         )
+    check_open_files(config)
     if config.workers > 1:
         return Supervisor(config).run()
     return run_until_stopped(serve(config))
+
+
+# descriptors beside the streams': gRPC's, the logs, the metrics endpoint, chunk loads
+OTHER_FILES = 256
+
+
+def check_open_files(config: ServerConfig) -> int:
+    """Raise the soft limit of open files to the hard one, and warn when it is below
+    what `--max-streams` streams may hold; the limit in force."""
+    limit = raise_open_files_limit()
+    need = config.max_streams * FILES_PER_STREAM + OTHER_FILES
+    if limit < need:
+        log.warning(
+            "the limit of open files is %d, below the %d that --max-streams %d streams may "
+            "need (%d each: a connection and the chunk files it reads in place); raise "
+            '`ulimit -n` or lower --max-streams (deploy/README.md, "How to size it")',
+            limit,
+            need,
+            config.max_streams,
+            FILES_PER_STREAM,
+        )
+    return limit

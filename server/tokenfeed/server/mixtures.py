@@ -62,6 +62,16 @@ class VirtualStore(StoreReader):
         store = self.stores[int(self.owner[index])]
         return store.read_chunk(int(self.local[index]), verify)
 
+    @cached_property
+    def in_place(self) -> bool:
+        return all(s.in_place for s in self.stores)
+
+    def chunk_file(self, index: int) -> tuple[str, int]:
+        return self.stores[int(self.owner[index])].chunk_file(int(self.local[index]))
+
+    def check_chunk_file(self, index: int, size: int | None) -> None:
+        self.stores[int(self.owner[index])].check_chunk_file(int(self.local[index]), size)
+
     def verify(self) -> list[str]:
         return [problem for s in self.stores for problem in s.verify()]
 

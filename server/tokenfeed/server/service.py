@@ -436,6 +436,7 @@ class FeederService:
                 building.cancel()  # a running build finishes its burst; the result is dropped
             if written:  # the stream ended mid-burst: what went on the wire still counts
                 count(burst[:written])
+            pipe.close()
             if by_source is not None:
                 by_source.flush()  # what was written and not yet counted
 

@@ -14,12 +14,17 @@ pieces, once per round; `splice` copies a message's pieces into its bytes:
   pieces [piece_lo[b], piece_lo[b + 1]).
 
     splice(parts, keys, views) -> bytes
+    splice_files(parts, keys, fds, bases, sizes) -> bytes
 
 - `parts`: (program, blob) pairs, in order; a program is an int64 array of shape
   (n, 3), one (key, byte offset, byte count) row per piece;
 - key -1 reads the part's `blob` (a round's frames); any other key reads the view at
   that key's index in `keys` (ascending int64: pinned chunk ids), `views[i]` being
   chunk keys[i]'s bytes.
+- `splice_files` reads chunk keys[i]'s bytes from a file instead (rows read in place,
+  inplace.py): `sizes[i]` bytes from byte `bases[i]` of file descriptor `fds[i]`, a
+  positioned read per piece; a read cut short (the file shrank) is EOFError naming
+  the key.
 
 Both loop over rows in C (_native.c) when the extension is built, with no Python
 object per row: the per-row slicing, the join and the per-round numpy are what the
@@ -30,6 +35,7 @@ tests check the two agree.
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,6 +64,43 @@ def splice_py(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> 
                 )
             out.append(src[offset : offset + count])
     return b"".join(out)
+
+
+def splice_files_py(
+    parts: Sequence[Part], keys: np.ndarray, fds: np.ndarray, bases: np.ndarray, sizes: np.ndarray
+) -> bytes:
+    """`splice_files`' reference, in Python."""
+    if not len(keys) == len(fds) == len(bases) == len(sizes):
+        raise ValueError("splice_files: one fd, base and size per key")
+    at = {int(k): j for j, k in enumerate(keys.tolist())}
+    programs = [np.asarray(p, dtype=np.int64).reshape(-1, 3) for p, _ in parts]
+    if any((p[:, 2] < 0).any() for p in programs):
+        raise ValueError("splice: a piece has a negative byte count")
+    out = bytearray(sum(int(p[:, 2].sum()) for p in programs))
+    dst, pos = memoryview(out), 0
+    for program, (_, blob) in zip(programs, parts, strict=True):
+        data = memoryview(blob).cast("B")
+        for key, offset, count in program.tolist():
+            j = at.get(key, -1)
+            size = len(data) if key == -1 else int(sizes[j]) if j >= 0 else -1
+            if size < 0 or offset < 0 or count < 0 or offset + count > size:
+                raise ValueError(
+                    f"splice: piece (key {key}, offset {offset}, count {count}) is not inside "
+                    "its source"
+                )
+            if key == -1:
+                dst[pos : pos + count] = data[offset : offset + count]
+            else:
+                done = 0
+                while done < count:  # a positioned read may return less than asked
+                    got = os.preadv(
+                        int(fds[j]), [dst[pos + done : pos + count]], int(bases[j]) + offset + done
+                    )
+                    if got == 0:
+                        raise EOFError(f"key {key}")
+                    done += got
+            pos += count
+    return bytes(out)
 
 
 def program_py(
@@ -95,12 +138,14 @@ def program_py(
 
 
 _splice_c: Callable[..., bytes] | None
+_splice_files_c: Callable[..., bytes] | None
 _program_c: Callable[..., tuple[bytes, bytes]] | None
 try:
     from tokenfeed.server._native import program as _program_c
     from tokenfeed.server._native import splice as _splice_c
+    from tokenfeed.server._native import splice_files as _splice_files_c
 except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1 at install)
-    _splice_c = _program_c = None
+    _splice_c = _splice_files_c = _program_c = None
 
 
 def splice(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> bytes:
@@ -108,6 +153,15 @@ def splice(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> byt
     if _splice_c is None or not native.enabled():
         return splice_py(parts, keys, views)
     return _splice_c(parts, keys, views)
+
+
+def splice_files(
+    parts: Sequence[Part], keys: np.ndarray, fds: np.ndarray, bases: np.ndarray, sizes: np.ndarray
+) -> bytes:
+    """The parts' pieces, in order, the chunks' read from their files (module docstring)."""
+    if _splice_files_c is None or not native.enabled():
+        return splice_files_py(parts, keys, fds, bases, sizes)
+    return _splice_files_c(parts, keys, fds, bases, sizes)
 
 
 def program(

@@ -18,11 +18,11 @@ Errors are InvalidArgument whose `field` names the request field at fault
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ class Segment:
     a: tuple[int, ...]  # normalized: share i = a[i] / D
     D: int
 
-    @property
+    @cached_property
     def shares(self) -> tuple[Fraction, ...]:
         return tuple(Fraction(x, self.D) for x in self.a)
 
@@ -52,14 +52,17 @@ def parse_weight(value: Any, field: str) -> Fraction:
     0.7 is 7/10 (not the binary float 0.6999...), so every language that prints floats
     the shortest way computes the same stream.
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
+    if type(value) is float:  # what the wire gives: no ABC checks (1,000 sources x 100)
+        f = value
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(
         value, (int, float, str, Decimal, Fraction, np.integer, np.floating)
     ):
         raise InvalidArgument.at(field, f"must be a number, got {type(value).__name__} {value!r}")
-    try:
-        f = float(value)
-    except (ValueError, OverflowError):
-        raise InvalidArgument.at(field, f"must be a finite number, got {value!r}") from None
+    else:
+        try:
+            f = float(value)
+        except (ValueError, OverflowError):
+            raise InvalidArgument.at(field, f"must be a finite number, got {value!r}") from None
     if math.isnan(f) or math.isinf(f):
         raise InvalidArgument.at(field, f"must be a finite number, got {value!r}")
     if f < 0:
@@ -71,15 +74,15 @@ def parse_weight(value: Any, field: str) -> Fraction:
 def _decimal(f: float) -> Fraction:
     """The shortest decimal that round-trips `f`, exactly. Cached: parsing it costs
     microseconds, and weights repeat (a policy's are a few decimals each)."""
-    return Fraction(repr(f))
+    return Fraction(*Decimal(repr(f)).as_integer_ratio())  # Fraction(repr(f)), 2x faster
 
 
 def normalize(weights: Sequence[Fraction]) -> tuple[tuple[int, ...], int]:
     """Exact weights -> integers a_i and D with a_i / D = w_i / sum(w) in lowest common
     terms (D is the least common denominator of the shares; sum of a = D)."""
-    exact = [Fraction(w) for w in weights]
-    common = math.lcm(*(w.denominator for w in exact))
-    m = [w.numerator * (common // w.denominator) for w in exact]
+    ws = [w if type(w) is Fraction else Fraction(w) for w in weights]  # made once
+    common = math.lcm(*(w.denominator for w in ws))
+    m = [w.numerator * (common // w.denominator) for w in ws]
     total = sum(m)
     if total == 0:
         raise ValueError("all weights are 0")
@@ -100,7 +103,7 @@ def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segm
         raise InvalidArgument.at("sources", "a mixture needs at least one source")
     if len(base) > MAX_SOURCES:
         raise InvalidArgument.at("sources", f"at most {MAX_SOURCES} sources, got {len(base)}")
-    names: list[str] = []
+    names: dict[str, int] = {}  # in order; a dict: a segment looks each weight's name up
     for n, (name, _) in enumerate(base):
         if not isinstance(name, str) or not name:
             raise InvalidArgument.at(
@@ -108,7 +111,7 @@ def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segm
             )
         if name in names:
             raise InvalidArgument.at(f"sources[{n}].name", f"duplicate source {name!r}")
-        names.append(name)
+        names[name] = n
     raw = [(0, _weights(names, base, "sources"))]
     if schedule is None:
         schedule = ()
@@ -139,7 +142,7 @@ def segment_weights(names: Sequence[str], weights: Any, field: str) -> list[Frac
     return _weights(names, _pairs(weights, field), field)
 
 
-def _weights(names: Sequence[str], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
+def _weights(names: Collection[str], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
     """A segment's (name, weight) pairs -> its exact weights in source order."""
     by_name: dict[str, Fraction] = {}
     for n, (name, value) in enumerate(pairs):
@@ -173,6 +176,9 @@ def _pairs(value: Any, field: str) -> list[tuple[Any, Any]]:
         )
     out = []
     for n, item in enumerate(value):
+        if type(item) is tuple and len(item) == 2:  # the wire's form, checked fast
+            out.append(item)
+            continue
         if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
             raise InvalidArgument.at(
                 f"{field}[{n}]", f"must be a (name, weight) pair, got {item!r}"

@@ -37,12 +37,10 @@ def detect(path: Path) -> str | None:
     return None
 
 
-def open_store(
-    location: str | os.PathLike[str], dtype: str | None = None, check_sizes: bool = True
-) -> StoreReader:
+def open_store(location: str | os.PathLike[str], dtype: str | None = None) -> StoreReader:
     """The reader for whatever `location` holds (see the module docstring)."""
     if is_url(location):
-        return TokenStore.open_files(open_files(str(location)), dtype, check_sizes)
+        return TokenStore.open_files(open_files(str(location)), dtype)
     path = Path(open_files(location).location)  # refuses other URL schemes
     kind = detect(path)
     if kind in ("seed", "megatron") and dtype is not None:
@@ -52,7 +50,7 @@ def open_store(
     if kind == "megatron":
         return MegatronStore.open(path)
     if path.is_dir():
-        return TokenStore.open(path, dtype, check_sizes)
+        return TokenStore.open(path, dtype)
     if path.suffix in (".bin", ".idx"):
         raise NotFound(f"{path}: a Megatron dataset needs both PREFIX.bin and PREFIX.idx")
     raise NotFound(

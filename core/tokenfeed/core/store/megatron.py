@@ -214,6 +214,24 @@ class MegatronStore(StoreReader):
         empty document repeats the previous end)."""
         return self.sequence_starts[self.document_indices[1:]]
 
+    @property
+    def in_place(self) -> bool:
+        """When the .bin holds the served ids as they are (uint16); the other dtypes are
+        converted (and checked) as a chunk is read."""
+        return self.source_dtype == np.dtype("<u2")
+
+    def chunk_file(self, index: int) -> tuple[str, int]:
+        return str(self.bin_path), int(self.chunk_starts[index]) * 2
+
+    def check_chunk_file(self, index: int, size: int | None) -> None:
+        expect = self.total_tokens * self.source_dtype.itemsize
+        if size != expect:
+            raise DataLoss(
+                f"{self.bin_path}: {'missing' if size is None else f'{size} bytes'}, but its "
+                f"index says the tokens end at byte {expect}: the file changed since it was "
+                "opened"
+            )
+
     def _read_source(self, a: int, b: int, out: memoryview) -> None:
         item = self.source_dtype.itemsize
         try:
