@@ -1,0 +1,312 @@
+"""Fair shares between jobs on a saturated feeder, and what the scheduler costs one job.
+
+    python benchmarks/tenants.py [--seconds 6] [--repeat 3] [--baseline DIR]
+
+One feeder process (`tokenfeed serve`) with a tokens file of two jobs, `small` and
+`large`; one load process per job opens its streams (one connection each, as separate
+trainer ranks would) and drains them, epoch after epoch, counting the bytes each
+message carries (no decoding: the load generators must cost less than the feeder, or
+they, not the feeder, would be the bottleneck). The feeder is pinned to CPU 0 and the
+load processes to CPU 1 (`taskset`), so the feeder's one core is saturated and the
+load never steals it. Batches of 16 x (1024 + 1) uint16 tokens, shuffled, 2 batches
+per message (~64 KiB).
+
+Rows:
+
+* `shares 1:1`: `small` (4 streams) and `large` (32 streams), both weight 1: each
+  job's share of the bytes sent against its weighted share (goal: within 20 %, i.e. a
+  ratio in [0.8, 1.2]);
+* `shares 3:1`: the same with `small` at weight 3 (its share: 75 %);
+* `streams 4+32` with `--baseline DIR`: the same load on DIR's feeder (no tokens file,
+  no scheduler): what the split is by stream count;
+* `one job, 32 streams` and `one job, 1 stream`: the feeder without a tokens file (one
+  job, every stream takes turns) against DIR's feeder with `--baseline DIR`, tokens/s
+  and server CPU per 10^9 tokens: the scheduler's cost on a single job's throughput
+  (goal: under 3 %).
+
+DIR is another checkout's source roots (`git archive main | tar -x -C DIR`), run with
+PYTHONPATH as benchmarks/serve_throughput.py does. Rows are interleaved over
+`--repeat` runs and each row reports its median: the machine is noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenfeed.cli.process import wait_for_port
+
+SEQ_LEN, BATCH, PER_MESSAGE = 1024, 16, 2
+METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
+TOKENS = {"small": "bench-small-token", "large": "bench-large-token"}
+BASELINE: Path | None = None
+
+
+# ---------------------------------------------------------------------- processes
+
+
+def run_load(address: str, job: str, streams: int, start: float, seconds: float) -> None:
+    """Drain `streams` streams of `job` from wall time `start` for `seconds`; print
+    {"bytes": [per stream], "seconds"} as JSON."""
+    import asyncio
+
+    import grpc
+
+    from tokenfeed.core.request import SamplingSpec
+    from tokenfeed.server.app import new_event_loop
+    from tokenfeed.v1 import feeder_pb2 as pb
+
+    spec = SamplingSpec(
+        dataset="bench", seq_len=SEQ_LEN, stride=256, batch_size=BATCH, shuffle=True, seed=1,
+        world_size=streams,
+    )  # fmt: skip
+    metadata = (("authorization", f"Bearer {TOKENS[job]}"),)
+
+    async def drain(channel: grpc.aio.Channel, rank: int, counts: list[int]) -> None:
+        call = channel.unary_stream(
+            METHOD, request_serializer=pb.StreamBatchesRequest.SerializeToString
+        )
+        epoch = 0
+        while True:
+            req = pb.StreamBatchesRequest(
+                params=spec.to_proto(), rank=rank, epoch=epoch, batches_per_message=PER_MESSAGE
+            )
+            async for msg in call(req, metadata=metadata, wait_for_ready=True):
+                if time.time() >= start:
+                    counts[rank] += len(msg)
+            epoch += 1
+
+    async def main() -> dict[str, Any]:
+        opts = [("grpc.max_receive_message_length", -1), ("grpc.use_local_subchannel_pool", 1)]
+        channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(streams)]
+        counts = [0] * streams
+        tasks = [asyncio.ensure_future(drain(ch, r, counts)) for r, ch in enumerate(channels)]
+        await asyncio.sleep(max(0.0, start - time.time()))
+        cpu0 = time.process_time()
+        await asyncio.sleep(seconds)
+        snapshot = list(counts)
+        cpu = time.process_time() - cpu0
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for ch in channels:
+            await ch.close()
+        return {"bytes": snapshot, "seconds": seconds, "cpu": cpu}
+
+    print(json.dumps(new_event_loop().run_until_complete(main())))
+
+
+# ------------------------------------------------------------------------- driver
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pinned(cpu: int) -> list[str]:
+    return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and os.cpu_count() else []
+
+
+def tokens_file(tmp: Path, small_weight: float) -> Path:
+    path = tmp / f"tokens-{small_weight:g}.json"
+    jobs = {
+        job: {
+            "token_sha256": hashlib.sha256(TOKENS[job].encode()).hexdigest(),
+            "datasets": ["**"],
+            "weight": small_weight if job == "small" else 1,
+        }
+        for job in TOKENS
+    }
+    path.write_text(json.dumps({"jobs": jobs}))
+    return path
+
+
+def start_server(kind: str, data_root: Path, tmp: Path, tokens: Path | None) -> tuple[Any, str]:
+    port_file = tmp / "port"
+    port_file.unlink(missing_ok=True)
+    argv = [*pinned(0), sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(data_root)]
+    argv += ["--port", "0", "--port-file", str(port_file), "--log-level", "WARNING"]
+    argv += ["--assembly-threads", "2"]
+    if tokens is not None:
+        argv += ["--tokens-file", str(tokens)]
+    env = None
+    if kind == "base":
+        assert BASELINE is not None
+        roots = [
+            str(BASELINE / r) for r in ("core", "server", "client", "prepare", "protos", "cli")
+        ]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(roots)}
+    proc = subprocess.Popen(argv, env=env)
+    return proc, f"127.0.0.1:{wait_for_port(proc, port_file)}"
+
+
+def measure(
+    kind: str, loads: dict[str, int], small_weight: float, seconds: float, root: Path, tmp: Path
+) -> dict[str, Any]:
+    """One row: the server `kind` ("tokenfeed" or "base") and a load process per job."""
+    tokens = tokens_file(tmp, small_weight) if kind == "tokenfeed" and len(loads) > 1 else None
+    proc, address = start_server(kind, root, tmp, tokens)
+    try:
+        start = time.time() + 3.0  # connections made, caches warm
+        argv = [*pinned(1), sys.executable, __file__, "--load", address]
+        clients = {
+            job: subprocess.Popen(
+                [
+                    *argv,
+                    "--job",
+                    job,
+                    "--streams",
+                    str(n),
+                    "--start",
+                    str(start),
+                    "--seconds",
+                    str(seconds),
+                ],
+                stdout=subprocess.PIPE,
+            )
+            for job, n in loads.items()
+        }
+        time.sleep(max(0.0, start - time.time()))
+        cpu0 = cpu_seconds(proc.pid)
+        time.sleep(seconds)
+        cpu = cpu_seconds(proc.pid) - cpu0
+        out = {job: json.loads(c.communicate(timeout=120)[0]) for job, c in clients.items()}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    sent = {job: sum(r["bytes"]) for job, r in out.items()}
+    total = sum(sent.values())
+    return {
+        "bytes_s": {job: b / seconds for job, b in sent.items()},
+        "share": {job: b / total if total else float("nan") for job, b in sent.items()},
+        "tokens_s": total / 2 / seconds,
+        "cpu_per_gtok": cpu / (total / 2) * 1e9 if total else float("nan"),
+        "load_cpu": {job: r["cpu"] for job, r in out.items()},
+    }
+
+
+def make_store(root: Path, total: int) -> None:
+    import numpy as np
+
+    from tokenfeed.core.store import write_store
+
+    rng = np.random.default_rng(0)
+    write_store(
+        root / "bench",
+        rng.integers(0, 50_257, total, dtype=np.uint16),
+        dtype="uint16",
+        tokens_per_chunk=1 << 20,
+        vocab_size=50_257,
+        eos_token_id=50_256,
+    )
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32 << 20)
+    ap.add_argument("--baseline", type=Path, metavar="DIR", help="also run DIR's feeder")
+    ap.add_argument("--load", metavar="ADDRESS", help=argparse.SUPPRESS)
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    ap.add_argument("--streams", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--start", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.load:
+        return run_load(args.load, args.job, args.streams, args.start, args.seconds)
+    global BASELINE
+    BASELINE = args.baseline
+    two = {"small": 4, "large": 32}
+    schedule: list[tuple[str, str, dict[str, int], float]] = [
+        ("shares 1:1", "tokenfeed", two, 1.0),
+        ("shares 3:1", "tokenfeed", two, 3.0),
+        ("one job, 32 streams", "tokenfeed", {"large": 32}, 1.0),
+        ("one job, 1 stream", "tokenfeed", {"large": 1}, 1.0),
+    ]
+    if BASELINE is not None:
+        schedule += [
+            ("streams 4+32", "base", two, 1.0),
+            ("one job, 32 streams", "base", {"large": 32}, 1.0),
+            ("one job, 1 stream", "base", {"large": 1}, 1.0),
+        ]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(r[0], r[1]): [] for r in schedule}
+    with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as d:
+        tmp = Path(d)
+        make_store(tmp / "data", args.tokens)
+        for i in range(args.repeat):
+            for name, kind, loads, weight in schedule:
+                r = measure(kind, loads, weight, args.seconds, tmp / "data", tmp)
+                runs[(name, kind)].append(r)
+                shares = " ".join(f"{j} {s:.1%}" for j, s in r["share"].items())
+                print(
+                    f"  run {i + 1}/{args.repeat} {kind:9s} {name:20s} "
+                    f"{r['tokens_s'] / 1e6:7.1f} M tok/s  cpu {r['cpu_per_gtok']:.2f} s/Gtok  "
+                    f"{shares}",
+                    flush=True,
+                )
+    report(runs, args)
+
+
+def report(runs: dict[tuple[str, str], list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    print(
+        f"\ntenants: batches {BATCH} x {SEQ_LEN}+1 uint16, {PER_MESSAGE} per message, "
+        f"median of {args.repeat} x {args.seconds:g} s, feeder on CPU 0, load on CPU 1\n"
+    )
+    for name, small_weight in (("shares 1:1", 1.0), ("shares 3:1", 3.0)):
+        rs = runs[(name, "tokenfeed")]
+        want = {"small": small_weight / (small_weight + 1), "large": 1 / (small_weight + 1)}
+        for job in ("small", "large"):
+            ratios = [r["share"][job] / want[job] for r in rs]
+            print(
+                f"{name}: {job:5s} ({two_streams(job)} streams) share "
+                f"{median([r['share'][job] for r in rs]):.1%} of {want[job]:.0%}: "
+                f"{median(ratios):.2f} of its weighted share (goal 0.8-1.2; per run "
+                + " ".join(f"{x:.2f}" for x in ratios)
+                + ")"
+            )
+    if ("streams 4+32", "base") in runs:
+        rs = runs[("streams 4+32", "base")]
+        print(
+            f"without shares (baseline): small {median([r['share']['small'] for r in rs]):.1%}, "
+            f"large {median([r['share']['large'] for r in rs]):.1%}"
+        )
+    for name in ("one job, 32 streams", "one job, 1 stream"):
+        mine = runs[(name, "tokenfeed")]
+        line = (
+            f"{name}: {median([r['tokens_s'] for r in mine]) / 1e6:.1f} M tok/s, "
+            f"{median([r['cpu_per_gtok'] for r in mine]):.2f} s/Gtok"
+        )
+        base = runs.get((name, "base"))
+        if base:
+            tput = [x["tokens_s"] / y["tokens_s"] for x, y in zip(mine, base, strict=True)]
+            cpu = [x["cpu_per_gtok"] / y["cpu_per_gtok"] for x, y in zip(mine, base, strict=True)]
+            line += (
+                f"; vs baseline: tokens/s {median(tput):.3f}x (per run "
+                + " ".join(f"{x:.3f}" for x in tput)
+                + f"), CPU/token {median(cpu):.3f}x (per run "
+                + " ".join(f"{x:.3f}" for x in cpu)
+                + ")"
+            )
+        print(line)
+
+
+def two_streams(job: str) -> int:
+    return {"small": 4, "large": 32}[job]
+
+
+if __name__ == "__main__":
+    main()
