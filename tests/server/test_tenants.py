@@ -357,7 +357,13 @@ def test_status_page_shows_each_live_stream(tenant_feeder) -> None:
         s = pb_grpc.FeederStub(ch)
         live = s.StreamBatches(request, metadata=bearer("eval"))
         next(live)
-        status = json.loads(urllib.request.urlopen(base + "/status.json", timeout=10).read())
+
+        def status_json() -> dict:
+            return json.loads(urllib.request.urlopen(base + "/status.json", timeout=10).read())
+
+        # a row's step moves once a burst of messages is written (the first is in)
+        wait_until(lambda: status_json()["streams"][0]["step"] >= 1, 30, "the row's progress")
+        status = status_json()
         assert set(status) == {"datasets", "cache", "streams"}
         assert status["datasets"] == [{"name": "code", "tokens": 10_000, "format": "tokenfeed"}]
         assert set(status["cache"]) == {"bytes", "capacity_bytes", "hit_ratio"}
