@@ -3,13 +3,16 @@
     python benchmarks/tenants.py [--seconds 6] [--repeat 3] [--baseline DIR]
 
 One feeder process (`tokenfeed serve`) with a tokens file of two jobs, `small` and
-`large`; one load process per job opens its streams (one connection each, as separate
-trainer ranks would) and drains them, epoch after epoch, counting the bytes each
-message carries (no decoding: the load generators must cost less than the feeder, or
-they, not the feeder, would be the bottleneck). The feeder is pinned to CPU 0 and the
-load processes to CPU 1 (`taskset`), so the feeder's one core is saturated and the
-load never steals it. Batches of 16 x (1024 + 1) uint16 tokens, shuffled, 2 batches
-per message (~64 KiB).
+`large`, each reading its own copy of one store (hard links: the same bytes, two
+dataset names); one load process per job opens its streams (one connection each, as
+separate trainer ranks would) and drains them, epoch after epoch, without decoding
+(the load must cost less than the feeder, or it, not the feeder, would be the
+bottleneck). What each job got is counted where it is sent: the feeder's
+`tokenfeed_server_tokens_sent_total` by dataset over the window, read from its
+/metrics. The feeder is pinned to CPU 0 and the load processes to CPU 1 (`taskset`),
+and each row prints how busy the feeder's core was (its CPU seconds over the window):
+shares only mean something on a saturated feeder (near 100 %). Batches of 16 x
+(1024 + 1) uint16 tokens, shuffled, 2 batches per message (~64 KiB).
 
 Rows:
 
@@ -40,14 +43,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+from serve_throughput import checkout_env, cpu_seconds, make_store  # the same store and clock
+
 from tokenfeed.cli.process import wait_for_port
 
-SEQ_LEN, BATCH, PER_MESSAGE = 1024, 16, 2
+SEQ_LEN, BATCH, PER_MESSAGE = 1024, 16, 2  # serve_throughput's batches, 2 to a message
 METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
-TOKENS = {"small": "bench-small-token", "large": "bench-large-token"}
+TOKENS = {"small": "bench-small-token", "large": "bench-large-token"}  # dataset = job
 BASELINE: Path | None = None
 
 
@@ -55,8 +62,8 @@ BASELINE: Path | None = None
 
 
 def run_load(address: str, job: str, streams: int, start: float, seconds: float) -> None:
-    """Drain `streams` streams of `job` from wall time `start` for `seconds`; print
-    {"bytes": [per stream], "seconds"} as JSON."""
+    """Drain `streams` streams of `job` (its dataset has the job's name) until wall time
+    `start` + `seconds`; print {"cpu": this process's CPU seconds from `start`} as JSON."""
     import asyncio
 
     import grpc
@@ -66,12 +73,12 @@ def run_load(address: str, job: str, streams: int, start: float, seconds: float)
     from tokenfeed.v1 import feeder_pb2 as pb
 
     spec = SamplingSpec(
-        dataset="bench", seq_len=SEQ_LEN, stride=256, batch_size=BATCH, shuffle=True, seed=1,
+        dataset=job, seq_len=SEQ_LEN, stride=256, batch_size=BATCH, shuffle=True, seed=1,
         world_size=streams,
     )  # fmt: skip
     metadata = (("authorization", f"Bearer {TOKENS[job]}"),)
 
-    async def drain(channel: grpc.aio.Channel, rank: int, counts: list[int]) -> None:
+    async def drain(channel: grpc.aio.Channel, rank: int) -> None:
         call = channel.unary_stream(
             METHOD, request_serializer=pb.StreamBatchesRequest.SerializeToString
         )
@@ -80,37 +87,29 @@ def run_load(address: str, job: str, streams: int, start: float, seconds: float)
             req = pb.StreamBatchesRequest(
                 params=spec.to_proto(), rank=rank, epoch=epoch, batches_per_message=PER_MESSAGE
             )
-            async for msg in call(req, metadata=metadata, wait_for_ready=True):
-                if time.time() >= start:
-                    counts[rank] += len(msg)
+            async for _ in call(req, metadata=metadata, wait_for_ready=True):
+                pass
             epoch += 1
 
     async def main() -> dict[str, Any]:
         opts = [("grpc.max_receive_message_length", -1), ("grpc.use_local_subchannel_pool", 1)]
         channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(streams)]
-        counts = [0] * streams
-        tasks = [asyncio.ensure_future(drain(ch, r, counts)) for r, ch in enumerate(channels)]
+        tasks = [asyncio.ensure_future(drain(ch, r)) for r, ch in enumerate(channels)]
         await asyncio.sleep(max(0.0, start - time.time()))
         cpu0 = time.process_time()
         await asyncio.sleep(seconds)
-        snapshot = list(counts)
         cpu = time.process_time() - cpu0
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for ch in channels:
             await ch.close()
-        return {"bytes": snapshot, "seconds": seconds, "cpu": cpu}
+        return {"cpu": cpu}
 
     print(json.dumps(new_event_loop().run_until_complete(main())))
 
 
 # ------------------------------------------------------------------------- driver
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pinned(cpu: int) -> list[str]:
@@ -122,7 +121,7 @@ def tokens_file(tmp: Path, small_weight: float) -> Path:
     jobs = {
         job: {
             "token_sha256": hashlib.sha256(TOKENS[job].encode()).hexdigest(),
-            "datasets": ["**"],
+            "datasets": [job],
             "weight": small_weight if job == "small" else 1,
         }
         for job in TOKENS
@@ -131,23 +130,46 @@ def tokens_file(tmp: Path, small_weight: float) -> Path:
     return path
 
 
-def start_server(kind: str, data_root: Path, tmp: Path, tokens: Path | None) -> tuple[Any, str]:
+def start_server(
+    kind: str, data_root: Path, tmp: Path, tokens: Path | None
+) -> tuple[Any, str, str]:
+    """The feeder: its process, gRPC address and /metrics URL."""
     port_file = tmp / "port"
     port_file.unlink(missing_ok=True)
+    metrics = free_port()
     argv = [*pinned(0), sys.executable, "-m", "tokenfeed", "serve", "--data-root", str(data_root)]
     argv += ["--port", "0", "--port-file", str(port_file), "--log-level", "WARNING"]
+    argv += ["--metrics-port", str(metrics)]
     argv += ["--assembly-threads", "2"]
     if tokens is not None:
         argv += ["--tokens-file", str(tokens)]
     env = None
     if kind == "base":
         assert BASELINE is not None
-        roots = [
-            str(BASELINE / r) for r in ("core", "server", "client", "prepare", "protos", "cli")
-        ]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(roots)}
+        env = checkout_env(BASELINE)
     proc = subprocess.Popen(argv, env=env)
-    return proc, f"127.0.0.1:{wait_for_port(proc, port_file)}"
+    address = f"127.0.0.1:{wait_for_port(proc, port_file)}"
+    return proc, address, f"http://127.0.0.1:{metrics}/metrics"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tokens_sent(url: str) -> dict[str, float]:
+    """The feeder's tokens sent so far, by dataset."""
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tokenfeed_server_tokens_sent_total":
+                name = sample.labels["dataset"]
+                out[name] = out.get(name, 0.0) + sample.value
+    return out
 
 
 def measure(
@@ -155,7 +177,7 @@ def measure(
 ) -> dict[str, Any]:
     """One row: the server `kind` ("tokenfeed" or "base") and a load process per job."""
     tokens = tokens_file(tmp, small_weight) if kind == "tokenfeed" and len(loads) > 1 else None
-    proc, address = start_server(kind, root, tmp, tokens)
+    proc, address, metrics = start_server(kind, root, tmp, tokens)
     try:
         start = time.time() + 3.0  # connections made, caches warm
         argv = [*pinned(1), sys.executable, __file__, "--load", address]
@@ -177,38 +199,23 @@ def measure(
             for job, n in loads.items()
         }
         time.sleep(max(0.0, start - time.time()))
-        cpu0 = cpu_seconds(proc.pid)
-        time.sleep(seconds)
-        cpu = cpu_seconds(proc.pid) - cpu0
+        sent0, cpu0, t0 = tokens_sent(metrics), cpu_seconds(proc.pid), time.perf_counter()
+        time.sleep(seconds - 0.5)  # the load stops at start + seconds
+        sent1, cpu1, t1 = tokens_sent(metrics), cpu_seconds(proc.pid), time.perf_counter()
         out = {job: json.loads(c.communicate(timeout=120)[0]) for job, c in clients.items()}
     finally:
         proc.terminate()
         proc.wait(30)
-    sent = {job: sum(r["bytes"]) for job, r in out.items()}
+    wall, cpu = t1 - t0, cpu1 - cpu0
+    sent = {job: sent1.get(job, 0.0) - sent0.get(job, 0.0) for job in loads}
     total = sum(sent.values())
     return {
-        "bytes_s": {job: b / seconds for job, b in sent.items()},
-        "share": {job: b / total if total else float("nan") for job, b in sent.items()},
-        "tokens_s": total / 2 / seconds,
-        "cpu_per_gtok": cpu / (total / 2) * 1e9 if total else float("nan"),
+        "share": {job: n / total if total else float("nan") for job, n in sent.items()},
+        "tokens_s": total / wall,
+        "cpu_per_gtok": cpu / total * 1e9 if total else float("nan"),
+        "busy": cpu / wall,
         "load_cpu": {job: r["cpu"] for job, r in out.items()},
     }
-
-
-def make_store(root: Path, total: int) -> None:
-    import numpy as np
-
-    from tokenfeed.core.store import write_store
-
-    rng = np.random.default_rng(0)
-    write_store(
-        root / "bench",
-        rng.integers(0, 50_257, total, dtype=np.uint16),
-        dtype="uint16",
-        tokens_per_chunk=1 << 20,
-        vocab_size=50_257,
-        eos_token_id=50_256,
-    )
 
 
 def median(xs: list[float]) -> float:
@@ -247,6 +254,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as d:
         tmp = Path(d)
         make_store(tmp / "data", args.tokens)
+        bench = tmp / "data" / "bench"
+        for job in TOKENS:  # one store, a dataset name per job
+            (tmp / "data" / job).mkdir()
+            for f in bench.iterdir():
+                os.link(f, tmp / "data" / job / f.name)
+        shutil.rmtree(bench)
         for i in range(args.repeat):
             for name, kind, loads, weight in schedule:
                 r = measure(kind, loads, weight, args.seconds, tmp / "data", tmp)
@@ -255,7 +268,7 @@ def main() -> None:
                 print(
                     f"  run {i + 1}/{args.repeat} {kind:9s} {name:20s} "
                     f"{r['tokens_s'] / 1e6:7.1f} M tok/s  cpu {r['cpu_per_gtok']:.2f} s/Gtok  "
-                    f"{shares}",
+                    f"feeder busy {r['busy']:.0%}  {shares}",
                     flush=True,
                 )
     report(runs, args)

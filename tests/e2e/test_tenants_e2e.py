@@ -24,24 +24,14 @@ from support import free_port, wait_until
 from support.browser import dump_dom, table_rows
 from support.feeders import FeederProcess
 from support.pki import make_pki
-from support.tenants import (
-    JOBS,
-    TOKENS,
-    Canary,
-    bearer,
-    make_big,
-    make_tenant_root,
-    write_tokens_file,
-)
+from support.tenants import JOBS, TOKENS, Canary, bearer, make_tenant_root, write_tokens_file
 
 pytestmark = pytest.mark.slow
 WITHOUT_PRETRAIN = {k: v for k, v in JOBS.items() if k != "pretrain"}
 
 
 def _root(tmp_path: Path) -> Path:
-    root = make_tenant_root(tmp_path / "root")
-    make_big(root)
-    return root
+    return make_tenant_root(tmp_path / "root", big=True)
 
 
 def _info(address: str, job: str, ca: bytes | None = None) -> grpc.StatusCode:

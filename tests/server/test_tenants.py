@@ -189,6 +189,10 @@ def _no_token_in(text: str) -> None:
         assert token not in text
 
 
+def _info(stub, dataset: str, job: str) -> tuple[grpc.StatusCode, str]:
+    return _code(lambda: stub.Info(pb.InfoRequest(dataset=dataset), metadata=bearer(job)))
+
+
 def test_each_job_sees_and_reads_only_its_grant(tenant_feeder) -> None:
     with grpc.insecure_channel(tenant_feeder.address) as ch:
         s = pb_grpc.FeederStub(ch)
@@ -204,29 +208,22 @@ def test_each_job_sees_and_reads_only_its_grant(tenant_feeder) -> None:
             assert code == grpc.StatusCode.UNAUTHENTICATED
             assert "authorization: Bearer" in details
         # Info and StreamBatches outside the grant: PERMISSION_DENIED naming both
-        code, details = _code(
-            lambda: s.Info(pb.InfoRequest(dataset="secret/eval-set"), metadata=bearer("pretrain"))
-        )
+        code, details = _info(s, "secret/eval-set", "pretrain")
         assert code == grpc.StatusCode.PERMISSION_DENIED
-        assert "'secret/eval-set'" in details
-        assert "'pretrain'" in details
+        assert "job 'pretrain' may not read dataset 'secret/eval-set'" in details
         _no_token_in(details)
         request = pb.StreamBatchesRequest(params=feeder_params(dataset="web/fr"))
         code, details = _code(lambda: list(s.StreamBatches(request, metadata=bearer("ablation"))))
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert "'web/fr'" in details
         # within the grant, a dataset that does not exist: NOT_FOUND listing only the grant
-        code, details = _code(
-            lambda: s.Info(pb.InfoRequest(dataset="web/de"), metadata=bearer("pretrain"))
+        assert _info(s, "web/de", "pretrain") == (
+            grpc.StatusCode.NOT_FOUND,
+            "no dataset 'web/de' under the data root; job 'pretrain' may read: code, web/en, "
+            "web/fr",
         )
-        assert code == grpc.StatusCode.NOT_FOUND
-        assert "may read: code, web/en, web/fr" in details
-        assert "secret" not in details
         # outside it, whether it exists or not: PERMISSION_DENIED (no probing the root)
-        code, _ = _code(
-            lambda: s.Info(pb.InfoRequest(dataset="web/de"), metadata=bearer("ablation"))
-        )
-        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert _info(s, "web/de", "ablation")[0] == grpc.StatusCode.PERMISSION_DENIED
         batches = [
             b for m in s.StreamBatches(request, metadata=bearer("pretrain")) for b in m.batches
         ]
@@ -271,9 +268,7 @@ def test_a_link_is_judged_as_the_store_it_points_to(tenant_root: Path, tmp_path:
         grpc.insecure_channel(f.address) as ch,
     ):
         s = pb_grpc.FeederStub(ch)
-        code, details = _code(
-            lambda: s.Info(pb.InfoRequest(dataset="web/alias"), metadata=bearer("pretrain"))
-        )
+        code, details = _info(s, "web/alias", "pretrain")
         assert code == grpc.StatusCode.PERMISSION_DENIED
         assert "a link to a store outside" in details
         assert "eval-set" not in details  # what it links to is not told

@@ -29,7 +29,6 @@ from support.tenants import (
     TOKENS,
     Canary,
     bearer,
-    make_big,
     make_tenant_root,
     write_tokens_file,
 )
@@ -42,8 +41,7 @@ INVALID, MISSING = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A data root with links planted in it, and the tokens file."""
     d = tmp_path_factory.mktemp("shared")
-    root = make_tenant_root(d / "root")
-    make_big(root)
+    root = make_tenant_root(d / "root", big=True)
     make_positional_store(d / "outside" / "store", 10_000, 1_000)
     os.symlink(d / "outside" / "store", root / "web" / "escape")  # out of the root
     os.symlink(root / "secret" / "eval-set", root / "web" / "alias")  # to an ungranted store

@@ -37,10 +37,13 @@ JOBS: dict[str, dict[str, Any]] = {
 DATASETS = ("web/en", "web/fr", "code", "secret/eval-set")
 
 
-def make_tenant_root(root: Path) -> Path:
-    """DATASETS as positional stores (10,000 uint32 tokens, chunks of 1,000) under `root`."""
+def make_tenant_root(root: Path, big: bool = False) -> Path:
+    """DATASETS as positional stores (10,000 uint32 tokens, chunks of 1,000) under
+    `root`; with `big`, web/big too (make_big: for a Canary)."""
     for name in DATASETS:
         make_positional_store(root / name, 10_000, 1_000)
+    if big:
+        make_big(root)
     return root
 
 

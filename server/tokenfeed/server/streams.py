@@ -30,6 +30,12 @@ from tokenfeed.server.tenants import Job
 audit = logging.getLogger("tokenfeed.server.streams")
 
 RATE_SECONDS = 1.0  # tokens/s is measured over the last one to two of these
+SHOWN_CHARS = 200  # of a requested name: a refused request's name may be anything
+SHOWN_SOURCES = 64
+
+
+def _shown(name: str) -> str:
+    return name if len(name) <= SHOWN_CHARS else name[:SHOWN_CHARS] + "..."
 
 
 class StreamEntry:
@@ -70,7 +76,8 @@ class StreamEntry:
         entry = cls(None, peer or "")
         if request is not None:
             p = request.params
-            entry.dataset, entry.mixture = p.dataset, tuple(s.name for s in p.sources)
+            entry.dataset = _shown(p.dataset)
+            entry.mixture = tuple(_shown(s.name) for s in p.sources[:SHOWN_SOURCES])
             entry.rank, entry.world_size = request.rank, p.world_size or 1
             entry.epoch, entry.step = request.epoch, request.step
         return entry
@@ -127,7 +134,8 @@ class StreamEntry:
 
 
 def _text(rec: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in rec.items() if k != "event")
+    """The record as `key=value` pairs; strings quoted (a name cannot break the line)."""
+    return " ".join(f"{k}={v!r}" for k, v in rec.items() if k != "event")
 
 
 class OpenStreams:
