@@ -37,6 +37,7 @@ from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 from support import free_port, wait_until
 from support.feeders import feeder_params, running_feeder
+from support.stores import make_positional_store
 from support.tenants import JOBS, TOKENS, bearer, make_tenant_root, write_tokens_file
 
 # ------------------------------------------------------------------- tokens file
@@ -380,3 +381,23 @@ def test_status_page_shows_each_live_stream(tenant_feeder) -> None:
             for token in TOKENS.values():
                 assert token_digest(token) not in text
         live.cancel()
+
+
+def test_grants_on_an_object_storage_root(s3_root: str, tmp_path: Path) -> None:
+    for name in ("web/en", "secret/eval-set"):
+        make_positional_store(f"{s3_root}/{name}", 2_000, 1_000)  # type: ignore[arg-type]
+    tokens = write_tokens_file(tmp_path / "tokens.yaml", JOBS)
+    with (
+        running_feeder(s3_root, tokens_file=tokens) as f,  # type: ignore[arg-type]
+        grpc.insecure_channel(f.address) as ch,
+    ):
+        s = pb_grpc.FeederStub(ch)
+        assert [d.name for d in s.Info(pb.InfoRequest(), metadata=bearer("pretrain")).datasets] == [
+            "web/en"
+        ]
+        assert _info(s, "secret/eval-set", "pretrain")[0] == grpc.StatusCode.PERMISSION_DENIED
+        code, details = _info(s, "web/de", "pretrain")
+        assert code == grpc.StatusCode.NOT_FOUND
+        assert details.endswith("job 'pretrain' may read: web/en")  # nothing else listed
+        info = s.Info(pb.InfoRequest(dataset="secret/eval-set"), metadata=bearer("eval"))
+        assert info.datasets[0].total_tokens == 2_000

@@ -83,6 +83,10 @@ class Access:
         at = f"{field}: " if field else ""
         try:
             real = self.catalog.real_names(name)
+            if self.catalog.remote and job.patterns != _EVERYTHING and job.allows(name):
+                # whether it exists (object storage has no links to resolve), so that a
+                # missing one's message lists only the job's datasets
+                self.catalog.get(name)
         except InvalidArgument as e:
             raise InvalidArgument(at + e.message, field=field) from None
         except NotFound as e:
