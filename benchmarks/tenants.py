@@ -22,10 +22,19 @@ Rows:
 * `shares 3:1`: the same with `small` at weight 3 (its share: 75 %);
 * `streams 4+32` with `--baseline DIR`: the same load on DIR's feeder (no tokens file,
   no scheduler): what the split is by stream count;
-* `one job, 32 streams` and `one job, 1 stream`: the feeder without a tokens file (one
-  job, every stream takes turns) against DIR's feeder with `--baseline DIR`, tokens/s
-  and server CPU per 10^9 tokens: the scheduler's cost on a single job's throughput
-  (goal: under 3 %).
+* `one job, 32 streams` and `one job, 1 stream`: the feeder without a tokens file
+  (one job: its streams send without turns, there being nothing to divide) against
+  DIR's feeder with `--baseline DIR`, tokens/s and server CPU per 10^9 tokens: the
+  scheduler's cost on a single job's throughput (goal: under 3 %);
+* with `--baseline DIR`, `shares 1:1` against `streams 4+32`: server CPU per token
+  with the scheduler dividing the feeder between two jobs, against the same load
+  without it.
+
+The scheduler's cost is also measured in process, where the machine's noise matters
+less: the CPU time of a turn (`FairShares.try_enter` + `leave`) when nobody waits,
+and of a turn taken by waiting (32 streams cycling through 4 slots on one event loop),
+against the feeder's CPU per burst (a burst: 4 messages of 2 batches, at the one-job
+row's CPU per token).
 
 DIR is another checkout's source roots (`git archive main | tar -x -C DIR`), run with
 PYTHONPATH as benchmarks/serve_throughput.py does. Rows are interleaved over
@@ -297,6 +306,22 @@ def report(runs: dict[tuple[str, str], list[dict[str, Any]]], args: argparse.Nam
             f"without shares (baseline): small {median([r['share']['small'] for r in rs]):.1%}, "
             f"large {median([r['share']['large'] for r in rs]):.1%}"
         )
+        mine = runs[("shares 1:1", "tokenfeed")]
+        cpu = [x["cpu_per_gtok"] / y["cpu_per_gtok"] for x, y in zip(mine, rs, strict=True)]
+        print(
+            f"two jobs, CPU/token with shares vs without (baseline): {median(cpu):.3f}x "
+            "(per run " + " ".join(f"{x:.3f}" for x in cpu) + ")"
+        )
+    costs = turn_costs()
+    burst_tokens = 4 * PER_MESSAGE * BATCH * (SEQ_LEN + 1)
+    burst_cpu = median([r["cpu_per_gtok"] for r in runs[("one job, 32 streams", "tokenfeed")]])
+    burst_cpu *= burst_tokens / 1e9
+    print(
+        f"a turn (in process): {costs['uncontended'] * 1e6:.2f} us uncontended, "
+        f"{costs['waited'] * 1e6:.2f} us taken by waiting; the feeder's CPU per burst "
+        f"{burst_cpu * 1e6:.0f} us: {costs['uncontended'] / burst_cpu:.2%} and "
+        f"{costs['waited'] / burst_cpu:.2%} of it (goal < 3 %)"
+    )
     for name in ("one job, 32 streams", "one job, 1 stream"):
         mine = runs[(name, "tokenfeed")]
         line = (
@@ -315,6 +340,46 @@ def report(runs: dict[tuple[str, str], list[dict[str, Any]]], args: argparse.Nam
                 + ")"
             )
         print(line)
+
+
+def turn_costs(turns: int = 200_000) -> dict[str, float]:
+    """CPU seconds of one turn: uncontended (try_enter + leave), and taken by waiting
+    (32 streams through 4 slots, each turn yielding to the loop once, as a write does),
+    net of the same loop without the scheduler."""
+    import asyncio
+
+    from tokenfeed.server.shares import FairShares
+
+    shares = FairShares(4)
+    acct = shares.account("job", 1.0)
+    t0 = time.process_time()
+    for _ in range(turns):
+        turn = shares.try_enter(acct, 131_200)
+        assert turn is not None
+        shares.leave(turn, 131_200)
+    uncontended = (time.process_time() - t0) / turns
+
+    async def cycle(with_shares: bool, n: int) -> float:
+        shares = FairShares(4)
+        accounts = [shares.account("a", 1.0), shares.account("b", 1.0)]
+
+        async def stream(i: int) -> None:
+            acct = accounts[i % 2]
+            for _ in range(n):
+                if with_shares:
+                    turn = shares.try_enter(acct, 131_200) or await shares.enter(acct, 131_200)
+                await asyncio.sleep(0)
+                if with_shares:
+                    shares.leave(turn, 131_200)
+
+        t = time.process_time()
+        await asyncio.gather(*(stream(i) for i in range(32)))
+        return time.process_time() - t
+
+    per = turns // 32 // 4
+    bare = asyncio.run(cycle(False, per))
+    waited = (asyncio.run(cycle(True, per)) - bare) / (per * 32)
+    return {"uncontended": uncontended, "waited": waited}
 
 
 def two_streams(job: str) -> int:

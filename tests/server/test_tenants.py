@@ -38,7 +38,15 @@ from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 from support import free_port, wait_until
 from support.feeders import feeder_params, running_feeder
 from support.stores import make_positional_store
-from support.tenants import JOBS, TOKENS, bearer, make_tenant_root, write_tokens_file
+from support.tenants import (
+    JOBS,
+    TOKENS,
+    Canary,
+    bearer,
+    make_big,
+    make_tenant_root,
+    write_tokens_file,
+)
 
 # ------------------------------------------------------------------- tokens file
 
@@ -295,6 +303,25 @@ def test_a_job_over_its_max_streams_is_refused(tenant_feeder) -> None:
         assert next(s.StreamBatches(request, metadata=bearer("pretrain"))).batches
         for call in held:
             call.cancel()
+
+
+def test_streams_take_turns_only_while_jobs_compete(tenant_root: Path, tmp_path: Path) -> None:
+    """One job alone sends without turns (nothing to divide: the scheduler costs it
+    nothing); once two jobs stream, both take turns, and every batch still arrives."""
+    make_big(tenant_root)
+    tokens = write_tokens_file(tmp_path / "tokens.yaml", JOBS)
+    with (
+        running_feeder(tenant_root, tokens_file=tokens) as f,
+        grpc.insecure_channel(f.address) as ch,
+    ):
+        shares = f.server.service.shares
+        alone = Canary(ch, "eval")
+        assert alone.finish() > 100
+        assert shares.accounts == {}
+        both = [Canary(ch, "eval"), Canary(ch, "pretrain")]
+        assert all(c.finish() > 100 for c in both)
+        assert set(shares.accounts) == {"eval", "pretrain"}
+        assert shares.busy == 0  # every turn given back
 
 
 def test_reflection_needs_a_known_token(tenant_feeder) -> None:

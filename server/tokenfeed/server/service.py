@@ -465,15 +465,18 @@ class FeederService:
         bytes_sent = self.metrics.bytes_sent.labels(**labels)
         by_source = SourceCounters.of(self.metrics, pipe)
         small = pipe.message_bytes <= INLINE_MAX_BYTES
-        shares = self.shares
+        shares, per_job = self.shares, self.streams.per_job
         estimate = pipe.message_bytes * pipe.burst_messages  # a turn's bytes, until known
         building: asyncio.Future[list[Message]] | None = None
         try:
             while True:
                 job = entry.job
                 assert job is not None
-                acct = shares.account(job.name, job.weight)  # a reload may move the stream
-                turn = shares.try_enter(acct, estimate) or await shares.enter(acct, estimate)
+                # turns only while jobs compete: one job alone has nothing to divide
+                turn = None
+                if len(per_job) > 1 or shares.busy:
+                    acct = shares.account(job.name, job.weight)  # a reload may move the stream
+                    turn = shares.try_enter(acct, estimate) or await shares.enter(acct, estimate)
                 sent = 0
                 try:
                     if building is not None:
@@ -491,7 +494,8 @@ class FeederService:
                         await context.write(data)  # waits for HTTP/2 flow control
                     sent = sum(g[3] for g in burst)
                 finally:
-                    shares.leave(turn, sent)
+                    if turn is not None:
+                        shares.leave(turn, sent)
                 # counted once per burst, after it is written: fewer metric updates per message
                 batches = sum(g[1] for g in burst)
                 entry.sent(batches, sum(g[2] for g in burst))
