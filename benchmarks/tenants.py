@@ -228,7 +228,9 @@ def measure(
 
 
 def median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+    """The median of the runs that sent something (a run that sent nothing is nan)."""
+    xs = sorted(x for x in xs if x == x)
+    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def main() -> None:
@@ -277,7 +279,8 @@ def main() -> None:
                 print(
                     f"  run {i + 1}/{args.repeat} {kind:9s} {name:20s} "
                     f"{r['tokens_s'] / 1e6:7.1f} M tok/s  cpu {r['cpu_per_gtok']:.2f} s/Gtok  "
-                    f"feeder busy {r['busy']:.0%}  {shares}",
+                    f"feeder busy {r['busy']:.0%}  {shares}  load cpu "
+                    + " ".join(f"{c:.2f}" for c in r["load_cpu"].values()),
                     flush=True,
                 )
     report(runs, args)
@@ -288,6 +291,9 @@ def report(runs: dict[tuple[str, str], list[dict[str, Any]]], args: argparse.Nam
         f"\ntenants: batches {BATCH} x {SEQ_LEN}+1 uint16, {PER_MESSAGE} per message, "
         f"median of {args.repeat} x {args.seconds:g} s, feeder on CPU 0, load on CPU 1\n"
     )
+    idle = [f"{k[1]} {k[0]}" for k, rs in runs.items() for r in rs if not r["tokens_s"]]
+    if idle:  # nothing to divide in such a window: left out of the medians
+        print(f"runs that sent nothing in their window, left out: {', '.join(idle)}")
     for name, small_weight in (("shares 1:1", 1.0), ("shares 3:1", 3.0)):
         rs = runs[(name, "tokenfeed")]
         want = {"small": small_weight / (small_weight + 1), "large": 1 / (small_weight + 1)}
