@@ -227,6 +227,13 @@ def measure(
     }
 
 
+def ratio(mine: dict[str, Any], base: dict[str, Any], key: str) -> float:
+    """mine[key] / base[key] of one repeat; nan if either run sent nothing."""
+    if not (mine["tokens_s"] and base["tokens_s"]):
+        return float("nan")
+    return float(mine[key] / base[key])
+
+
 def median(xs: list[float]) -> float:
     """The median of the runs that sent something (a run that sent nothing is nan)."""
     xs = sorted(x for x in xs if x == x)
@@ -313,7 +320,7 @@ def report(runs: dict[tuple[str, str], list[dict[str, Any]]], args: argparse.Nam
             f"large {median([r['share']['large'] for r in rs]):.1%}"
         )
         mine = runs[("shares 1:1", "tokenfeed")]
-        cpu = [x["cpu_per_gtok"] / y["cpu_per_gtok"] for x, y in zip(mine, rs, strict=True)]
+        cpu = [ratio(x, y, "cpu_per_gtok") for x, y in zip(mine, rs, strict=True)]
         print(
             f"two jobs, CPU/token with shares vs without (baseline): {median(cpu):.3f}x "
             "(per run " + " ".join(f"{x:.3f}" for x in cpu) + ")"
@@ -331,13 +338,13 @@ def report(runs: dict[tuple[str, str], list[dict[str, Any]]], args: argparse.Nam
     for name in ("one job, 32 streams", "one job, 1 stream"):
         mine = runs[(name, "tokenfeed")]
         line = (
-            f"{name}: {median([r['tokens_s'] for r in mine]) / 1e6:.1f} M tok/s, "
+            f"{name}: {median([r['tokens_s'] or float('nan') for r in mine]) / 1e6:.1f} M tok/s, "
             f"{median([r['cpu_per_gtok'] for r in mine]):.2f} s/Gtok"
         )
         base = runs.get((name, "base"))
         if base:
-            tput = [x["tokens_s"] / y["tokens_s"] for x, y in zip(mine, base, strict=True)]
-            cpu = [x["cpu_per_gtok"] / y["cpu_per_gtok"] for x, y in zip(mine, base, strict=True)]
+            tput = [ratio(x, y, "tokens_s") for x, y in zip(mine, base, strict=True)]
+            cpu = [ratio(x, y, "cpu_per_gtok") for x, y in zip(mine, base, strict=True)]
             line += (
                 f"; vs baseline: tokens/s {median(tput):.3f}x (per run "
                 + " ".join(f"{x:.3f}" for x in tput)
