@@ -261,13 +261,16 @@ def start_server(kind: str, data_root: Path, per_message: int, tmp: Path, i: int
             argv += ["--workers", str(workers_of(kind))]
     if kind == "base":
         assert BASELINE is not None, "--baseline DIR is needed for base rows"
-        # its source roots first on the path: the first root holding tokenfeed/server wins
-        roots = [
-            str(BASELINE / r) for r in ("core", "server", "client", "prepare", "protos", "cli")
-        ]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(roots)}
+        env = checkout_env(BASELINE)
     proc = subprocess.Popen(argv, env=env)
     return proc, f"127.0.0.1:{wait_for_port(proc, port_file)}"
+
+
+def checkout_env(checkout: Path) -> dict[str, str]:
+    """The environment that runs another checkout's tokenfeed (`--baseline DIR`): its
+    source roots first on the path (the first root holding tokenfeed/server wins)."""
+    roots = [str(checkout / r) for r in ("core", "server", "client", "prepare", "protos", "cli")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(roots)}
 
 
 def measure(

@@ -13,7 +13,10 @@ rising), Prometheus has every target up, every rule loaded and evaluating, no al
 firing, and one query per dashboard panel (deploy/grafana/dashboard.py) returning data,
 the tokens-by-source panel's for each source of the trainers' mixture; in `s3` also: the
 feeder serves the bucket, which holds the demo stores, and the S3 credentials (fresh
-random ones each run) appear in no log and no metric. Then `compose down -v`. Prints
+random ones each run) appear in no log and no metric; in `tenants` also: the feeder's
+/status.json shows both jobs' streams, a job asking for a dataset outside its grant is
+refused (PERMISSION_DENIED), and the jobs' tokens (fresh ones each run) appear in no
+log, metric or status page. Then `compose down -v`. Prints
 "N passed, M failed" and exits 1 on any failure.
 
 Engine `podman` (the default; CI): there is no Docker engine and no registry, so this
@@ -97,6 +100,14 @@ class Profile:
     # `secrets` not even in the log of any other service
     credentials: tuple[str, ...] = ()
     secrets: tuple[str, ...] = ()
+    # a feeder that checks tokens: each job's token file in the feeder's container (its
+    # streams must show on /status.json; the tokens are secrets), the job whose token
+    # compose-check's own requests carry, a (job, dataset) outside that job's grant,
+    # and services that stream as further jobs (no health check: /status shows them)
+    tokens: dict[str, str] = field(default_factory=dict)
+    asking: str | None = None
+    forbidden: tuple[str, str] | None = None
+    clients: tuple[str, ...] = ()
 
 
 # Every profile compose-check runs, in order. To add one: a compose profile in
@@ -129,6 +140,22 @@ PROFILES = [
         data_root="s3://tokenfeed",
         credentials=("S3_ACCESS_KEY_ID",),  # SeaweedFS's log names its identity
         secrets=("S3_SECRET_ACCESS_KEY",),
+    ),
+    # Two jobs with different grants on one feeder (deploy/tokens.example.yaml's, with
+    # fresh tokens each run): the trainer as `pretrain` (comedies, tragedies), and
+    # `trainer-eval` as `eval` (every top-level dataset).
+    Profile(
+        "tenants",
+        ("tenants",),
+        env={
+            "FEEDER_TOKENS_FILE": "/tenants/tokens.yaml",
+            "TRAINER_TOKEN_FILE": "/tenants/pretrain.token",
+        },
+        jobs=("prepare", "tenants"),
+        tokens={"pretrain": "/tenants/pretrain.token", "eval": "/tenants/eval.token"},
+        asking="eval",
+        forbidden=("pretrain", "demo"),
+        clients=("trainer-eval",),
     ),
 ]
 
@@ -685,8 +712,10 @@ class Stack:
             *profile.services,
             *profile.feeders,
             "trainer",
+            *profile.clients,
             "prometheus",
         ]
+        self.tokens: dict[str, str] = {}  # job -> its token, read from the feeder's container
 
     def prom(self, path: str, **params: str) -> Any:
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
@@ -793,6 +822,8 @@ class Stack:
         r.check(f"[{name}] every trainer rank streams", ok, detail)
         if self.profile.data_root:
             self.check_data_root(self.profile.data_root)
+        if self.profile.tokens:
+            self.check_tenants()
 
         # events a healthy stack never shows, so the dashboard's panels for them have
         # data: a request for a missing dataset (an error by code) and a feeder restart
@@ -913,7 +944,7 @@ class Stack:
             not firing,
             f"firing {firing}" if firing else f"pending: {pending or 'none'}",
         )
-        if self.profile.credentials or self.profile.secrets:
+        if self.profile.credentials or self.profile.secrets or self.tokens:
             r.check(f"[{name}] no credential in a log or a metric", *self.credentials_hidden())
 
     def check_data_root(self, root: str) -> None:
@@ -955,12 +986,58 @@ class Stack:
                 print("\n".join(x for x in text.splitlines() if "| I" not in x)[-5000:])
         r.check(f"[{name}] {root}/demo holds the demo store (tokenfeed info)", ok, detail)
 
+    def metadata(self, job: str | None) -> list[tuple[str, str]]:
+        """A job's call metadata (none without a tokens file)."""
+        return [("authorization", f"Bearer {self.tokens[job]}")] if job else []
+
+    def check_tenants(self) -> None:
+        """Every job streams (the feeder's /status.json has its rows), and a job asking
+        for a dataset outside its grant gets PERMISSION_DENIED naming both."""
+        import grpc
+
+        from tokenfeed.v1 import feeder_pb2 as pb
+        from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
+
+        name, r = self.profile.name, self.results
+        cid = self.container(self.profile.feeders[0])["Id"]
+        for job, path in self.profile.tokens.items():
+            self.tokens[job] = self.engine.podman_like("exec", cid, "cat", path).stdout.strip()
+        url = f"http://127.0.0.1:{self.ports['FEEDER_METRICS_PORT']}/status.json"
+
+        # An epoch of the small demo store fits in a client's flow-control windows, so
+        # eval's stream is open a moment per epoch: the rows seen over the polls count.
+        seen: set[str] = set()
+
+        def rows() -> tuple[bool, str]:
+            with urllib.request.urlopen(url, timeout=10) as page:
+                streams = json.loads(page.read())["streams"]
+            seen.update(s["job"] for s in streams)
+            return seen == set(self.tokens), f"rows of jobs {sorted(seen)} seen"
+
+        r.check(
+            f"[{name}] /status shows every job's streams",
+            *until(time.monotonic() + 60, rows, every=0.2),
+        )
+        assert self.profile.forbidden is not None
+        job, dataset = self.profile.forbidden
+        request = pb.InfoRequest(dataset=dataset)
+        address = f"127.0.0.1:{self.ports['FEEDER_PORT']}"
+        with grpc.insecure_channel(address) as channel:
+            try:
+                pb_grpc.FeederStub(channel).Info(request, metadata=self.metadata(job), timeout=10)
+                ok, detail = False, "answered"
+            except grpc.RpcError as e:
+                ok = e.code() == grpc.StatusCode.PERMISSION_DENIED and f"{job!r}" in e.details()
+                detail = f"{e.code().name}: {e.details()}"
+        r.check(f"[{name}] {job} may not read {dataset}", ok, detail)
+
     def credentials_hidden(self) -> tuple[bool, str]:
         """No value of the profile's credential variables in a metric or a tokenfeed log,
         and no secret in any log: every service's whole log, the feeder's metrics (the
         published port) and every trainer rank's metrics."""
         values = {v: self.env[v] for v in (*self.profile.credentials, *self.profile.secrets)}
-        tokenfeed = [*self.profile.jobs, *self.profile.feeders, "trainer"]
+        values |= {f"{job}'s token": token for job, token in self.tokens.items()}
+        tokenfeed = [*self.profile.jobs, *self.profile.feeders, "trainer", *self.profile.clients]
         texts = {f"{s} log": self.compose_logs(s) for s in self.services}
         texts["feeder metrics"] = (
             urllib.request.urlopen(
@@ -971,6 +1048,9 @@ class Stack:
         )
         for port, text in self.trainer_metrics().items():
             texts[f"trainer metrics :{port}"] = text
+        if self.tokens:
+            status = f"http://127.0.0.1:{self.ports['FEEDER_METRICS_PORT']}/status"
+            texts["feeder status page"] = urllib.request.urlopen(status, timeout=10).read().decode()
         found, named = [], []
         for where, text in texts.items():
             for var, value in values.items():
@@ -1010,7 +1090,12 @@ class Stack:
         )
         with grpc.insecure_channel(address) as channel:
             try:
-                list(pb_grpc.FeederStub(channel).StreamBatches(request, timeout=10))
+                metadata = self.metadata(self.profile.asking)
+                list(
+                    pb_grpc.FeederStub(channel).StreamBatches(
+                        request, metadata=metadata, timeout=10
+                    )
+                )
             except grpc.RpcError as e:
                 return e.code() == grpc.StatusCode.NOT_FOUND, f"{e.code().name}"
         return False, "the stream succeeded"

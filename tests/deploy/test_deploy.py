@@ -369,6 +369,64 @@ def default(value: str) -> str:
     return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", value)
 
 
+def test_tenants_profile_runs_two_jobs_with_different_grants(tmp_path: Path) -> None:
+    from tokenfeed.server.tenants import load_tokens_file, token_digest
+
+    s = compose()["services"]
+    job, eval_, feeder, trainer = s["tenants"], s["trainer-eval"], s["feeder"], s["trainer"]
+    assert job["profiles"] == eval_["profiles"] == ["tenants"]
+    assert feeder["depends_on"]["tenants"] == {
+        "condition": "service_completed_successfully",
+        "required": False,
+    }
+    # the feeder checks tokens and the trainer sends one only when the variables say so
+    assert feeder["environment"]["TOKENFEED_TOKENS_FILE"] == "${FEEDER_TOKENS_FILE:-}"
+    assert "--token-file=${TRAINER_TOKEN_FILE:-}" in trainer["command"]
+    assert "--token-file=/tenants/eval.token" in eval_["command"]
+    assert "tenants:/tenants:ro" in feeder["volumes"]
+    assert "tenants:/tenants" in job["volumes"]
+    # the one-shot writes the example's jobs with fresh tokens; a second run keeps them
+    example = DEPLOY / "tokens.example.yaml"
+    out = tmp_path / "tenants"
+    out.mkdir()
+    for _ in range(2):
+        subprocess.run(
+            [sys.executable, str(DEPLOY / "tenants.py"), str(example), str(out)],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+    written, template = load_tokens_file(out / "tokens.yaml"), load_tokens_file(example)
+    assert [(j.name, j.datasets, j.weight) for j in written.jobs] == [
+        (j.name, j.datasets, j.weight) for j in template.jobs
+    ]
+    for j in written.jobs:
+        token = (out / f"{j.name}.token").read_text().strip()
+        assert j.token_sha256 == token_digest(token)
+        assert (out / f"{j.name}.token").stat().st_mode & 0o777 == 0o600
+    # the example's digests match no token: a copy deployed as is lets nobody in
+    assert {j.token_sha256.strip("01") for j in template.jobs} == {""}
+    # two different grants: the trainer's mixture is pretrain's, eval reads the whole corpus
+    jobs = written.by_name()
+    mixture = default(next(a for a in trainer["command"] if a.startswith("--mixture=")))
+    sources = [part.split("=")[0] for part in mixture.split("=", 1)[1].split(",")]
+    assert all(jobs["pretrain"].allows(x) for x in sources)
+    assert not jobs["pretrain"].allows("demo")
+    assert jobs["eval"].allows("demo")
+    # compose-check runs it with both jobs' tokens
+    profile = {p.name: p for p in compose_check().PROFILES}["tenants"]
+    assert profile.compose_profiles == ("tenants",)
+    assert profile.jobs == ("prepare", "tenants")
+    assert profile.clients == ("trainer-eval",)
+    assert profile.env == {
+        "FEEDER_TOKENS_FILE": "/tenants/tokens.yaml",
+        "TRAINER_TOKEN_FILE": "/tenants/pretrain.token",
+    }
+    assert set(profile.tokens) == set(jobs)
+    assert jobs[profile.asking].allows("no-such-dataset")  # its NOT_FOUND check
+    assert not jobs[profile.forbidden[0]].allows(profile.forbidden[1])
+
+
 def test_s3_profile_is_a_demo_s3_server_a_prepare_job_and_the_feeder_on_the_bucket() -> None:
     s = compose()["services"]
     server, job, feeder = s["seaweedfs"], s["prepare-s3"], s["feeder"]

@@ -27,8 +27,8 @@ from tokenfeed.core import native, sampling
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.server import assembly, readahead, rounds, service, wire
 from tokenfeed.server.datasets import Catalog
-from tokenfeed.server.metrics import serve_http
 from tokenfeed.server.service import sampler_for
+from tokenfeed.server.status import serve_http
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 

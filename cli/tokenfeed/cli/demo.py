@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--address", default=None, help="use this running feeder instead of starting one"
     )
     p.add_argument(
+        "--token-file",
+        default=None,
+        help="a file holding the ranks' bearer token, for a feeder that checks tokens "
+        "(--tokens-file, --auth-token-file); empty: none",
+    )
+    p.add_argument(
         "--dataset",
         default=None,
         help="stream this one dataset by epochs instead of the mixture (e.g. demo)",
@@ -114,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         )
         argv = [sys.executable, "-m", "tokenfeed", "demo", "--worker", "--address", address]
         for name in (
+            "token_file",
             "dataset",
             "mixture",
             "schedule",
@@ -303,6 +310,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     port = None if args.metrics_port is None else args.metrics_port + rank
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
     _interrupt_once()
     steps = windows = tokens = 0
     epoch0: list[int] = []
@@ -324,6 +332,7 @@ def _worker(args: argparse.Namespace) -> int:
             device=args.device,
             metrics_port=port,
             metrics_addr=args.metrics_host,
+            token=token,
         ) as loader:
             if loader.is_mixture:
                 mixture = _stream_mixture(loader, args, rank)

@@ -7,7 +7,6 @@ when it is not given (flags > environment > defaults). grpc is imported in `run`
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 
@@ -68,9 +67,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file holding a bearer token every call must send [TOKENFEED_AUTH_TOKEN_FILE]",
     )
     a(
+        "--tokens-file",
+        help="YAML or JSON file of jobs: each job's token SHA-256, the datasets it may read, "
+        "its weight and max_streams; reloaded on SIGHUP and when it changes (not with "
+        "--auth-token-file) [TOKENFEED_TOKENS_FILE]",
+    )
+    a(
         "--grace-seconds",
         type=float,
         help="on SIGTERM, time open streams get to finish (default 10) [TOKENFEED_GRACE_SECONDS]",
+    )
+    a(
+        "--log-format",
+        choices=("text", "json"),
+        help="log lines as text (default) or one JSON object each, with a record per "
+        "stream opened, closed or refused [TOKENFEED_LOG_FORMAT]",
     )
     a(
         "--log-level",
@@ -80,12 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokenfeed.server import logs
     from tokenfeed.server.config import ServerConfig
     from tokenfeed.server.main import run as run_server
 
-    logging.basicConfig(
-        level=str(args.log_level).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     config = ServerConfig.from_sources(vars(args))
+    logs.configure(str(args.log_level), config.log_format)
     return run_server(config)

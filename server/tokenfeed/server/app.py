@@ -6,14 +6,16 @@ reflection, auth and TLS; `FeederServer.start()` binds and serves; `drain()` is 
 graceful stop (health NOT_SERVING, no new streams, open ones get `grace_seconds`).
 `serve(config)` runs one until SIGTERM/SIGINT, then drains: the single-process
 `tokenfeed serve` (main.py) and each worker process of `--workers N` (worker.py).
-Auth and TLS, limits: docs/serving.md.
+SIGHUP, or a change to their files, reloads the TLS certificate, key and client CA and
+the jobs (credentials.py), all or nothing. Auth and TLS, limits: docs/serving.md; jobs,
+rotation and the status page: docs/tenants.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
-import hmac
 import logging
 import os
 import signal
@@ -30,14 +32,18 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.core.atomic import write_atomic
+from tokenfeed.core.errors import FeederError
 from tokenfeed.core.limits import MAX_REQUEST_BYTES
 from tokenfeed.core.store import TokenStore
 from tokenfeed.core.store.objects import GET_BUFFER_BYTES, is_url
+from tokenfeed.server.access import Access
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.config import ServerConfig
+from tokenfeed.server.credentials import Credentials, CredentialWatcher, load_credentials
 from tokenfeed.server.datasets import Catalog
-from tokenfeed.server.metrics import ServerMetrics, serve_http
+from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.service import SERVICE_NAME, FeederService
+from tokenfeed.server.status import serve_http
 from tokenfeed.v1 import feeder_pb2
 
 log = logging.getLogger("tokenfeed.server")
@@ -73,37 +79,35 @@ def _fewer_malloc_arenas() -> None:
     mallopt(_M_ARENA_MAX, MALLOC_ARENAS_REMOTE)
 
 
-class BearerTokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
-    """Every call must carry `authorization: Bearer <token>` (compared in constant time).
+class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Calls to services other than the Feeder's must carry a token the feeder knows
+    (server reflection): the Feeder's servicer checks its own calls, so it can record
+    a refusal and check the job's grant.
 
     The health service is exempt so orchestrator probes (Kubernetes gRPC probes send
     no metadata) keep working; it reveals nothing but "serving".
     """
 
-    def __init__(self, token: str, metrics: ServerMetrics) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, access: Access, metrics: ServerMetrics) -> None:
+        self._access = access
         self._metrics = metrics
-
-    def _ok(self, details: grpc.HandlerCallDetails) -> bool:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                got = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(got, self._expected)
-        return False
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(f"/{HEALTH_SERVICE}/") or self._ok(details):
+        if handler is None or details.method.startswith(
+            (f"/{HEALTH_SERVICE}/", f"/{SERVICE_NAME}/")
+        ):
             return handler
+        try:
+            self._access.job(details.invocation_metadata)
+            return handler
+        except FeederError as e:
+            error = e
         metrics = self._metrics
 
         async def reject(request: Any, context: grpc.aio.ServicerContext) -> None:
-            metrics.errors.labels(code="UNAUTHENTICATED").inc()
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or wrong bearer token: send metadata 'authorization: Bearer <token>' "
-                "with the token in the feeder's --auth-token-file",
-            )
+            metrics.errors.labels(code=error.code).inc()
+            await context.abort(getattr(grpc.StatusCode, error.code), error.message)
 
         kind = (handler.request_streaming, handler.response_streaming)
         make = {
@@ -140,6 +144,9 @@ class FeederServer:
         self.reuse_port = reuse_port
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = ServerMetrics(self.registry)
+        # Read and checked before anything starts: a bad file fails the start (exit 2).
+        self.credentials = load_credentials(config)
+        self._served_tls = self.credentials.tls
         if is_url(config.data_root):
             _fewer_malloc_arenas()  # before the object storage client's threads start
         # First: an s3:// root is listed here, so bad credentials fail before anything starts.
@@ -164,7 +171,10 @@ class FeederServer:
             self.executor,
             max_streams=config.max_streams,
             max_batch_bytes=config.max_batch_bytes,
+            tenants=self.credentials.tenants,
         )
+        self.watcher = CredentialWatcher(config, self.apply)
+        self._watching: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -180,10 +190,7 @@ class FeederServer:
     async def start(self) -> int:
         """Bind, serve, mark healthy; returns the bound port (useful with port 0)."""
         cfg = self.config
-        interceptors = []
-        token = cfg.auth_token()
-        if token is not None:
-            interceptors.append(BearerTokenAuth(token, self.metrics))
+        interceptors = [TokenAuth(self.service.access, self.metrics)] if cfg.authenticates else []
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -209,13 +216,14 @@ class FeederServer:
             server,
         )
         bind = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert is not None and cfg.tls_key is not None:  # given together (config.py)
-            creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],
-                root_certificates=(
-                    Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
-                ),
-                require_client_auth=cfg.tls_client_ca is not None,
+        tls = self.credentials.tls
+        if tls is not None:
+            # gRPC asks for the certificate on every new connection: a reload's reaches
+            # the connections made after it
+            creds = grpc.dynamic_ssl_server_credentials(
+                tls.configuration(),
+                self._certificate,
+                require_client_authentication=tls.client_ca is not None,
             )
             port = server.add_secure_port(bind, creds)
         else:
@@ -228,10 +236,36 @@ class FeederServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_port:
-            self._http, self.metrics_port = serve_http(self.registry, cfg.host, cfg.metrics_port)
+            self._http, self.metrics_port = serve_http(
+                self.registry, cfg.host, cfg.metrics_port, self.service.status
+            )
+        if self.watcher.files:
+            self._watching = asyncio.get_running_loop().create_task(self.watcher.run())
         if cfg.port_file is not None:
             write_atomic(Path(cfg.port_file), f"{port}\n".encode())
         return port
+
+    def _certificate(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's question before each TLS handshake (from its own threads): the
+        certificate to use from now on, or None for the one it has."""
+        tls = self.credentials.tls
+        if tls is None or tls is self._served_tls:
+            return None
+        self._served_tls = tls
+        return tls.configuration()
+
+    def apply(self, credentials: Credentials) -> None:
+        """A reload's credentials, every one checked (credentials.py): the next TLS
+        handshake takes the certificate, calls from now on the jobs; open streams
+        whose token or grant went end (FeederService.set_tenants)."""
+        self.credentials = credentials
+        self.service.set_tenants(credentials.tenants)
+
+    def reload(self) -> None:
+        """SIGHUP: reload the credentials now (on the event loop's thread)."""
+        self.watcher.trigger()
+        if self._watching is None:
+            log.info("SIGHUP: no TLS or token files to reload")
 
     async def drain(self, grace: float | None = None) -> None:
         """Graceful stop: NOT_SERVING, refuse new streams, give open ones `grace` seconds."""
@@ -240,6 +274,10 @@ class FeederServer:
         self._stopped = True
         grace = self.config.grace_seconds if grace is None else grace
         self.service.draining = True
+        if self._watching is not None:
+            self._watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watching
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
@@ -301,7 +339,7 @@ async def serve(
         config.data_root,
         server.address,
         config.tls,
-        config.auth_token_file is not None,
+        "tokens file" if config.tokens_file else config.auth_token_file is not None,
         config.cache_bytes,
         config.readahead_budget,
         f", metrics on :{server.metrics_port}" if server.metrics_port else "",
@@ -310,6 +348,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload)
     if on_serving is not None:
         on_serving(server)
     await stop.wait()

@@ -19,6 +19,7 @@ from tokenfeed.core.errors import InvalidArgument
 
 ENV_PREFIX = "TOKENFEED_"
 GiB = 1 << 30
+LOG_FORMATS = ("text", "json")
 MiB = 1 << 20
 
 
@@ -42,6 +43,8 @@ class ServerConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # require client certificates signed by this CA
     auth_token_file: Path | None = None
+    tokens_file: Path | None = None  # jobs, their tokens' digests and grants (tenants.py)
+    log_format: str = "text"  # or "json": one object per line (logs.py)
     grace_seconds: float = 10.0
     port_file: Path | None = None  # written with the bound port once serving (tests, scripts)
 
@@ -75,7 +78,16 @@ class ServerConfig:
             raise InvalidArgument("--tls-cert and --tls-key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key")
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
+        if self.tokens_file is not None and self.auth_token_file is not None:
+            raise InvalidArgument(
+                "--tokens-file and --auth-token-file are exclusive: the tokens file holds "
+                "every job's token (give the one token a job there)"
+            )
+        if self.log_format not in LOG_FORMATS:
+            raise InvalidArgument(
+                f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "tokens_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise InvalidArgument(f"--{name.replace('_', '-')} {path}: no such file")
@@ -106,6 +118,11 @@ class ServerConfig:
     def tls(self) -> bool:
         return self.tls_cert is not None
 
+    @property
+    def authenticates(self) -> bool:
+        """Whether calls must carry a token (--auth-token-file or --tokens-file)."""
+        return self.auth_token_file is not None or self.tokens_file is not None
+
     def auth_token(self) -> str | None:
         """The bearer token (surrounding whitespace stripped), or None when auth is off."""
         if self.auth_token_file is None:
@@ -122,12 +139,13 @@ class ServerConfig:
 
     def insecure_warning(self) -> str | None:
         """A loud warning when the feeder is reachable from the network unprotected."""
-        if self.is_loopback() or self.tls or self.auth_token_file is not None:
+        if self.is_loopback() or self.tls or self.authenticates:
             return None
         return (
             f"WARNING: serving on {self.host}:{self.port} with neither TLS nor an auth "
             "token: anyone who can reach this address can read every dataset under "
-            f"the data root. Use --tls-cert/--tls-key and/or --auth-token-file, or bind "
+            f"the data root. Use --tls-cert/--tls-key and/or --auth-token-file (or "
+            "--tokens-file), or bind "
             "127.0.0.1."
         )
 

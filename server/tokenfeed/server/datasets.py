@@ -181,6 +181,26 @@ class Catalog:
             self._kinds[path] = (mtime, kind)
         return kind
 
+    def real_names(self, name: str) -> tuple[str, ...]:
+        """What `name` really is, as names relative to the root: a local store's resolved
+        path (symlinks followed; a Megatron dataset's .idx and .bin each), or the name
+        itself under s3:// (no links there). InvalidArgument or NotFound as `locate`."""
+        if self.objects is not None:
+            return (self.check_name(name),)
+        kind, path = self.locate(name)
+        if kind != "megatron":
+            return (path.relative_to(self.root).as_posix(),)
+        real = []
+        for suffix in (".idx", ".bin"):
+            file = path.with_name(path.name + suffix).resolve()
+            real.append(file.relative_to(self.root).as_posix().removesuffix(suffix))
+        return tuple(dict.fromkeys(real))
+
+    def opened(self) -> list[Dataset]:
+        """The datasets opened since start (their latest generation each)."""
+        with self._lock:
+            return list(self._open.values())
+
     def resolve(self, name: str) -> Path:
         """The local store of `name` (directory or Megatron prefix); NotFound if none."""
         return self.locate(name)[1]
@@ -283,10 +303,11 @@ class Catalog:
                     out.append((here / f[:-4]).relative_to(self.root).as_posix())
         return sorted(out)
 
-    def all(self) -> list[Dataset]:
-        """Every store that opens; broken ones are logged and left out of the list."""
+    def all(self, names: list[str] | None = None) -> list[Dataset]:
+        """Every store (of `names`, default all) that opens; broken ones are logged and
+        left out of the list."""
         out = []
-        for name in self.names():
+        for name in self.names() if names is None else names:
             try:
                 out.append(self.get(name))
             except FeederError as e:

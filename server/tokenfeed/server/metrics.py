@@ -22,8 +22,6 @@ capacities add up to --cache-bytes). The names are the same as for one process.
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -147,14 +145,3 @@ class SupervisorMetrics:
             "Worker processes that died and were replaced",
             registry=registry,
         )
-
-
-def serve_http(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, int]:
-    """Export `registry` over HTTP (`/metrics`); returns (server, bound port).
-
-    Port 0 picks a free port (tests); call `server.shutdown()` to stop.
-    """
-    from prometheus_client import start_http_server
-
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server, int(server.server_address[1])

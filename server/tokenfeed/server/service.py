@@ -32,16 +32,27 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from tokenfeed.core import sampling
-from tokenfeed.core.errors import FeederError, InvalidArgument, NotFound
+from tokenfeed.core.errors import (
+    FeederError,
+    FeederUnavailable,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from tokenfeed.core.limits import MAX_PARAM
 from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.core.request import SPLITS, SamplingSpec
 from tokenfeed.server import documents
+from tokenfeed.server.access import Access
 from tokenfeed.server.assembly import Message, MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.mixtures import MixtureSpace
+from tokenfeed.server.shares import FairShares
+from tokenfeed.server.status import feeder_status
+from tokenfeed.server.streams import OpenStreams, StreamEntry
+from tokenfeed.server.tenants import Job, Tenants
 from tokenfeed.v1 import feeder_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -59,6 +70,9 @@ MAX_BATCHES_PER_MESSAGE = 1024  # docs/serving.md, "Limits"
 # A client that does not say how large a message it accepts gets gRPC's default
 # receive limit (StreamBatchesRequest.max_message_bytes; docs/serving.md, "Limits").
 DEFAULT_CLIENT_MESSAGE_BYTES = 4 << 20
+# Bursts being built and written at once, between which fair shares are kept
+# (shares.py); enough to keep the event loop busy while some wait for gRPC.
+SHARE_SLOTS = 4
 
 
 # ----------------------------------------------------------------- requests -> samplers
@@ -162,6 +176,8 @@ class FeederService:
         executor: Executor,
         max_streams: int,
         max_batch_bytes: int,
+        tenants: Tenants | None = None,
+        shares: FairShares | None = None,
     ) -> None:
         self.catalog = catalog
         self.cache = cache
@@ -171,6 +187,9 @@ class FeederService:
         self.max_batch_bytes = max_batch_bytes
         self.active_streams = 0
         self.draining = False
+        self.access = Access(catalog, tenants)  # who a call is, what it may read
+        self.shares = shares if shares is not None else FairShares(SHARE_SLOTS)
+        self.streams = OpenStreams()  # the calls in progress (status page, audit)
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler to register. Responses of StreamBatches are pre-serialized
@@ -193,20 +212,31 @@ class FeederService:
 
     # ---------------------------------------------------------------- errors
 
-    async def _abort(self, context: grpc.aio.ServicerContext, code: str, message: str) -> NoReturn:
+    async def _abort(
+        self,
+        context: grpc.aio.ServicerContext,
+        code: str,
+        message: str,
+        entry: StreamEntry | None = None,
+    ) -> NoReturn:
         """The one place a call ends with an error status (counted by code): grpc's
         context.abort raises AbortError, which ends the call."""
         self.metrics.errors.labels(code=code).inc()
+        if entry is not None:
+            entry.outcome = code
         await context.abort(getattr(grpc.StatusCode, code), self.catalog.redact(message))
         raise AssertionError("context.abort returned instead of raising AbortError")
 
     async def _run_guarded(
-        self, context: grpc.aio.ServicerContext, coro: Awaitable[_T]
+        self,
+        context: grpc.aio.ServicerContext,
+        coro: Awaitable[_T],
+        entry: StreamEntry | None = None,
     ) -> _T | None:
         try:
             return await coro
         except FeederError as e:
-            await self._abort(context, e.code, e.message)
+            await self._abort(context, e.code, e.message, entry)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except _CallEnded:
@@ -219,7 +249,7 @@ class FeederService:
                 log.debug("stream ended by the client: %s", type(e).__name__)
                 return None
             log.exception("internal error")
-            await self._abort(context, "INTERNAL", f"internal error ({type(e).__name__})")
+            await self._abort(context, "INTERNAL", f"internal error ({type(e).__name__})", entry)
 
     @staticmethod
     def _decoded(request: Any) -> Any:
@@ -233,8 +263,12 @@ class FeederService:
 
     async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> pb.InfoResponse | None:
         loop = asyncio.get_running_loop()
+        try:
+            job = self.access.job(context.invocation_metadata())
+        except FeederError as e:
+            await self._abort(context, e.code, e.message)
         return await self._run_guarded(
-            context, loop.run_in_executor(self.executor, self._info, request)
+            context, loop.run_in_executor(self.executor, self._info, request, job)
         )
 
     def _sources(self, spec: SamplingSpec) -> list[Dataset]:
@@ -251,11 +285,15 @@ class FeederService:
                 raise InvalidArgument(f"{field}: {e.message}", field=field) from None
         return found
 
-    def _info(self, request: Any) -> pb.InfoResponse:
+    def _info(self, request: Any, job: Job) -> pb.InfoResponse:
         request = self._decoded(request)
         if request.HasField("params") and len(request.params.sources):
-            return self._mixture_info(request)
-        found = [self.catalog.get(request.dataset)] if request.dataset else self.catalog.all()
+            return self._mixture_info(request, job)
+        if request.dataset:
+            self.access.real_names(job, request.dataset)
+            found = [self.catalog.get(request.dataset)]
+        else:
+            found = self.access.datasets(job)
         resp = pb.InfoResponse()
         for ds in found:
             info = _describe(resp, ds)
@@ -265,10 +303,11 @@ class FeederService:
                     info.splits.append(self._split_info(spec.with_(split=split), ds, request.rank))
         return resp
 
-    def _mixture_info(self, request: Any) -> pb.InfoResponse:
+    def _mixture_info(self, request: Any, job: Job) -> pb.InfoResponse:
         """Info of a mixture: each source's DatasetInfo (its splits for the params) and
         SourceInfo (train tokens and windows, and what `budget_tokens` draws)."""
         spec = SamplingSpec.from_proto(request.params)
+        self.access.check(job, spec)
         if request.dataset and request.dataset not in spec.source_names:
             raise InvalidArgument(
                 f"dataset: {request.dataset!r} is not a source of the mixture in params",
@@ -313,9 +352,12 @@ class FeederService:
 
     # --------------------------------------------------------- StreamBatches
 
-    def _prepare_stream(self, request: Any) -> MessageBuilder:
+    def _prepare_stream(self, request: Any, entry: StreamEntry) -> MessageBuilder:
         request = self._decoded(request)
         spec = SamplingSpec.from_proto(request.params)
+        assert entry.job is not None
+        entry.real = self.access.check(entry.job, spec)
+        entry.world_size = spec.world_size
         sampler: sampling.DatasetSampler | MixtureSampler
         if spec.is_mixture:
             sources = self._sources(spec)
@@ -372,39 +414,65 @@ class FeederService:
             ds, sampler, rounds, per_message, self.cache, self.metrics, ends, then=then
         )
 
-    async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+    def _admit(self, entry: StreamEntry) -> None:
+        """The feeder's and the job's stream limits: the error that refuses the call."""
         if self.draining:
-            await self._abort(
-                context, "UNAVAILABLE", "the feeder is shutting down; retry on another replica"
-            )
+            raise FeederUnavailable("the feeder is shutting down; retry on another replica")
         if self.active_streams >= self.max_streams:
-            await self._abort(
-                context,
-                "RESOURCE_EXHAUSTED",
+            raise ResourceExhausted(
                 f"the feeder already serves {self.active_streams} streams (--max-streams "
-                f"{self.max_streams}); retry later or add a replica",
+                f"{self.max_streams}); retry later or add a replica"
             )
+        self.streams.check_limit(entry)
+
+    async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        entry = StreamEntry.of(
+            None if isinstance(request, _Undecodable) else request, context.peer()
+        )
+        try:
+            entry.job = self.access.job(context.invocation_metadata())
+            self._admit(entry)
+        except FeederError as e:
+            try:
+                await self._abort(context, e.code, e.message, entry)
+            finally:
+                self.streams.remove(entry)  # the refusal's record
         self.active_streams += 1
         self.metrics.streams_active.inc()
+        self.streams.add(entry)
+        entry.task = asyncio.current_task()
         try:
-            await self._run_guarded(context, self._stream(request, context))
+            await self._run_guarded(context, self._stream(request, context, entry), entry)
+        except asyncio.CancelledError:
+            if entry.revoked is None:
+                raise
+            # a reload withdrew the token or the grant (set_tenants): the cancel was ours
+            await self._abort(context, entry.revoked.code, entry.revoked.message, entry)
         finally:
             self.active_streams -= 1
             self.metrics.streams_active.dec()
+            self.streams.remove(entry)
 
-    async def _stream(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def _stream(
+        self, request: Any, context: grpc.aio.ServicerContext, entry: StreamEntry
+    ) -> None:
         loop = asyncio.get_running_loop()
-        pipe = await loop.run_in_executor(self.executor, self._prepare_stream, request)
+        pipe = await loop.run_in_executor(self.executor, self._prepare_stream, request, entry)
+        self.streams.opened(entry)
         labels = {"dataset": pipe.ds.name, "split": pipe.sampler.split}
         batches_sent = self.metrics.batches_sent.labels(**labels)
         tokens_sent = self.metrics.tokens_sent.labels(**labels, source="")
         bytes_sent = self.metrics.bytes_sent.labels(**labels)
         by_source = SourceCounters.of(self.metrics, pipe)
         small = pipe.message_bytes <= INLINE_MAX_BYTES
+        shares, per_job = self.shares, self.streams.per_job
+        estimate = pipe.message_bytes * pipe.burst_messages  # a turn's bytes, until known
         building: asyncio.Future[list[Message]] | None = None
 
         def count(messages: list[Message]) -> None:
-            batches_sent.inc(sum(g[1] for g in messages))
+            batches = sum(g[1] for g in messages)
+            entry.sent(batches, sum(g[2] for g in messages))
+            batches_sent.inc(batches)
             if by_source is None:
                 tokens_sent.inc(sum(g[2] for g in messages))
                 bytes_sent.inc(sum(g[3] for g in messages))
@@ -415,19 +483,31 @@ class FeederService:
         written = 0  # messages of `burst` written and not yet counted
         try:
             while True:
-                if building is not None:
-                    burst, building = await building, None
-                else:
-                    burst = pipe.next_burst(inline=True) if small else []
-                    if not burst and not pipe.finished:
-                        burst = await loop.run_in_executor(self.executor, pipe.next_burst)
-                if not burst:
-                    return
-                if not small:  # double buffering: build the next burst while writing
-                    building = loop.run_in_executor(self.executor, pipe.next_burst)
-                for data, _, _, _ in burst:
-                    await context.write(data)  # waits for HTTP/2 flow control
-                    written += 1
+                job = entry.job
+                assert job is not None
+                # turns only while jobs compete: one job alone has nothing to divide
+                turn = None
+                if len(per_job) > 1 or shares.busy:
+                    acct = shares.account(job.name, job.weight)  # a reload may move the stream
+                    turn = shares.try_enter(acct, estimate) or await shares.enter(acct, estimate)
+                try:
+                    if building is not None:
+                        burst, building = await building, None
+                    else:
+                        burst = pipe.next_burst(inline=True) if small else []
+                        if not burst and not pipe.finished:
+                            burst = await loop.run_in_executor(self.executor, pipe.next_burst)
+                    if not burst:
+                        entry.outcome = "ok"
+                        return
+                    if not small:  # double buffering: build the next burst while writing
+                        building = loop.run_in_executor(self.executor, pipe.next_burst)
+                    for data, _, _, _ in burst:
+                        await context.write(data)  # waits for HTTP/2 flow control
+                        written += 1
+                finally:
+                    if turn is not None:
+                        shares.leave(turn, sum(g[3] for g in burst[:written]))
                 # counted once per burst, after it is written: fewer metric updates per message
                 count(burst)
                 written = 0
@@ -439,6 +519,27 @@ class FeederService:
             pipe.close()
             if by_source is not None:
                 by_source.flush()  # what was written and not yet counted
+
+    # -------------------------------------------------------- reloads, status
+
+    def set_tenants(self, tenants: Tenants | None) -> None:
+        """A reload's jobs: new calls are checked against them, and an open stream whose
+        token was withdrawn, or whose stores left its job's grant, ends with
+        UNAUTHENTICATED or PERMISSION_DENIED (StreamEntry.revoke)."""
+        self.access.tenants = tenants
+        for entry in list(self.streams.entries.values()):
+            outcome = self.access.recheck(entry)
+            if isinstance(outcome, FeederError):
+                entry.revoke(outcome)
+            else:
+                self.streams.rejob(entry, outcome)
+        for job in tenants.jobs if tenants is not None else ():
+            if job.name in self.shares.accounts:
+                self.shares.account(job.name, job.weight)
+
+    def status(self) -> dict[str, Any]:
+        """What the status page shows of this process (status.py)."""
+        return feeder_status(self.catalog, self.cache, self.streams)
 
 
 class SourceCounters:

@@ -33,6 +33,10 @@ FeederServer, and stays out of the data path:
   new one starts on the same port (after a backoff that grows while replacements keep
   dying young). Its clients see their stream break, reconnect to the same address (the
   kernel picks a live worker) and resume at the offset they had reached.
+* **Reload.** SIGHUP is forwarded to every worker, which reloads its TLS files and
+  jobs (credentials.py; each also watches the files itself).
+* **Status.** Each worker writes its status (status.py) to the state directory every
+  STATUS_SECONDS; the metrics port's /status and /status.json merge the live workers'.
 * **Stop.** SIGTERM or SIGINT: every worker gets SIGTERM and drains (--grace-seconds
   for open streams); exit 0 once all have stopped. A worker still running grace + 15
   seconds later is killed and the exit code is 1. If the supervisor itself dies, each
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import select
@@ -66,8 +71,10 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from tokenfeed.core.atomic import write_atomic
 from tokenfeed.server.config import ServerConfig
-from tokenfeed.server.metrics import SupervisorMetrics, serve_http
-from tokenfeed.server.worker import encode_config
+from tokenfeed.server.credentials import load_credentials
+from tokenfeed.server.metrics import SupervisorMetrics
+from tokenfeed.server.status import merge, serve_http
+from tokenfeed.server.worker import STATUS_DIR, encode_config
 
 log = logging.getLogger("tokenfeed.server.supervisor")
 
@@ -147,6 +154,7 @@ class Supervisor:
         self.config = config
         self.n = config.workers
         self._stop = threading.Event()
+        self._hup = threading.Event()
         self._workers: list[_Worker | None] = [None] * self.n
         self._respawn_at = [0.0] * self.n
         self._young_deaths = [0] * self.n
@@ -156,12 +164,15 @@ class Supervisor:
 
     def run(self) -> int:
         """Start, supervise, drain; the exit code (0 after a clean drain)."""
+        load_credentials(self.config)  # a bad TLS or tokens file fails here, before any worker
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
+        signal.signal(signal.SIGHUP, lambda *_: self._hup.set())
         state = Path(tempfile.mkdtemp(prefix="tokenfeed-workers-"))
         http = None
         try:
             (state / "metrics").mkdir()
+            (state / STATUS_DIR).mkdir()
             self._state = state
             registry = CollectorRegistry()
             NodeCollector(registry, path=str(state / "metrics"))
@@ -185,7 +196,9 @@ class Supervisor:
                 cfg = self.config
                 metrics_port = 0
                 if cfg.metrics_port:
-                    http, metrics_port = serve_http(registry, cfg.host, cfg.metrics_port)
+                    http, metrics_port = serve_http(
+                        registry, cfg.host, cfg.metrics_port, self.status
+                    )
                 if cfg.port_file is not None:
                     write_atomic(Path(cfg.port_file), f"{self.port}\n".encode())
                 log.info(
@@ -201,6 +214,9 @@ class Supervisor:
                 )
                 while not self._stop.wait(0.1):
                     self._supervise()
+                    if self._hup.is_set():
+                        self._hup.clear()
+                        self._forward(signal.SIGHUP)
                 return self._drain()
         finally:
             if http is not None:
@@ -214,7 +230,30 @@ class Supervisor:
             # into "killed by signal".
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
+    def status(self) -> dict[str, Any]:
+        """The node's status: the live workers' latest, merged (their idle times aged
+        by how old each one's is)."""
+        parts = []
+        now = time.time()
+        for w in list(self._workers):
+            if w is None or not w.serving:
+                continue
+            try:
+                doc = json.loads((self._state / STATUS_DIR / f"{w.index}.json").read_bytes())
+            except (OSError, ValueError):
+                continue  # not written yet
+            if doc.get("pid") == w.proc.pid:  # not a replaced worker's last one
+                parts.append(doc | {"age_s": max(0.0, now - doc["written"])})
+        return merge(parts)
+
     # ------------------------------------------------------------ internals
+
+    def _forward(self, sig: int) -> None:
+        live = [w for w in self._workers if w is not None and w.serving]
+        log.info("%s: forwarded to %d workers", signal.Signals(sig).name, len(live))
+        for w in live:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.send_signal(sig)
 
     def _spawn(self, index: int) -> _Worker:
         ready_r, ready_w = os.pipe()

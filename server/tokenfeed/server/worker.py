@@ -9,8 +9,11 @@ stores are `chunks.MappedStore`s (chunk bytes shared through the page cache, eac
 checked once per node), and its metrics go to files the supervisor sums
 (PROMETHEUS_MULTIPROC_DIR, set by the supervisor). `--config` is the node's
 ServerConfig with this worker's share already applied (cache bytes / N, no metrics
-port, no port file). Once serving it writes "<pid> <port>" to the ready pipe; it
-drains on SIGTERM, and also when the parent pipe closes (the supervisor is gone).
+port, no port file). Once serving it writes "<pid> <port>" to the ready pipe, and its
+status (status.py) to `STATE/status/<index>.json` every STATUS_SECONDS for the
+supervisor's status page; it reloads its credentials on SIGHUP (forwarded by the
+supervisor), and drains on SIGTERM, and also when the parent pipe closes (the
+supervisor is gone).
 """
 
 from __future__ import annotations
@@ -21,15 +24,21 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from tokenfeed.core.atomic import write_atomic
+from tokenfeed.server import logs
 from tokenfeed.server.app import FeederServer, create_server, run_until_stopped, serve
 from tokenfeed.server.chunks import MappedStore, VerifiedChunks, raise_open_files_limit
 from tokenfeed.server.config import ServerConfig
 
 log = logging.getLogger("tokenfeed.server.worker")
+
+STATUS_DIR = "status"  # under the state directory: one <index>.json per worker
+STATUS_SECONDS = 1.0
 
 
 def encode_config(config: ServerConfig) -> str:
@@ -68,6 +77,21 @@ def _watch_parent(fd: int) -> None:
     threading.Thread(target=watch, name="tokenfeed-parent-watch", daemon=True).start()
 
 
+def _write_status(server: FeederServer, path: Path) -> None:
+    """Write the server's status to `path` every STATUS_SECONDS (a daemon thread)."""
+
+    def write() -> None:
+        while True:
+            doc = server.service.status() | {"pid": os.getpid(), "written": time.time()}
+            try:
+                write_atomic(path, json.dumps(doc).encode())
+            except OSError as e:  # the supervisor's directory is gone: it is stopping
+                log.debug("status not written: %s", e)
+            time.sleep(STATUS_SECONDS)
+
+    threading.Thread(target=write, name="tokenfeed-status", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tokenfeed.server.worker")
     ap.add_argument("--index", type=int, required=True)
@@ -77,21 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--config", required=True)
     args = ap.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s %(name)s [worker {args.index}]: %(message)s",
-    )
+    config = decode_config(args.config)
+    logs.configure(args.log_level, config.log_format, worker=args.index)
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         log.error("PROMETHEUS_MULTIPROC_DIR is not set: workers are started by the supervisor")
         return 2
 
-    config = decode_config(args.config)
     raise_open_files_limit()
     verified = VerifiedChunks(args.state_dir / "verified")
     server = create_server(config, open_store=MappedStore.opener(verified), reuse_port=True)
     ready = os.fdopen(args.ready_fd, "wb", buffering=0)
 
     def on_serving(s: FeederServer) -> None:
+        _write_status(s, args.state_dir / STATUS_DIR / f"{args.index}.json")
         ready.write(f"{os.getpid()} {s.port}\n".encode())
         ready.close()
 
