@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from tokenfeed.client import Backoff, FeederClient
@@ -380,14 +381,26 @@ def _lie_about_a_chunk(doc: dict) -> None:
 
 
 # name -> (damage, what the error must say); every store is 4,000 tokens in 4 chunks.
-BROKEN = {
-    "truncated": (
-        lambda p: os.truncate(p / "chunk_000002.bin", 1000),
-        "chunk_000002.bin has 1000 bytes, expected 1000 tokens x 4",
-    ),
+# Found when the store opens (its meta.json alone, docs/stores.md): never listed.
+BROKEN_AT_OPEN = {
     "lies-total": (
         lambda p: _edit_meta(p, lambda d: d.update(total_tokens=5000)),
         "total_tokens=5000 but its chunks hold 4000",
+    ),
+    "unknown-dtype": (
+        lambda p: _edit_meta(p, lambda d: d.update(dtype="float32")),
+        "unknown token dtype 'float32'",
+    ),
+    "duplicate-chunk": (
+        lambda p: _edit_meta(p, lambda d: d["chunks"].append(d["chunks"][0])),
+        "chunk(s) ['chunk_000000.bin'] more than once",
+    ),
+}
+# Found at a chunk's first read: listed, and every stream that needs the chunk fails.
+BROKEN_AT_READ = {
+    "truncated": (
+        lambda p: os.truncate(p / "chunk_000002.bin", 1000),
+        "chunk_000002.bin has 1000 bytes, expected 1000 tokens x 4",
     ),
     "lies-chunk": (
         lambda p: _edit_meta(p, _lie_about_a_chunk),
@@ -397,16 +410,9 @@ BROKEN = {
         lambda p: _edit_meta(p, lambda d: d.update(dtype="uint16")),
         "chunk_000000.bin has 4000 bytes, expected 1000 tokens x 2",
     ),
-    "unknown-dtype": (
-        lambda p: _edit_meta(p, lambda d: d.update(dtype="float32")),
-        "unknown token dtype 'float32'",
-    ),
     "missing-chunk": (lambda p: (p / "chunk_000003.bin").unlink(), "chunk_000003.bin is missing"),
-    "duplicate-chunk": (
-        lambda p: _edit_meta(p, lambda d: d["chunks"].append(d["chunks"][0])),
-        "chunk(s) ['chunk_000000.bin'] more than once",
-    ),
 }
+BROKEN = {**BROKEN_AT_OPEN, **BROKEN_AT_READ}
 
 
 def _params(dataset: str, **kw) -> pb.SamplingParams:
@@ -424,13 +430,18 @@ def _params(dataset: str, **kw) -> pb.SamplingParams:
     )
 
 
-def _stream_error(stub: pb_grpc.FeederStub, dataset: str) -> grpc.RpcError:
-    """The status of a StreamBatches call that must fail before any batch arrives."""
+def _stream_error(stub: pb_grpc.FeederStub, dataset: str, served: bool) -> grpc.RpcError:
+    """The status of a StreamBatches call that must fail: before any batch arrives, or
+    (`served`) once its batches reach a damaged chunk, every token before it right."""
     batches = []
     with pytest.raises(grpc.RpcError) as info:  # noqa: PT012 - read until the error
         for response in stub.StreamBatches(pb.StreamBatchesRequest(params=_params(dataset))):
             batches += response.batches
-    assert batches == []  # never a wrong token
+    if not served:
+        assert batches == []
+    for b in batches:  # never a wrong token: each is its position in the store
+        rows = np.frombuffer(b.tokens, dtype=b.dtype).reshape(b.rows, b.cols)
+        assert (rows == np.add.outer(np.asarray(b.starts), np.arange(b.cols))).all()
     return info.value
 
 
@@ -447,17 +458,19 @@ def test_malformed_stores_are_skipped_and_refused_never_served(
     with running_feeder(root, cache_bytes=4096) as f, grpc.insecure_channel(f.address) as ch:
         stub = pb_grpc.FeederStub(ch)
         names = [d.name for d in stub.Info(pb.InfoRequest()).datasets]
-        assert names == ["healthy", "shrinks"]
+        assert names == sorted(["healthy", "shrinks", *BROKEN_AT_READ])
         logged = caplog.text
-        for name in BROKEN:
+        for name in BROKEN_AT_OPEN:
             assert f"skipping dataset {name!r}" in logged
         assert str(root) not in logged
 
         for name, (_, message) in BROKEN.items():
-            for err in (
-                _stream_error(stub, name),
-                _call_error(lambda name=name: stub.Info(pb.InfoRequest(dataset=name))),
-            ):
+            errors = [_stream_error(stub, name, served=name in BROKEN_AT_READ)]
+            if name in BROKEN_AT_OPEN:
+                errors.append(
+                    _call_error(lambda name=name: stub.Info(pb.InfoRequest(dataset=name)))
+                )
+            for err in errors:
                 assert err.code() == grpc.StatusCode.DATA_LOSS, (name, err.details())
                 assert err.details().startswith(f"{name}: "), err.details()
                 assert message in err.details(), err.details()
@@ -478,7 +491,7 @@ def test_malformed_stores_are_skipped_and_refused_never_served(
                 got += r.batches
         err = info.value
         assert err.code() == grpc.StatusCode.DATA_LOSS
-        assert "chunk_000001.bin holds 500 tokens, meta.json says 1000" in err.details()
+        assert "chunk_000001.bin has 2000 bytes, expected 1000 tokens x 4" in err.details()
         assert all(max(b.starts) + b.cols <= 1000 for b in got)  # only chunk 0's windows
 
         # The healthy store streams a whole epoch, token == position.
