@@ -103,6 +103,116 @@ get_parts(PyObject *parts_seq, Part *parts, Py_ssize_t *got, Py_ssize_t *total)
     return 0;
 }
 
+/* Where a key's bytes are: in memory at `buf`, or (buf NULL) at `base` of file
+ * descriptor `fd`; `size` bytes either way. */
+typedef struct {
+    const char *buf;
+    int fd;
+    int64_t base, size;
+} Source;
+
+/* What stopped a copy: a piece outside its source, a file cut short, a failed read. */
+typedef struct {
+    Py_ssize_t part, piece; /* the piece outside its source; part -1: none */
+    int64_t short_key;      /* -1: none */
+    int err;                /* an errno; 0: none */
+} Failure;
+
+/* Copy every part's pieces into `dst` in order: key -1 reads the part's blob, any other
+ * key its source in `src` (`key_of` ascending). Touches no Python object: it runs
+ * without the GIL. Stops at the first failure, recorded in `f`. */
+static void
+copy_pieces(const Part *parts, Py_ssize_t n_parts, const int64_t *key_of, const Source *src,
+            Py_ssize_t n_keys, char *dst, Failure *f)
+{
+    for (Py_ssize_t k = 0; k < n_parts; k++) {
+        const int64_t *p = parts[k].program.buf;
+        const Source blob = {parts[k].blob.buf, -1, 0, parts[k].blob.len};
+        for (Py_ssize_t i = 0; i < parts[k].program.shape[0]; i++, p += 3) {
+            const Source *s = &blob;
+            if (p[0] != -1) {
+                Py_ssize_t j = find(key_of, n_keys, p[0]);
+                s = j < 0 ? NULL : &src[j];
+            }
+            if (s == NULL || p[1] < 0 || p[1] > s->size || p[2] > s->size - p[1]) {
+                f->part = k, f->piece = i;
+                return;
+            }
+            if (s->buf != NULL) {
+                memcpy(dst, s->buf + p[1], (size_t)p[2]);
+                dst += p[2];
+                continue;
+            }
+            int64_t left = p[2], at = s->base + p[1];
+            while (left > 0) {
+                ssize_t got = pread(s->fd, dst, (size_t)left, (off_t)at);
+                if (got < 0 && errno == EINTR)
+                    continue;
+                if (got < 0) {
+                    f->err = errno;
+                    return;
+                }
+                if (got == 0) {
+                    f->short_key = p[0];
+                    return;
+                }
+                dst += got, at += got, left -= got;
+            }
+        }
+    }
+}
+
+/* The message `parts` make with each key's bytes in `src`: a new bytes object, or NULL
+ * with an exception set. */
+static PyObject *
+spliced(PyObject *parts_seq, const int64_t *key_of, const Source *src, Py_ssize_t n_keys)
+{
+    Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(parts_seq);
+    Part *parts = PyMem_Calloc(n_parts ? n_parts : 1, sizeof(Part));
+    Py_ssize_t got_parts = 0, total = 0;
+    PyObject *out = NULL;
+    if (parts == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    /* First pass: every part's buffers and the message's size. */
+    if (get_parts(parts_seq, parts, &got_parts, &total) < 0)
+        goto done;
+    out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL)
+        goto done;
+    /* Second pass, without the GIL: find each piece's source, check it, copy it. */
+    Failure f = {-1, -1, -1, 0};
+    char *dst = PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    copy_pieces(parts, n_parts, key_of, src, n_keys, dst, &f);
+    Py_END_ALLOW_THREADS
+    if (f.part >= 0) {
+        const int64_t *p = (const int64_t *)parts[f.part].program.buf + 3 * f.piece;
+        PyErr_Format(PyExc_ValueError,
+                     "splice: piece %zd of part %zd (key %lld, offset %lld, count %lld) is "
+                     "not inside its source",
+                     f.piece, f.part, (long long)p[0], (long long)p[1], (long long)p[2]);
+        Py_CLEAR(out);
+    } else if (f.short_key >= 0) {
+        PyErr_Format(PyExc_EOFError, "key %lld", (long long)f.short_key);
+        Py_CLEAR(out);
+    } else if (f.err) {
+        errno = f.err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_CLEAR(out);
+    }
+done:
+    for (Py_ssize_t k = 0; k < got_parts; k++) {
+        PyBuffer_Release(&parts[k].program);
+        PyBuffer_Release(&parts[k].blob);
+    }
+    PyMem_Free(parts);
+    return out;
+}
+
+/* splice(parts, keys, views): piece (key, offset, count) is `count` bytes at `offset` of
+ * views[j] (keys[j] == key). */
 static PyObject *
 splice(PyObject *module, PyObject *args)
 {
@@ -118,14 +228,13 @@ splice(PyObject *module, PyObject *args)
         Py_DECREF(parts_seq);
         return NULL;
     }
-    Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(parts_seq);
     Py_ssize_t n_views = PySequence_Fast_GET_SIZE(views);
-    Part *parts = PyMem_Calloc(n_parts ? n_parts : 1, sizeof(Part));
     Py_buffer *bufs = PyMem_Calloc(n_views ? n_views : 1, sizeof(Py_buffer));
+    Source *src = PyMem_Calloc(n_views ? n_views : 1, sizeof(Source));
     Py_buffer keys = {0};
-    Py_ssize_t got_parts = 0, got_views = 0;
+    Py_ssize_t got_views = 0;
     PyObject *out = NULL;
-    if (parts == NULL || bufs == NULL) {
+    if (bufs == NULL || src == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -139,56 +248,16 @@ splice(PyObject *module, PyObject *args)
         PyObject *v = PySequence_Fast_GET_ITEM(views, got_views);
         if (PyObject_GetBuffer(v, &bufs[got_views], PyBUF_SIMPLE) < 0)
             goto done;
+        src[got_views] = (Source){bufs[got_views].buf, -1, 0, bufs[got_views].len};
     }
-    /* First pass: every part's buffers and the message's size. */
-    Py_ssize_t total = 0;
-    if (get_parts(parts_seq, parts, &got_parts, &total) < 0)
-        goto done;
-    out = PyBytes_FromStringAndSize(NULL, total);
-    if (out == NULL)
-        goto done;
-    /* Second pass, without the GIL: find each piece's source, check it, copy it. */
-    char *dst = PyBytes_AS_STRING(out);
-    const int64_t *key_of = keys.buf;
-    Py_ssize_t bad_part = -1, bad_piece = -1;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t k = 0; k < n_parts && bad_piece < 0; k++) {
-        const int64_t *p = parts[k].program.buf;
-        for (Py_ssize_t i = 0; i < parts[k].program.shape[0]; i++, p += 3) {
-            const Py_buffer *src = &parts[k].blob;
-            if (p[0] != -1) {
-                Py_ssize_t j = find(key_of, n_views, p[0]);
-                src = j < 0 ? NULL : &bufs[j];
-            }
-            if (src == NULL || p[1] < 0 || p[1] > src->len || p[2] > src->len - p[1]) {
-                bad_part = k;
-                bad_piece = i;
-                break;
-            }
-            memcpy(dst, (const char *)src->buf + p[1], (size_t)p[2]);
-            dst += p[2];
-        }
-    }
-    Py_END_ALLOW_THREADS
-    if (bad_piece >= 0) {
-        const int64_t *p = (const int64_t *)parts[bad_part].program.buf + 3 * bad_piece;
-        PyErr_Format(PyExc_ValueError,
-                     "splice: piece %zd of part %zd (key %lld, offset %lld, count %lld) is "
-                     "not inside its source",
-                     bad_piece, bad_part, (long long)p[0], (long long)p[1], (long long)p[2]);
-        Py_CLEAR(out);
-    }
+    out = spliced(parts_seq, keys.buf, src, n_views);
 done:
-    for (Py_ssize_t k = 0; k < got_parts; k++) {
-        PyBuffer_Release(&parts[k].program);
-        PyBuffer_Release(&parts[k].blob);
-    }
     for (Py_ssize_t j = 0; j < got_views; j++)
         PyBuffer_Release(&bufs[j]);
     if (keys.obj != NULL)
         PyBuffer_Release(&keys);
-    PyMem_Free(parts);
     PyMem_Free(bufs);
+    PyMem_Free(src);
     Py_DECREF(parts_seq);
     Py_DECREF(views);
     return out;
@@ -209,15 +278,9 @@ splice_files(PyObject *module, PyObject *args)
     PyObject *parts_seq = PySequence_Fast(parts_obj, "splice: parts must be a sequence");
     if (parts_seq == NULL)
         return NULL;
-    Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(parts_seq);
-    Part *parts = PyMem_Calloc(n_parts ? n_parts : 1, sizeof(Part));
     Py_buffer keys = {0}, fds = {0}, bases = {0}, sizes = {0};
-    Py_ssize_t got_parts = 0;
+    Source *src = NULL;
     PyObject *out = NULL;
-    if (parts == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
     if (int64_buffer(keys_obj, &keys, 0, "keys") < 0 || int64_buffer(fds_obj, &fds, 0, "fds") < 0 ||
         int64_buffer(bases_obj, &bases, 0, "bases") < 0 ||
         int64_buffer(sizes_obj, &sizes, 0, "sizes") < 0)
@@ -227,76 +290,16 @@ splice_files(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "splice_files: one fd, base and size per key");
         goto done;
     }
-    Py_ssize_t total = 0;
-    if (get_parts(parts_seq, parts, &got_parts, &total) < 0)
+    src = PyMem_Calloc(n_keys ? n_keys : 1, sizeof(Source));
+    if (src == NULL) {
+        PyErr_NoMemory();
         goto done;
-    out = PyBytes_FromStringAndSize(NULL, total);
-    if (out == NULL)
-        goto done;
-    char *dst = PyBytes_AS_STRING(out);
-    const int64_t *key_of = keys.buf, *fd_of = fds.buf, *base_of = bases.buf, *size_of = sizes.buf;
-    Py_ssize_t bad_part = -1, bad_piece = -1;
-    int64_t short_key = -1;
-    int err = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t k = 0; k < n_parts && bad_piece < 0 && short_key < 0 && !err; k++) {
-        const int64_t *p = parts[k].program.buf;
-        const Py_buffer *blob = &parts[k].blob;
-        for (Py_ssize_t i = 0; i < parts[k].program.shape[0]; i++, p += 3) {
-            if (p[0] == -1) {
-                if (p[1] < 0 || p[1] > blob->len || p[2] > blob->len - p[1]) {
-                    bad_part = k, bad_piece = i;
-                    break;
-                }
-                memcpy(dst, (const char *)blob->buf + p[1], (size_t)p[2]);
-                dst += p[2];
-                continue;
-            }
-            Py_ssize_t j = find(key_of, n_keys, p[0]);
-            if (j < 0 || p[1] < 0 || p[1] > size_of[j] || p[2] > size_of[j] - p[1]) {
-                bad_part = k, bad_piece = i;
-                break;
-            }
-            int64_t left = p[2], at = base_of[j] + p[1];
-            while (left > 0) {
-                ssize_t got = pread((int)fd_of[j], dst, (size_t)left, (off_t)at);
-                if (got < 0 && errno == EINTR)
-                    continue;
-                if (got < 0) {
-                    err = errno;
-                    break;
-                }
-                if (got == 0) {
-                    short_key = p[0];
-                    break;
-                }
-                dst += got, at += got, left -= got;
-            }
-            if (err || short_key >= 0)
-                break;
-        }
     }
-    Py_END_ALLOW_THREADS
-    if (bad_piece >= 0) {
-        const int64_t *p = (const int64_t *)parts[bad_part].program.buf + 3 * bad_piece;
-        PyErr_Format(PyExc_ValueError,
-                     "splice: piece %zd of part %zd (key %lld, offset %lld, count %lld) is "
-                     "not inside its source",
-                     bad_piece, bad_part, (long long)p[0], (long long)p[1], (long long)p[2]);
-        Py_CLEAR(out);
-    } else if (short_key >= 0) {
-        PyErr_Format(PyExc_EOFError, "key %lld", (long long)short_key);
-        Py_CLEAR(out);
-    } else if (err) {
-        errno = err;
-        PyErr_SetFromErrno(PyExc_OSError);
-        Py_CLEAR(out);
-    }
+    const int64_t *fd_of = fds.buf, *base_of = bases.buf, *size_of = sizes.buf;
+    for (Py_ssize_t j = 0; j < n_keys; j++)
+        src[j] = (Source){NULL, (int)fd_of[j], base_of[j], size_of[j]};
+    out = spliced(parts_seq, keys.buf, src, n_keys);
 done:
-    for (Py_ssize_t k = 0; k < got_parts; k++) {
-        PyBuffer_Release(&parts[k].program);
-        PyBuffer_Release(&parts[k].blob);
-    }
     if (keys.obj != NULL)
         PyBuffer_Release(&keys);
     if (fds.obj != NULL)
@@ -305,7 +308,7 @@ done:
         PyBuffer_Release(&bases);
     if (sizes.obj != NULL)
         PyBuffer_Release(&sizes);
-    PyMem_Free(parts);
+    PyMem_Free(src);
     Py_DECREF(parts_seq);
     return out;
 }
