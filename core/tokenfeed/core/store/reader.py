@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +103,23 @@ class StoreReader(ABC):
         """Exclusive end offsets (int64, non-decreasing) of the recorded documents, or
         None when the format records none (documents then end at EOS)."""
         return None
+
+    def _problems(
+        self, read: Callable[[int], np.ndarray], findings: type[FeederError]
+    ) -> list[str]:
+        """What `verify` finds: each chunk read with `read` (index -> its tokens), the
+        `findings` it raises and the token ids outside the vocabulary, in chunk order."""
+        problems: list[str] = []
+        for i in range(self.num_chunks):
+            try:
+                data = read(i)
+            except findings as e:
+                problems.append(e.message)
+                continue
+            bad = self._check_ids(i, data)
+            if bad:
+                problems.append(bad)
+        return problems
 
     def _check_ids(self, index: int, data: np.ndarray) -> str | None:
         vocab = self.meta.vocab_size
@@ -211,21 +228,13 @@ class TokenStore(StoreReader):
 
     def verify(self) -> list[str]:
         """Every problem found in sizes, checksums and token ids (empty = healthy)."""
-        problems: list[str] = []
         sizes = self.files.names() if self.files.remote else None
-        for i, c in enumerate(self.meta.chunks):
-            try:
-                self._check_size(c, sizes)
-                data = self.read_chunk(i)
-            except FeederError as e:
-                if not isinstance(e, DataLoss):
-                    raise  # unreachable storage is not a finding about the store
-                problems.append(e.message)
-                continue
-            bad = self._check_ids(i, data)
-            if bad:
-                problems.append(bad)
-        return problems
+
+        def read(i: int) -> np.ndarray:
+            self._check_size(self.meta.chunks[i], sizes)
+            return self.read_chunk(i)
+
+        return self._problems(read, DataLoss)  # unreachable storage is not a finding
 
 
 def _bare_meta(files: StoreFiles, dtype: str | None) -> StoreMeta:

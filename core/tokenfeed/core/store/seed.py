@@ -206,17 +206,7 @@ class SeedStore(StoreReader):
         return out
 
     def verify(self) -> list[str]:
-        problems = []
-        for i in range(self.num_chunks):
-            try:
-                data = self.read_chunk(i)
-            except FeederError as e:
-                problems.append(e.message)
-                continue
-            bad = self._check_ids(i, data)
-            if bad:
-                problems.append(bad)
-        return problems
+        return self._problems(self.read_chunk, FeederError)
 
 
 def _short(names: list[str]) -> str:
