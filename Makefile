@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 # any torch >= 2.1 works for users (the `torch` extra).
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# test processes (pytest-xdist): every test starts its own feeders on free ports, and
+# most of a test's time is spent in them, so two workers use a 2-core machine fully
+TEST_WORKERS ?= 2
 GRPC_JS := tests/grpc_js/node_modules/.installed
 
 .PHONY: install demo test test-slow test-all protos lint deploy-check compose-check bench clean
@@ -23,13 +26,13 @@ demo: $(STAMP)
 	$(BIN)/tokenfeed demo
 
 test: $(STAMP)
-	$(BIN)/pytest -m "not slow" -q
+	$(BIN)/pytest -m "not slow" -q -n $(TEST_WORKERS)
 
 test-slow: $(STAMP) $(GRPC_JS)
-	$(BIN)/pytest -m slow -q
+	$(BIN)/pytest -m slow -q -n $(TEST_WORKERS)
 
 test-all: $(STAMP) $(GRPC_JS)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 # grpc-js for tests/e2e/test_grpc_js.py: a client built from feeder.proto alone (needs npm)
 $(GRPC_JS): tests/grpc_js/package.json tests/grpc_js/package-lock.json
