@@ -102,18 +102,24 @@ def test_a_loop_and_a_reader_at_uneven_paces_lose_nothing() -> None:
     assert out == list(range(n))
 
 
-def test_a_reader_waiting_for_room_sleeps_until_the_ring_is_half_empty() -> None:
-    """A reader finding the ring full blocks on an event, with no timeout of its own
-    (an idle client costs no CPU), and the loop wakes it once, at half a ring."""
+def test_the_loop_wakes_a_reader_waiting_for_room_only_when_the_ring_runs_dry() -> None:
+    """The loop's fast path sets nothing (a reader on a full ring finds room by its own
+    backing-off polls); a get that finds the ring empty, or stop()'s draining, wakes
+    it at once."""
     h = Handoff(4)
     for i in range(4):
         h.put(i, timeout=1)
-    t = threading.Thread(target=lambda: h.put(4, timeout=60))
+    assert h.get_nowait() == 0
+    assert h.get(timeout=1) == 1
+    assert not h._room.is_set()  # items left: the loop woke nobody
+    h.put(4, timeout=1)  # room: no wait
+    h.put(5, timeout=1)
+    t = threading.Thread(target=lambda: h.put(6, timeout=60))  # full: polls for room
     t.start()
-    wait_until(lambda: h._full, 30, "the reader to wait for room")
-    assert h.get_nowait() == 0  # three left: not woken
-    assert not h._room.is_set()
-    assert h.get(timeout=1) == 1  # two left, half the ring: woken
-    t.join(30)
+    assert [h.get_nowait() for _ in range(4)] == [2, 3, 4, 5]
+    t.join(30)  # found the room by polling
     assert not t.is_alive()
-    assert [h.get_nowait() for _ in range(3)] == [2, 3, 4]
+    assert h.get_nowait() == 6
+    with pytest.raises(queue.Empty):
+        h.get_nowait()
+    assert h._room.is_set()  # ran dry: a reader about to wait is woken at once

@@ -5,14 +5,15 @@ wake that costs several times everything else in `next()` right after a training
 step's sleep (benchmarks/trainer_loop.py). That wake was most of the data-stall
 fraction at short steps, although the ring was full.
 
-So here the loop wakes the reader rarely: a reader that finds the ring full says so
-and waits for room on an Event, and the loop sets that Event only once it has taken
-the ring down to half (or found it empty), so the reader refills half a ring per
-wake-up, well within the steps the other half lasts. A reader waiting for room uses
-no CPU at all (a client whose trainer is busy elsewhere: 64 such clients in one
-process cost nothing; polling every 2 ms cost them half a core). The reader does
-wake a waiting loop at once (a token on a SimpleQueue), so an empty ring is
-refilled with no delay.
+So here the loop never wakes the reader on its fast path. A reader that finds the ring
+full waits for room on an Event with a timeout that starts at 0.2 ms and doubles up to
+POLL_MAX: while the loop trains, a refill within about twice the time the slot was
+free (the ring stays full), and a reader whose trainer is away wakes a few times a
+second (64 such clients in one process cost a few thousandths of a core; waking it
+from the loop at a low mark instead put a futex wake and a burst of refills into
+`next()`). The loop sets that Event only when it finds the ring empty, and the reader
+wakes a waiting loop at once (a token on a SimpleQueue), so an empty ring is refilled
+with no delay.
 
 Same subset of the `queue.Queue` interface the client uses: put(item, timeout),
 get(timeout), get_nowait(), qsize(), empty(); `queue.Full` / `queue.Empty` as there.
@@ -26,13 +27,15 @@ import time
 from collections import deque
 from typing import Any
 
+# A full ring's wait for room: 0.2 ms, doubling up to POLL_MAX while no room comes.
+POLL_MIN, POLL_MAX = 0.0002, 0.25
+
 
 class Handoff:
     def __init__(self, maxsize: int) -> None:
         if maxsize < 1:
             raise ValueError(f"maxsize must be >= 1, got {maxsize}")
         self.maxsize = maxsize
-        self._low = maxsize // 2  # the loop wakes a reader waiting for room at this many
         self._items: deque[Any] = deque()
         # The loop waiting for an item says so in `_waiting`, then blocks on `_wake`
         # (a C-level SimpleQueue: a token wakes it). A reader that appends while the
@@ -41,44 +44,31 @@ class Handoff:
         # items once more before it blocks; the reader appends, THEN reads the flag.
         self._waiting = False
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
-        # The same the other way: a reader waiting for room clears `_room`, raises
-        # `_full`, THEN looks at the items once more before it blocks on `_room`; the
-        # loop takes an item, THEN reads the flag (and sets `_room` at the low mark).
-        self._full = False
-        self._room = threading.Event()
+        self._room = threading.Event()  # the loop -> a reader waiting for room (ring empty)
 
     def put(self, item: Any, timeout: float) -> None:
         """Append `item`, waiting up to `timeout` s for room (queue.Full after that)."""
         items = self._items
         if len(items) >= self.maxsize:
             deadline = time.monotonic() + timeout
+            poll = POLL_MIN
             while len(items) >= self.maxsize:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise queue.Full
+                self._room.wait(min(poll, left))
                 self._room.clear()
-                self._full = True
-                try:
-                    if len(items) >= self.maxsize:  # room made before the flag went up
-                        self._room.wait(left)
-                finally:
-                    self._full = False
+                poll = min(2 * poll, POLL_MAX)
         items.append(item)
         if self._waiting:
             self._wake.put(None)
 
-    def _taken(self) -> None:
-        """An item was taken: wake a reader waiting for room once the ring is low."""
-        if self._full and len(self._items) <= self._low:
-            self._room.set()
-
     def get_nowait(self) -> Any:
         try:
-            item = self._items.popleft()  # atomic in CPython: no lock on the fast path
+            return self._items.popleft()  # atomic in CPython: no lock on the fast path
         except IndexError:
+            self._room.set()  # the ring ran dry (or stop() emptied it): wake the reader
             raise queue.Empty from None
-        self._taken()
-        return item
 
     def get(self, timeout: float) -> Any:
         """The next item, waiting up to `timeout` s for one (queue.Empty after that)."""
@@ -86,12 +76,9 @@ class Handoff:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                item = items.popleft()
+                return items.popleft()
             except IndexError:
                 pass
-            else:
-                self._taken()
-                return item
             self._room.set()  # the ring ran dry: wake a reader waiting for room
             left = deadline - time.monotonic()
             if left <= 0:

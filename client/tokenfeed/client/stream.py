@@ -227,8 +227,8 @@ class StreamReader(threading.Thread):
             self._put(Failure(e))
 
     def _put(self, item: Any) -> bool:
-        # A full ring's wait uses no CPU; stop() empties the ring, which wakes it, so
-        # the timeout is a safety net only (each wake-up of an idle reader costs CPU).
+        # stop() empties the ring, which wakes a put waiting for room (Handoff), so the
+        # timeout is a safety net only.
         while not self._stop_event.is_set():
             try:
                 self.out.put(item, timeout=10.0)
