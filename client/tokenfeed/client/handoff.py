@@ -8,12 +8,12 @@ fraction at short steps, although the ring was full.
 So here the loop never wakes the reader on its fast path. A reader that finds the ring
 full waits for room on an Event with a timeout that starts at 0.2 ms and doubles up to
 POLL_MAX: while the loop trains, a refill within about twice the time the slot was
-free (the ring stays full), and a reader whose trainer is away wakes a few times a
-second (64 such clients in one process cost a few thousandths of a core; waking it
-from the loop at a low mark instead put a futex wake and a burst of refills into
-`next()`). The loop sets that Event only when it finds the ring empty, and the reader
-wakes a waiting loop at once (a token on a SimpleQueue), so an empty ring is refilled
-with no delay.
+free (the ring stays full), and a reader whose trainer is away wakes about once a
+second (benchmarks/scale.py measures 64 idle clients; waking the reader from the
+loop at a low mark instead put a futex wake and a burst of refills into `next()`).
+The loop sets that Event only when it finds the ring empty, and the reader wakes a
+waiting loop at once (a token on a SimpleQueue), so an empty ring is refilled with no
+delay.
 
 Same subset of the `queue.Queue` interface the client uses: put(item, timeout),
 get(timeout), get_nowait(), qsize(), empty(); `queue.Full` / `queue.Empty` as there.
@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any
 
 # A full ring's wait for room: 0.2 ms, doubling up to POLL_MAX while no room comes.
-POLL_MIN, POLL_MAX = 0.0002, 0.25
+POLL_MIN, POLL_MAX = 0.0002, 1.0
 
 
 class Handoff:
