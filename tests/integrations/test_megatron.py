@@ -42,6 +42,8 @@ def test_absolute_prefixes_relative_to_the_data_root(tmp_path: Path) -> None:
         parse_blend(f"1 {root}/a")
     with pytest.raises(InvalidArgument, match="leaves the data root"):
         parse_blend("1 ../a")
+    with pytest.raises(InvalidArgument, match="ends with a separator"):
+        parse_blend("1 web/ 1 code")
 
 
 def test_the_per_split_form(tmp_path: Path) -> None:
@@ -80,8 +82,15 @@ def test_bad_blends_are_invalid_arguments(blend: object, message: str) -> None:
         parse_blend(blend)  # type: ignore[arg-type]
 
 
+# prefixes Megatron would read as distinct files (no "a//b" beside "a/b", no "a/" for a)
 names = st.text("abcdefghij/_-0123456789", min_size=1, max_size=12).filter(
-    lambda n: not n.startswith("/") and ".." not in n and not n[0].isdigit()
+    lambda n: (
+        not n.startswith("/")
+        and not n.endswith("/")
+        and "//" not in n
+        and ".." not in n
+        and not n[0].isdigit()
+    )
 )
 weights = st.decimals(min_value=0, max_value=1000, allow_nan=False, places=3).map(str)
 

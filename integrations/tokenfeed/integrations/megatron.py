@@ -134,6 +134,11 @@ def _dataset_name(prefix: str, data_root: str | os.PathLike[str] | None) -> str:
             f"data_path: prefix {prefix!r} is absolute: pass data_root= (the feeder's "
             f"--data-root as this machine sees it) to make it a dataset name"
         )
+    if prefix.endswith(("/", os.sep)):  # <prefix>.bin: a folder's name is no prefix
+        raise InvalidArgument(
+            f"data_path: prefix {prefix!r} ends with a separator; a prefix names its "
+            "files without .bin/.idx (data/web, not data/web/)"
+        )
     name = posixpath.normpath(prefix.replace(os.sep, "/"))
     if name in (".", "") or name.startswith("../") or name == "..":
         raise InvalidArgument(f"data_path: prefix {prefix!r} leaves the data root")
