@@ -47,7 +47,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from statistics import median
 
-from mixture_throughput import SOURCES, cpu_seconds, make_stores
+from mixture_throughput import SOURCES, make_stores
+from procs import process_cpu
 from serve_throughput import BATCH, SEQ_LEN
 from serve_throughput import spec as dataset_spec
 
@@ -127,12 +128,12 @@ def measure(row: str, data: Path, tmp: Path, args: argparse.Namespace, requests:
             stub = feeder_pb2_grpc.FeederStub(channel)
             step = n * every  # every row streams from the N-th segment's step on
             if row.startswith("segments"):
-                cpu0 = cpu_seconds(pid)
+                cpu0 = process_cpu(pid)
                 read(stub, requests["segments"][0], step * BATCH, step, 1)
-                out["cold_open_s"] = cpu_seconds(pid) - cpu0
+                out["cold_open_s"] = process_cpu(pid) - cpu0
             else:
                 read(stub, requests["static"], step * BATCH, step, 1)  # connection, chunks
-            cpu0, got = cpu_seconds(pid), 0
+            cpu0, got = process_cpu(pid), 0
             for i in range(args.intervals):
                 s = step + i * every
                 if row == "static":
@@ -144,7 +145,7 @@ def measure(row: str, data: Path, tmp: Path, args: argparse.Namespace, requests:
                     break
                 params = requests["static"] if row == "static-reopen" else requests["segments"][i]
                 got += read(stub, params, s * BATCH, s, every)
-            out["cpu_per_batch_us"] = (cpu_seconds(pid) - cpu0) * 1e6 / got
+            out["cpu_per_batch_us"] = (process_cpu(pid) - cpu0) * 1e6 / got
     return out
 
 

@@ -35,6 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from procs import process_cpu
 from serve_throughput import BATCH, DEFAULT_PER_MESSAGE, SEQ_LEN, STRIDE  # one layout
 from serve_throughput import spec as dataset_spec
 
@@ -65,11 +66,6 @@ def run_client(address: str, mixture: bool, streams: int, seconds: float, per_me
     print(json.dumps(stream_load(address, streams, seconds, make_request)))
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(mixture: bool, streams: int, per_message: int, seconds: float, tmp: Path) -> dict:
     port_file = tmp / "port"
     port_file.unlink(missing_ok=True)
@@ -94,13 +90,13 @@ def measure(mixture: bool, streams: int, per_message: int, seconds: float, tmp: 
         client = [sys.executable, __file__, "--client", address, "--per-message", str(per_message)]
         client += ["--mixture"] if mixture else []
         subprocess.run([*client, "--seconds", "0.5"], check=True, capture_output=True)  # warm
-        cpu0 = cpu_seconds(proc.pid)
+        cpu0 = process_cpu(proc.pid)
         out = subprocess.run(
             [*client, "--seconds", str(seconds), "--streams", str(streams)],
             check=True,
             stdout=subprocess.PIPE,
         ).stdout
-        cpu = cpu_seconds(proc.pid) - cpu0
+        cpu = process_cpu(proc.pid) - cpu0
     finally:
         proc.terminate()
         proc.wait(30)

@@ -20,6 +20,11 @@ def stat(pid: int) -> tuple[int, float]:
     return int(fields[21]) * PAGE, (int(fields[11]) + int(fields[12])) / TICK
 
 
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a live process so far."""
+    return stat(pid)[1]
+
+
 def _parents() -> dict[int, int]:
     """pid -> parent pid of every process we may read."""
     out = {}

@@ -60,6 +60,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from procs import process_cpu
+
 from tokenfeed.cli.process import wait_for_port
 from tokenfeed.core.atomic import write_atomic
 
@@ -201,18 +203,13 @@ def run_bare(port_file: str, per_message: int) -> None:
 # ------------------------------------------------------------------------- driver
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def tree_cpu(pid: int) -> dict[int, float]:
     """CPU seconds of `pid` and of each of its live children (the `--workers` processes)."""
     kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    out = {pid: cpu_seconds(pid)}
+    out = {pid: process_cpu(pid)}
     for k in kids:
         with contextlib.suppress(OSError):
-            out[int(k)] = cpu_seconds(int(k))
+            out[int(k)] = process_cpu(int(k))
     return out
 
 

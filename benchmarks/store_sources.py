@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from procs import process_cpu
 
 from tokenfeed.cli.process import serve_argv, stop, wait_for_port
 from tokenfeed.server.config import parse_size
@@ -117,12 +118,6 @@ def start_proxy(s3_port: int, latency: float) -> tuple[subprocess.Popen[str], st
     )
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -243,14 +238,14 @@ def measure(
                     tokens += b["input_ids"].size
                     marks.append((now, tokens))
                     if not cpu0 and now - t0 >= 2.0:
-                        cpu0 = [cpu_seconds(p) for p in (proc.pid, os.getpid(), *others)]
+                        cpu0 = [process_cpu(p) for p in (proc.pid, os.getpid(), *others)]
                         m0 = scrape(metrics_port)
                     if now - t0 > seconds:
                         break
                 else:  # a whole epoch: its tokens (per-epoch rates below)
                     epoch_tokens = epoch_tokens or tokens
                 epoch += 1
-        cpu1 = [cpu_seconds(p) for p in (proc.pid, os.getpid(), *others)]
+        cpu1 = [process_cpu(p) for p in (proc.pid, os.getpid(), *others)]
         m1 = scrape(metrics_port)
         sampler.done.set()
         sampler.join()

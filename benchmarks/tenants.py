@@ -56,8 +56,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from procs import process_cpu
 from prometheus_client.parser import text_string_to_metric_families
-from serve_throughput import checkout_env, cpu_seconds, make_store  # the same store and clock
+from serve_throughput import checkout_env, make_store  # the same store
 
 from tokenfeed.cli.process import wait_for_port
 
@@ -208,9 +209,9 @@ def measure(
             for job, n in loads.items()
         }
         time.sleep(max(0.0, start - time.time()))
-        sent0, cpu0, t0 = tokens_sent(metrics), cpu_seconds(proc.pid), time.perf_counter()
+        sent0, cpu0, t0 = tokens_sent(metrics), process_cpu(proc.pid), time.perf_counter()
         time.sleep(seconds - 0.5)  # the load stops at start + seconds
-        sent1, cpu1, t1 = tokens_sent(metrics), cpu_seconds(proc.pid), time.perf_counter()
+        sent1, cpu1, t1 = tokens_sent(metrics), process_cpu(proc.pid), time.perf_counter()
         out = {job: json.loads(c.communicate(timeout=120)[0]) for job, c in clients.items()}
     finally:
         proc.terminate()
