@@ -647,6 +647,11 @@ def until(
         time.sleep(every)
 
 
+# metrics exported only by a trainer running an OnlineMixer (docs/mixing.md); the demo
+# trainers mix by fixed weights, so their panels are checked to evaluate, not to have data
+MIXER_ONLY = ("tokenfeed_client_mixer_loss_nats",)
+
+
 def dashboard_panels() -> list[tuple[str, list[str]]]:
     """(title, PromQL queries) of every panel, from the dashboard generator."""
     sys.path.insert(0, str(DEPLOY / "grafana"))
@@ -879,17 +884,22 @@ class Stack:
         empty: dict[str, str] = {}
 
         def queries() -> tuple[bool, str]:
+            # every query must evaluate (http_json raises on an error); every panel but
+            # those fed only by an OnlineMixer must also have data
             empty.clear()
             for title, exprs in panels:
-                if not any(
+                results = [
                     self.prom("/api/v1/query", query=e.replace("$__rate_interval", RATE_INTERVAL))[
                         "result"
                     ]
                     for e in exprs
-                ):
+                ]
+                if not any(results) and not any(m in e for e in exprs for m in MIXER_ONLY):
                     empty[title] = exprs[0]
             return not empty, (
-                f"{len(panels)} panels have data" if not empty else f"no data: {empty}"
+                f"{len(panels)} panels evaluate, all but the mixer's have data"
+                if not empty
+                else f"no data: {empty}"
             )
 
         r.check(

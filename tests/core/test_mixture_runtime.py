@@ -245,6 +245,12 @@ def test_a_mixture_extended_segment_by_segment_equals_one_built_at_once(mixture,
         other = other.with_segment(other.last_from_tokens + 1, weight_set(data.draw, k))
     fresh = Mixture(sources, sched, seq_len=seq_len, runtime=other)
     assert mix.with_runtime(other).apportionment._segs == fresh.apportionment._segs
+    # and the branch left the version it grew from as it was (they share their lists)
+    again = Mixture(sources, sched, seq_len=seq_len, runtime=rt)
+    assert mix.in_force == again.in_force
+    assert mix.apportionment._segs == again.apportionment._segs
+    ps = np.arange(0, tok // seq_len + 40)
+    assert mix.counts_at(ps).tolist() == again.counts_at(ps).tolist()
 
 
 def test_a_spec_with_one_more_segment_extends_the_cached_mixture():

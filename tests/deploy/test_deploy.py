@@ -650,3 +650,21 @@ def test_healthcheck_reports_serving_draining_and_down(feeder_root: Path) -> Non
 )
 def test_scripts_are_executable(path: Path) -> None:
     assert os.access(path, os.X_OK), f"chmod +x {path.relative_to(ROOT)}"
+
+
+def test_the_only_panels_compose_check_lets_stay_empty_are_the_online_mixers() -> None:
+    # the demo trainers mix by fixed weights: a panel may lack data in the compose stack
+    # only when every metric it reads is one an OnlineMixer alone exports
+    check = compose_check()
+    mixer = (ROOT / "mixing" / "tokenfeed" / "mixing" / "mixer.py").read_text()
+    exported = {
+        name
+        for name in check.MIXER_ONLY
+        if name.removeprefix("tokenfeed_client_").removesuffix("_nats") in mixer
+    }
+    assert exported == set(check.MIXER_ONLY)
+    exprs = [e for _, es in check.dashboard_panels() for e in es]
+    for name in check.MIXER_ONLY:
+        assert any(name in e for e in exprs), name
+    assert "demo" in compose()["services"]["trainer"]["command"]
+    assert "mixing" not in (ROOT / "cli" / "tokenfeed" / "cli" / "demo.py").read_text()

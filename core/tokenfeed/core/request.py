@@ -109,9 +109,14 @@ def _mixture(sources: Any, schedule: Any, runtime: bytes, seq_len: int) -> Mixtu
     for mix in reversed(built):
         if mix.runtime.data == runtime:
             return mix
-    if built:  # extend the one that shares the most run-time segments with this request
+    if built:  # extend the one that shares the most run-time segments with this request:
+        # usually the longest whose segments all begin it (one more change since)
         rt = RuntimeSegments(len(sources), runtime)
-        mix = max(reversed(built), key=lambda m: m.runtime.common_prefix(rt)).with_runtime(rt)
+        longest = sorted(built, key=lambda m: len(m.runtime.data), reverse=True)
+        parent = next((m for m in longest if runtime.startswith(m.runtime.data)), None)
+        if parent is None:
+            parent = max(reversed(built), key=lambda m: m.runtime.common_prefix(rt))
+        mix = parent.with_runtime(rt)
     else:
         mix = Mixture(sources, schedule, seq_len=seq_len, runtime=runtime)
     _remember(cache_key, mix)
@@ -421,13 +426,14 @@ class SamplingSpec:
             shuffle_blocks=int(p.shuffle_blocks),
             world_size=int(p.world_size) or 1,
         )
-        if len(p.sources) or len(p.schedule) or p.runtime_segments:
+        runtime = p.runtime_segments  # read once: each read copies the bytes
+        if len(p.sources) or len(p.schedule) or runtime:
             fields["sources"] = tuple((s.name, s.weight) for s in p.sources)
             fields["schedule"] = tuple(
                 (int(seg.from_tokens), tuple((w.name, w.weight) for w in seg.weights))
                 for seg in p.schedule
             )
-            fields["runtime"] = p.runtime_segments
+            fields["runtime"] = runtime
         return cls(**(fields | overrides))
 
     # ----------------------------------------------------------- command line

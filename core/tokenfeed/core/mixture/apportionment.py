@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import math
-from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -59,6 +58,7 @@ import numpy as np
 
 from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.core.limits import MAX_TOKENS
+from tokenfeed.core.mixture.prefix import Prefix
 from tokenfeed.core.mixture.spec import Segment
 
 log = logging.getLogger(__name__)
@@ -110,19 +110,17 @@ class Apportionment:
         extending: Apportionment | None = None,
         common: int = 0,
     ) -> None:
-        self.segments = tuple(segments)
+        self.segments = segments
         self.seq_len = seq_len
         self.k = len(self.segments[0].a)
         # each kept segment's kernel parameters, made when a call first needs them
         self._prm: dict[int, tuple[dict[str, Any], str]] = {}
         # the kept segments, and their index in `segments`, first position P and first
-        # position Q of their items (lists for bisect, arrays for searchsorted)
-        self._segs: list[_Kept]
-        self._index: list[int]
-        self._P: list[int]
-        self._Q: list[int]
-        self._P_np: np.ndarray
-        self._Q_np: np.ndarray
+        # position Q of their items; shared with the Apportionment extended (prefix.py)
+        self._segs: Prefix[_Kept]
+        self._index: Prefix[int]
+        self._P: Prefix[int]
+        self._Q: Prefix[int]
         self._build(extending, common)
 
     def _build(self, extending: Apportionment | None, common: int) -> None:
@@ -133,10 +131,18 @@ class Apportionment:
         t_i(P) is kept as an integer numerator over a running common denominator
         (Fractions cost ~20x more here, and a stream open builds this)."""
         k, L, segments = self.k, self.seq_len, self.segments
+        n = len(segments)
         reuse = 0  # kept segments taken as they are: whether segment j owns a position
-        # depends on segment j + 1, so those before segment common - 1 stay valid
+        # depends on segment j + 1, so those before segment common - 1 stay valid, and
+        # segment common - 1 too if the segment after it still starts later
         if extending is not None and common > 1:
-            reuse = bisect_left(extending._index, common - 1)
+            reuse = extending._index.bisect_left(common - 1)
+            if (
+                reuse < len(extending._index)
+                and extending._index[reuse] == common - 1
+                and (common == n or -(-segments[common].from_tokens // L) > extending._P[reuse])
+            ):
+                reuse += 1
         Tn, den = [0] * k, 1  # t_i(P) = Tn[i] / den
         first: list[int | None] = [None] * k  # first position with positive weight
         prev: tuple[tuple[int, ...], int] | None = None
@@ -147,8 +153,7 @@ class Apportionment:
             Tn, den, first = list(last.Tn), last.den, list(last.first)
             prev, prev_P, j0 = (last.a, last.D), last.P, last.index + 1
         new: list[_Kept] = []
-        n = len(segments)
-        P_next = -(-segments[j0].from_tokens // L)
+        P_next = -(-segments[j0].from_tokens // L) if j0 < n else 0
         for j in range(j0, n):
             P = P_next
             if j + 1 < n:
@@ -196,20 +201,15 @@ class Apportionment:
             prev, prev_P = (a, D), P
         if extending is not None and reuse:
             old = extending
-            self._segs = old._segs[:reuse] + new
-            self._index = old._index[:reuse] + [s.index for s in new]
-            self._P = old._P[:reuse] + [s.P for s in new]
-            self._Q = old._Q[:reuse] + [s.Q for s in new]
-            tail = np.array([[s.P, s.Q] for s in new], dtype=np.int64).reshape(-1, 2)
-            self._P_np = np.concatenate([old._P_np[:reuse], tail[:, 0]])
-            self._Q_np = np.concatenate([old._Q_np[:reuse], tail[:, 1]])
+            self._segs = old._segs.grown(reuse, new)
+            self._index = old._index.grown(reuse, [s.index for s in new])
+            self._P = old._P.grown(reuse, [s.P for s in new])
+            self._Q = old._Q.grown(reuse, [s.Q for s in new])
         else:
-            self._segs = new
-            self._index = [s.index for s in new]
-            self._P = [s.P for s in new]
-            self._Q = [s.Q for s in new]
-            self._P_np = np.array(self._P, dtype=np.int64)
-            self._Q_np = np.array(self._Q, dtype=np.int64)
+            self._segs = Prefix(new)
+            self._index = Prefix([s.index for s in new])
+            self._P = Prefix([s.P for s in new])
+            self._Q = Prefix([s.Q for s in new], ints=True)
         log.debug(
             "mixture of %d sources, %d segments (%d kept, %d computed)",
             k,
@@ -244,12 +244,12 @@ class Apportionment:
     def segment_of(self, p: int) -> int:
         """Index in `segments` of the segment that position p belongs to."""
         p = self.check_position(p)
-        return self._segs[bisect_right(self._P, p) - 1].index
+        return self._segs[self._P.bisect_right(p) - 1].index
 
     def target(self, p: int) -> tuple[Fraction, ...]:
         """t_i(p): each source's weight summed over positions 0..p-1, exactly."""
         p = self.check_position(p)
-        s = self._segs[bisect_right(self._P, p) - 1]
+        s = self._segs[self._P.bisect_right(p) - 1]
         share = self.segments[s.index].shares
         return tuple(Fraction(t, s.den) + w * (p - s.P) for t, w in zip(s.Tn, share, strict=True))
 
@@ -259,7 +259,7 @@ class Apportionment:
         O(k log k + log segments) time, O(k) memory, whatever p is.
         """
         p = self.check_position(p)
-        s = self._segs[bisect_right(self._Q, p) - 1]
+        s = self._segs[self._Q.bisect_right(p) - 1]
         r = p - s.Q
         a, g, h, D, k = s.a, s.g, s.h, s.D, self.k
 
@@ -387,7 +387,7 @@ class Apportionment:
         p = self.check_positions(positions, "positions").reshape(-1)
         if p.size == 0:
             return np.zeros((0, self.k), dtype=np.int64)
-        seg = np.searchsorted(self._Q_np, p, side="right") - 1
+        seg = np.searchsorted(self._Q.array, p, side="right") - 1
         return self._counts_by_segment(p, seg)
 
     def _counts_by_segment(self, p: np.ndarray, seg: np.ndarray) -> np.ndarray:
@@ -462,8 +462,8 @@ class Apportionment:
         """Cut runs [start, stop) at segment boundaries (positions Q_j): each part's
         items are due in one segment. Returns (starts, stops, segment) of the parts,
         in run order."""
-        seg_a = np.searchsorted(self._Q_np, starts, side="right") - 1
-        seg_b = np.searchsorted(self._Q_np, stops - 1, side="right") - 1
+        seg_a = np.searchsorted(self._Q.array, starts, side="right") - 1
+        seg_b = np.searchsorted(self._Q.array, stops - 1, side="right") - 1
         if np.array_equal(seg_a, seg_b):
             return starts, stops, seg_a
         s_out, e_out, g_out = [], [], []

@@ -22,6 +22,7 @@ from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.core.limits import MAX_PARAM
 from tokenfeed.core.mixture import spec
 from tokenfeed.core.mixture.apportionment import Apportionment
+from tokenfeed.core.mixture.prefix import Prefix
 from tokenfeed.core.mixture.budget import Budget, budget_of
 from tokenfeed.core.mixture.runtime import RuntimeSegments, merge
 from tokenfeed.core.mixture.spec import Segment
@@ -57,9 +58,9 @@ class Mixture:
             )
         names, declared = spec.parse(sources, schedule)
         rt = _runtime(len(names), runtime)
-        added = tuple(rt.segments(names))
-        in_force = tuple(merge(declared, added))
-        tokens = [s.from_tokens for s in in_force]
+        added = Prefix(rt.segments(names))
+        in_force = Prefix(merge(declared, added))
+        tokens = Prefix([s.from_tokens for s in in_force])
         apportionment = Apportionment(in_force, seq_len)
         self._assemble(int(seq_len), names, declared, rt, added, in_force, tokens, apportionment)
 
@@ -69,9 +70,9 @@ class Mixture:
         names: tuple[str, ...],
         declared: tuple[Segment, ...],
         runtime: RuntimeSegments,
-        added: tuple[Segment, ...],
-        in_force: tuple[Segment, ...],
-        tokens: list[int],
+        added: Prefix[Segment],
+        in_force: Prefix[Segment],
+        tokens: Prefix[int],
         apportionment: Apportionment,
     ) -> None:
         self.seq_len, self.names, self.k = seq_len, names, len(names)
@@ -84,19 +85,21 @@ class Mixture:
 
     def with_runtime(self, runtime: RuntimeSegments | bytes) -> Mixture:
         """This mixture with the run-time segments `runtime` instead of its own. What the
-        two have in common is reused (the segments, the closed form's integers), so a
-        segment added to thousands costs O(sources)."""
+        two have in common is reused (the segments, the closed form's integers), and
+        appended to in place (prefix.py), so a segment added to thousands costs
+        O(sources)."""
         rt = _runtime(self.k, runtime)
         c = self.runtime.common_prefix(rt)
         if c == len(self.runtime) == len(rt):
             return self
-        added = self._added[:c] + tuple(rt.segments(self.names, start=c))
+        new = rt.segments(self.names, start=c)
+        added = self._added.grown(c, new)
         # every segment in force before the first run-time segment that differs stays
-        first = min(s.from_tokens for s in (*self._added[c : c + 1], *added[c : c + 1]))
-        cut = bisect_left(self._tokens, first)
-        tail = merge(self.declared[bisect_left(self._declared_tokens, first) :], added[c:])
-        in_force = self.in_force[:cut] + tuple(tail)
-        tokens = self._tokens[:cut] + [s.from_tokens for s in tail]
+        first = min(s.from_tokens for s in (*self._added[c : c + 1], *new[:1]))
+        cut = self._tokens.bisect_left(first)
+        tail = merge(self.declared[bisect_left(self._declared_tokens, first) :], new)
+        in_force = self.in_force.grown(cut, tail)
+        tokens = self._tokens.grown(cut, [s.from_tokens for s in tail])
         apportionment = Apportionment(
             in_force, self.seq_len, extending=self.apportionment, common=cut
         )
