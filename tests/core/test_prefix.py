@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,11 +23,15 @@ def test_every_version_keeps_its_own_items_whatever_grows_after_it(steps) -> Non
         keep = pick % (len(want) + 1)
         versions.append((old.grown(keep, new), want[:keep] + new))
         for v, w in versions:
-            assert list(v) == w and len(v) == len(w) and v == w
+            assert list(v) == w
+            assert len(v) == len(w)
+            assert v == w
             assert v.array.tolist() == w
-            assert v[1:] == w[1:] and v[::-2] == w[::-2]
+            assert v[1:] == w[1:]
+            assert v[::-2] == w[::-2]
             if w:
-                assert v[-1] == w[-1] and v[0] == w[0]
+                assert v[-1] == w[-1]
+                assert v[0] == w[0]
             s = sorted(w)
             sv = Prefix(s).grown(len(s), [])
             for x in (-51, 0, 7, 51):
@@ -40,13 +45,11 @@ def test_the_newest_version_grows_in_place_and_an_older_one_by_a_copy() -> None:
     assert b._shared is a._shared  # appended in place: nothing copied
     c = a.grown(2, ["w"])  # a's list has grown past it: a copy
     assert c._shared is not a._shared
-    assert list(a) == ["x", "y"] and list(b) == ["x", "y", "z"] and list(c) == ["x", "y", "w"]
-    try:
-        a[2]
-    except IndexError:
-        pass
-    else:
-        raise AssertionError("a version reads past its own items")
+    assert list(a) == ["x", "y"]
+    assert list(b) == ["x", "y", "z"]
+    assert list(c) == ["x", "y", "w"]
+    with pytest.raises(IndexError):
+        a[2]  # a version never reads past its own items
 
 
 def test_threads_growing_one_version_each_get_their_own_items() -> None:

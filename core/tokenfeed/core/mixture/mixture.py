@@ -22,8 +22,8 @@ from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.core.limits import MAX_PARAM
 from tokenfeed.core.mixture import spec
 from tokenfeed.core.mixture.apportionment import Apportionment
-from tokenfeed.core.mixture.prefix import Prefix
 from tokenfeed.core.mixture.budget import Budget, budget_of
+from tokenfeed.core.mixture.prefix import Prefix
 from tokenfeed.core.mixture.runtime import RuntimeSegments, merge
 from tokenfeed.core.mixture.spec import Segment
 

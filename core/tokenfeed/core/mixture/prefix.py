@@ -26,7 +26,7 @@ class _Shared:
     """The list behind every Prefix of one line of versions, and for a Prefix of ints
     the same values as an int64 array (capacity doubling, for numpy searches)."""
 
-    __slots__ = ("items", "array", "lock")
+    __slots__ = ("array", "items", "lock")
 
     def __init__(self, items: list[Any], ints: bool) -> None:
         self.items = items
@@ -52,7 +52,7 @@ class Prefix(Sequence[T], Generic[T]):
     `ints=True` keeps an int64 array of the items as well (`array`).
     """
 
-    __slots__ = ("_shared", "_n")
+    __slots__ = ("_n", "_shared")
 
     def __init__(self, items: Iterable[T] = (), *, ints: bool = False) -> None:
         self._shared = _Shared(list(items), ints)
