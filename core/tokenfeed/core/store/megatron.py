@@ -20,7 +20,8 @@ The writer makes sequence_pointers the running sum of lengths x itemsize, so PRE
 is one flat token array, served as it is: the store's token array T. Document d is
 tokens [starts[di[d]], starts[di[d+1]]) with starts = [0, cumsum(lengths)]. Sequences
 are sentences when the corpus was prepared with --split-sentences; documents are what
-`document_ends()` reports, so document masks need no EOS.
+`document_ends()` reports, so document masks need no EOS. The feeder never makes that
+list (8 bytes a document): `end_search()` finds each batch's ends in the mapped index.
 
 The .bin is cut into chunks of 4 MiB (CHUNK_BYTES) for the cache. A chunk is read with one
 positioned read (not through a memory map: a file truncated under a mapping kills the
@@ -42,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenfeed.core import documents
+from tokenfeed.core.documents import EndSearch
 from tokenfeed.core.errors import DataLoss, NotFound
 from tokenfeed.core.store.memory import anonymous
 from tokenfeed.core.store.meta import Chunk, StoreMeta
@@ -211,8 +214,14 @@ class MegatronStore(StoreReader):
 
     def document_ends(self) -> np.ndarray:
         """Exclusive end offset of every document in T, int64 [D], non-decreasing (an
-        empty document repeats the previous end)."""
+        empty document repeats the previous end). Made whole, 8 bytes per document and
+        as many per sequence: the feeder searches the index instead (`end_search`)."""
         return self.sequence_starts[self.document_indices[1:]]
+
+    def end_search(self) -> EndSearch:
+        """The documents' ends searched in the memory-mapped index, batch by batch:
+        nothing per document, in memory or in time (documents.indexed_ends)."""
+        return _IndexEnds(self)
 
     @property
     def in_place(self) -> bool:
@@ -292,3 +301,24 @@ class MegatronStore(StoreReader):
             except DataLoss as e:
                 problems.append(e.message)
         return problems
+
+
+class _IndexEnds(EndSearch):
+    """A Megatron store's document ends, read from its index's sentence pointers and
+    document indices in place (equal to `document_ends()` wherever `verify` finds the
+    index sound: the pointers are then the running sum of the lengths)."""
+
+    def __init__(self, store: MegatronStore) -> None:
+        self.idx_path = store.idx_path
+        self.index = documents.Sentences(
+            store.sequence_pointers,
+            store.document_indices,
+            store.source_dtype.itemsize,
+            store.total_tokens,
+        )
+
+    def ends(self, starts: np.ndarray, cols: int) -> np.ndarray:
+        try:
+            return documents.indexed_ends(starts, cols, self.index)
+        except ValueError as e:
+            raise DataLoss(f"{self.idx_path}: {e} (`tokenfeed verify` says where)") from None
