@@ -7,7 +7,7 @@
  * [doc_indices[d], doc_indices[d + 1]), so it ends where sentence doc_indices[d + 1]
  * starts. The two arrays are the index file's, memory-mapped: at an
  * offset that need not be 8-byte aligned (read with memcpy), of 10^8 entries or more,
- * so each row costs four binary searches over them and touches nothing else.
+ * so each row costs four searches over them and touches nothing else.
  *
  * indexed_ends(starts, cols, pointers, doc_indices, itemsize, total, out) -> count:
  * starts: int64 [rows]; pointers: int64 [S]; doc_indices: int64 [D + 1] (any alignment,
@@ -31,20 +31,66 @@ at(const char *base, Py_ssize_t i)
     return v;
 }
 
-/* The first i in [0, n) with a[i] >= v, n if none (a ascending). The probes are
- * indexed_ends_py's: mid = (lo + hi) / 2. */
-static inline Py_ssize_t
-lower_bound(const char *a, Py_ssize_t n, int64_t v)
+/* The first i in [lo, hi) with a[i] >= v, hi if none (a ascending). */
+static Py_ssize_t
+bisect(const char *a, Py_ssize_t lo, Py_ssize_t hi, int64_t v)
 {
-    Py_ssize_t lo = 0, hi = n;
     while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
+        Py_ssize_t mid = lo + (hi - lo) / 2;
         if (at(a, mid) < v)
             lo = mid + 1;
         else
             hi = mid;
     }
     return lo;
+}
+
+/* bisect(a, lo, hi, v) when the answer is near lo: steps of 1, 2, 4, ... from lo, then
+ * a bisection of the last step. */
+static Py_ssize_t
+gallop(const char *a, Py_ssize_t lo, Py_ssize_t hi, int64_t v)
+{
+    for (Py_ssize_t step = 1; lo < hi && at(a, lo) < v; step *= 2) {
+        Py_ssize_t next = lo + step;
+        if (next >= hi || at(a, next) >= v)
+            return bisect(a, lo + 1, next < hi ? next : hi, v);
+        lo = next + 1;
+    }
+    return lo;
+}
+
+/* bisect(a, lo, hi, v) by interpolation, then a gallop from the guess towards the
+ * answer. An index's arrays (running sums of lengths, documents' first sentences) are
+ * nearly linear, so the guess lands next to the answer: two or three probes where
+ * bisecting 10^8 entries takes 27, each a cache miss and each mapping a page of the
+ * file. On skewed arrays the gallop bounds it to about twice bisection's probes.
+ * indexed_ends_py bisects: the same answer wherever a is ascending. */
+static Py_ssize_t
+lower_bound(const char *a, Py_ssize_t lo, Py_ssize_t hi, int64_t v)
+{
+    if (hi - lo < 16)
+        return bisect(a, lo, hi, v);
+    int64_t x0 = at(a, lo), x1 = at(a, hi - 1);
+    if (x0 >= v)
+        return lo;
+    if (x1 < v)
+        return hi;
+    /* x0 < v <= x1: the answer is in (lo, hi - 1] */
+    double f = ((double)v - (double)x0) / ((double)x1 - (double)x0);
+    Py_ssize_t g = lo + 1 + (Py_ssize_t)(f * (double)(hi - 2 - lo));
+    if (g > hi - 1)
+        g = hi - 1;
+    if (at(a, g) < v)
+        return gallop(a, g + 1, hi - 1, v); /* a[hi - 1] >= v */
+    /* a[g] >= v: back from g by steps of 1, 2, 4, ... */
+    for (Py_ssize_t step = 1;; step *= 2) {
+        Py_ssize_t prev = g - step;
+        if (prev <= lo)
+            return bisect(a, lo + 1, g, v);
+        if (at(a, prev) < v)
+            return bisect(a, prev + 1, g, v);
+        g = prev;
+    }
 }
 
 /* A C-contiguous buffer of 8-byte integers, any alignment. */
@@ -101,11 +147,11 @@ indexed_ends(PyObject *self, PyObject *args)
     for (Py_ssize_t r = 0; r < rows && !bad; r++) {
         int64_t s = starts[r];
         /* the sentences starting in [s + 1, s + cols]: the ends row r can hold */
-        Py_ssize_t ka = lower_bound(P, S, (s + 1) * item);
-        Py_ssize_t kb = lower_bound(P, S, (s + cols + 1) * item);
+        Py_ssize_t ka = lower_bound(P, 0, S, (s + 1) * item);
+        Py_ssize_t kb = gallop(P, ka, S, (s + cols + 1) * item);
         if (kb == S && s + 1 <= total && total <= s + cols)
             kb = S + 1; /* sentence S starts at total */
-        Py_ssize_t ja = lower_bound(E, D, ka), jb = lower_bound(E, D, kb);
+        Py_ssize_t ja = lower_bound(E, 0, D, ka), jb = gallop(E, ja, D, kb);
         for (Py_ssize_t j = ja; j < jb; j++) {
             int64_t k = at(E, j), p = k < S ? (k >= 0 ? at(P, k) : -1) : total * item;
             int64_t c = p / item - s - 1;
