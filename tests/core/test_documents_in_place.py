@@ -189,6 +189,32 @@ def test_a_damaged_index_is_data_loss_naming_it(tmp_path: Path) -> None:
     assert any("sequence 2 starts at byte 44" in p for p in store.verify())
 
 
+def test_an_index_truncated_while_served_is_data_loss_not_a_crash(tmp_path: Path) -> None:
+    """The index is mapped: a search past a truncated file's end would kill the feeder
+    (SIGBUS). Truncated in place, it is refused, naming the file; replaced by a rename,
+    the old mapping stays whole and the search goes on."""
+    prefix = tmp_path / "ds"
+    docs = [[3] * 4] * 3000  # a 200 KiB index: pages past a truncation exist
+    _write_index(prefix, docs, 2)
+    store = MegatronStore.open(prefix)
+    search = store.end_search()
+    starts = np.array([5, 20_000, 35_000])
+    want = search.ends(starts, 40)
+    idx = prefix.with_name("ds.idx")
+    fresh = tmp_path / "fresh.idx"
+    fresh.write_bytes(idx.read_bytes()[:1000])
+    fresh.replace(idx)  # a rename: the store's mapping is the old file's
+    np.testing.assert_array_equal(search.ends(starts, 40), want)
+    _write_index(prefix, docs, 2)
+    store = MegatronStore.open(prefix)
+    search = store.end_search()
+    with open(idx, "r+b") as f:
+        f.truncate(4096)
+    with pytest.raises(DataLoss, match="changed since it was opened") as e:
+        search.ends(starts, 40)
+    assert str(idx) in e.value.message
+
+
 def test_a_batch_allocates_nothing_per_document(tmp_path: Path) -> None:
     """A store of 10^6 documents: its search and a batch's ends allocate a few KiB,
     where the whole list is 8 MB (and the old path made several such arrays)."""

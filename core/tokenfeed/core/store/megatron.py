@@ -82,13 +82,14 @@ def is_megatron(path: str | os.PathLike[str]) -> bool:
     return all(prefix.with_name(prefix.name + s).is_file() for s in (".bin", ".idx"))
 
 
-def _map(path: Path) -> np.ndarray:
+def _map(path: Path) -> tuple[np.ndarray, mmap.mmap | None]:
+    """The file's bytes, memory-mapped, and the mapping (None for an empty file)."""
     size = path.stat().st_size
     if size == 0:
-        return np.zeros(0, dtype=np.uint8)
+        return np.zeros(0, dtype=np.uint8), None
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return np.frombuffer(m, dtype=np.uint8)
+    return np.frombuffer(m, dtype=np.uint8), m
 
 
 class MegatronStore(StoreReader):
@@ -105,8 +106,10 @@ class MegatronStore(StoreReader):
         total_tokens: int,
         generation: int,
         chunk_tokens: int | None = None,
+        index_map: mmap.mmap | None = None,
     ) -> None:
         self.prefix = prefix
+        self.index_map = index_map  # the .idx's mapping: its size() is the file's now
         self.bin_path = prefix.with_name(prefix.name + ".bin")
         self.idx_path = prefix.with_name(prefix.name + ".idx")
         self.source_dtype = source_dtype
@@ -144,7 +147,7 @@ class MegatronStore(StoreReader):
             if not p.is_file():
                 raise NotFound(f"{p}: no such file (a Megatron dataset is PREFIX.bin + PREFIX.idx)")
         try:
-            idx = _map(idx_path)
+            idx, index_map = _map(idx_path)
             bin_size = bin_path.stat().st_size
             gen_key = f"{idx_path.stat().st_mtime_ns}:{idx.size}:"
             gen_key += f"{bin_path.stat().st_mtime_ns}:{bin_size}"
@@ -199,6 +202,7 @@ class MegatronStore(StoreReader):
             bin_size // dtype.itemsize,
             generation,
             chunk_tokens,
+            index_map,
         )
 
     @property
@@ -310,6 +314,8 @@ class _IndexEnds(EndSearch):
 
     def __init__(self, store: MegatronStore) -> None:
         self.idx_path = store.idx_path
+        self.mapped = store.index_map
+        self.size = len(store.index_map) if store.index_map is not None else 0
         self.index = documents.Sentences(
             store.sequence_pointers,
             store.document_indices,
@@ -318,6 +324,14 @@ class _IndexEnds(EndSearch):
         )
 
     def ends(self, starts: np.ndarray, cols: int) -> np.ndarray:
+        # A page of a mapping past its file's end kills the process (SIGBUS): a file
+        # truncated in place is refused first (one fstat; a file replaced by a rename
+        # leaves this mapping whole).
+        if self.mapped is not None and self.mapped.size() < self.size:
+            raise DataLoss(
+                f"{self.idx_path}: {self.mapped.size()} bytes, {self.size} when opened: the "
+                "file changed since it was opened"
+            )
         try:
             return documents.indexed_ends(starts, cols, self.index)
         except ValueError as e:
