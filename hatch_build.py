@@ -1,9 +1,11 @@
-"""Build hook: compile the package's two C extensions, five loops in all.
+"""Build hook: compile the package's three C extensions, six loops in all.
 
 * tokenfeed.server._native: the server's three loops over rows and batches: splice and
   program (splice.py), frames (wire.py);
 * tokenfeed.core._keyed: the sampling's two: the keyed bijection (keyed.permute) and a
-  mixture step's rows (mixture/steps.py step_rows).
+  mixture step's rows (mixture/steps.py step_rows);
+* tokenfeed.core._documents: a batch's recorded document ends, searched in a store's
+  index in place (documents.indexed_ends).
 
 Hatchling builds the package; this hook compiles each with setuptools' build_ext (the
 compiler and flags Python itself was built with) into the source tree, where both an
@@ -30,6 +32,7 @@ from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 EXTENSIONS = {  # module -> its source
     "tokenfeed.server._native": Path("server/tokenfeed/server/_native.c"),
     "tokenfeed.core._keyed": Path("core/tokenfeed/core/_keyed.c"),
+    "tokenfeed.core._documents": Path("core/tokenfeed/core/_documents.c"),
 }
 
 

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from tokenfeed.core import documents
+from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.store import TokenStore
 from tokenfeed.server import documents as server_documents
 from tokenfeed.server import service
 from tokenfeed.server.datasets import Catalog
+from tokenfeed.server.mixtures import MixtureSpace
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -145,3 +147,58 @@ def test_megatron_store_sends_its_recorded_document_ends(tmp_path: Path) -> None
                 np.testing.assert_array_equal(documents.ends_from_bytes(b.document_ends), want)
                 seen += len(want)
         assert seen > 100
+
+
+def test_a_mixture_of_megatron_stores_sends_each_sources_document_ends(tmp_path: Path) -> None:
+    """Each row's ends are its own source's, searched in that source's index in place;
+    the virtual store's whole list (its sources' lists end to end) gives the same."""
+    is_end = {}
+    for name, seed in (("mg/a", 1), ("mg/b", 2)):
+        root = tmp_path / "parts" / name
+        tokens, doc_ends = megatron_corpus(root, seed=seed)
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        for ext in (".bin", ".idx"):
+            (root / "mg" / f"corpus{ext}").rename(tmp_path / f"{name}{ext}")
+        is_end[name] = np.zeros(len(tokens) + 1, dtype=bool)
+        is_end[name][doc_ends - 1] = True
+    spec = SamplingSpec(
+        dataset="",
+        sources=(("mg/a", 0.5), ("mg/b", 0.5)),
+        seq_len=60,
+        stride=37,
+        batch_size=3,
+        shuffle=True,
+        seed=5,
+        shift="auto",
+    )
+    with running_feeder(tmp_path) as f:
+        req = pb.StreamBatchesRequest(
+            params=spec.to_proto(), batches_per_message=2, document_ends=True
+        )
+        names, seen, both = ["mg/a", "mg/b"], 0, 0
+        with grpc.insecure_channel(f.address) as ch:
+            call = pb_grpc.FeederStub(ch).StreamBatches(req)
+            for i, msg in enumerate(call):
+                for b in msg.batches:
+                    window = np.array(b.starts)[:, None] + np.arange(b.cols)
+                    want = np.concatenate(
+                        [
+                            r * b.cols + np.flatnonzero(is_end[names[src]][w])
+                            for r, (w, src) in enumerate(zip(window, b.sources, strict=True))
+                        ]
+                    )
+                    np.testing.assert_array_equal(documents.ends_from_bytes(b.document_ends), want)
+                    seen += len(want)
+                    both += len(set(b.sources)) > 1
+                if i == 40:
+                    call.cancel()
+                    break
+        assert seen > 100
+        assert both > 5
+    ds = Catalog(tmp_path)
+    space = MixtureSpace.of([ds.get("mg/a"), ds.get("mg/b")])
+    starts = np.arange(0, space.store.total_tokens - 20, 3)
+    whole = documents.recorded_ends(space.store.document_ends())
+    np.testing.assert_array_equal(
+        space.store.end_search().ends(starts, 20), documents.offset_ends(starts, 20, whole)
+    )

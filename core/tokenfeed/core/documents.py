@@ -13,6 +13,7 @@ sends them with each batch; the client builds the dense outputs from them:
 
     ends = eos_ends(tokens, eos_id)                     # EOS stores: one scan
     ends = offset_ends(starts, cols, doc_ends)          # recorded offsets: searchsorted
+    ends = indexed_ends(starts, cols, sentences)        # a Megatron index, in place
     seqs = sequences(ends, rows, seq_len, shift)        # the core, O(ends)
     seqs.cu_seqlens, seqs.max_seqlen                    # FlashAttention varlen
     position_ids(seqs), document_ids(seqs)              # dense [rows, seq_len]
@@ -39,9 +40,13 @@ runs over rows or tokens.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
+
+from tokenfeed.core import native
 
 IGNORE_INDEX = -100  # PyTorch's cross-entropy and Hugging Face models ignore it
 OUTPUTS = ("position_ids", "document_ids", "cu_seqlens", "max_seqlen")
@@ -109,6 +114,121 @@ def offset_ends(starts: np.ndarray, cols: int, doc_ends: np.ndarray) -> np.ndarr
     index = np.arange(total, dtype=np.int64) + np.repeat(lo - first, counts)
     rowbase = np.repeat(np.arange(len(starts), dtype=np.int64) * cols - starts - 1, counts)
     return doc_ends[index] + rowbase
+
+
+class Sentences(NamedTuple):
+    """Documents recorded as runs of sentences (a Megatron index's arrays, which call
+    them sequences; any alignment): sentence k starts at token pointers[k] // itemsize
+    (pointers in bytes, ascending; k = S, one past the last, at `total`); document d is
+    sentences [doc_indices[d], doc_indices[d + 1]) (non-decreasing from 0 to S), so it
+    ends where sentence doc_indices[d + 1] starts."""
+
+    pointers: np.ndarray  # int64 [S]
+    doc_indices: np.ndarray  # int64 [D + 1]
+    itemsize: int
+    total: int
+
+
+def indexed_ends(starts: np.ndarray, cols: int, index: Sentences) -> np.ndarray:
+    """Ends of documents recorded as runs of sentences, as ascending flat indices (int64)
+    into a [rows, cols] batch: what `offset_ends` gives over the store's whole list,
+    searched in the index in place.
+
+    The arrays may be the index file's own, memory-mapped and unaligned: a row costs four
+    binary searches over them, whatever their length, and nothing is made per document.
+    ValueError when what the search finds contradicts the layout (an index `verify`
+    reports). Compiled (_documents.c) when built; the reference is `indexed_ends_py`.
+    """
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    if cols < 1:
+        raise ValueError(f"cols must be >= 1, got {cols}")
+    if _indexed_ends_c is None or not native.enabled():
+        return indexed_ends_py(starts, cols, index)
+    out = np.empty(starts.size * cols, dtype=np.int64)
+    n = _indexed_ends_c(starts, cols, *index, out)
+    return out[:n]
+
+
+def indexed_ends_py(starts: np.ndarray, cols: int, index: Sentences) -> np.ndarray:
+    """`indexed_ends`'s reference, in numpy: the same binary searches, every row at
+    once (np.searchsorted would copy an unaligned array whole first)."""
+    pointers, doc_indices, itemsize, total = index
+    starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+    if len(doc_indices) < 1 or itemsize < 1 or total < 0:
+        raise ValueError("at least one document index, itemsize >= 1 and total >= 0")
+    num_sent, ends = len(pointers), doc_indices[1:]
+    k = _lower_bound(pointers, np.concatenate([starts + 1, starts + cols + 1]) * itemsize)
+    ka, kb = np.split(k, 2)
+    kb = kb + ((kb == num_sent) & (starts + 1 <= total) & (total <= starts + cols))
+    ja, jb = np.split(_lower_bound(ends, np.concatenate([ka, kb])), 2)
+    counts = jb - ja
+    n = int(counts.sum())
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    first = np.cumsum(counts) - counts
+    sent = ends[np.arange(n, dtype=np.int64) + np.repeat(ja - first, counts)].astype(np.int64)
+    inside = (sent >= 0) & (sent < num_sent)
+    p = np.full(n, total * itemsize, dtype=np.int64)
+    p[inside] = pointers[sent[inside]]
+    c = p // itemsize - np.repeat(starts + 1, counts)
+    flat = c + np.repeat(np.arange(len(starts), dtype=np.int64) * cols, counts)
+    if (
+        (sent < 0).any()
+        or (sent > num_sent).any()
+        or (p < 0).any()
+        or (c < 0).any()
+        or (c >= cols).any()
+        or (flat[1:] < flat[:-1]).any()
+    ):
+        raise ValueError("sentence pointers or document indices out of order or out of range")
+    keep = np.ones(n, dtype=np.bool_)
+    keep[1:] = flat[1:] != flat[:-1]  # empty documents and sentences end where others do
+    return flat[keep]
+
+
+def _lower_bound(a: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """For each v, the first i with a[i] >= v (len(a) if none), a ascending: a binary
+    search by fancy indexing, which reads a in place whatever its alignment."""
+    lo = np.zeros(len(v), dtype=np.int64)
+    hi = np.full(len(v), len(a), dtype=np.int64)
+    while True:
+        live = lo < hi
+        if not live.any():
+            return lo
+        mid = (lo + hi) // 2
+        below = live & (a[np.where(live, mid, 0)] < v)
+        lo = np.where(below, mid + 1, lo)
+        hi = np.where(live & ~below, mid, hi)
+
+
+_indexed_ends_c: Callable[..., int] | None
+try:
+    from tokenfeed.core._documents import indexed_ends as _indexed_ends_c
+except ImportError:  # built without the extension (TOKENFEED_PURE_PYTHON=1 at install)
+    _indexed_ends_c = None
+
+
+# ---------------------------------------------------- a store's ends, batch by batch
+
+
+class EndSearch(ABC):
+    """A store's recorded document ends, searched batch by batch: the ends of rows
+    `cols` tokens wide starting at `starts`, as `offset_ends` gives them over the
+    store's whole list, without that list when the store can search its own."""
+
+    @abstractmethod
+    def ends(self, starts: np.ndarray, cols: int) -> np.ndarray:
+        """Ascending flat end indices (int64) into a [len(starts), cols] batch."""
+
+
+class ArrayEnds(EndSearch):
+    """The ends as one array (`recorded_ends` of a store's list)."""
+
+    def __init__(self, doc_ends: np.ndarray) -> None:
+        self.array = recorded_ends(doc_ends)
+
+    def ends(self, starts: np.ndarray, cols: int) -> np.ndarray:
+        return offset_ends(starts, cols, self.array)
 
 
 def ends_to_bytes(ends: np.ndarray) -> bytes:

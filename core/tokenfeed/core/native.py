@@ -7,6 +7,7 @@ arguments, runs the C loop when the extension is built and this switch is on, el
 
     keyed.permute           keyed.permute_py            core/_keyed.c
     mixture.steps.step_rows mixture.steps.step_rows_py  core/_keyed.c
+    documents.indexed_ends  documents.indexed_ends_py   core/_documents.c
     splice.splice           splice.splice_py            server/_native.c
     splice.program          splice.program_py           server/_native.c
     wire.frames             wire.frames_py              server/_native.c

@@ -6,9 +6,10 @@ tokens, little-endian uint32); the client builds position ids, document ids,
 cu_seqlens and the label mask from them (tokenfeed.core.documents). One wire path for
 both kinds of store:
 
-- stores that record document offsets (Megatron indexed datasets: the store reader's
-  `document_ends()`, deduplicated once per store): from the batch's window starts,
-  two binary searches over them; the tokens are not looked at (no EOS needed);
+- stores that record document offsets (Megatron indexed datasets): from the batch's
+  window starts, searched in the store's own index in place (the reader's
+  `end_search()`: nothing per document); the tokens are not looked at (no EOS
+  needed);
 - stores whose documents end in EOS (meta.json's `eos_token_id`): one scan of the
   batch's tokens.
 
@@ -46,18 +47,25 @@ class BatchEnds:
     """Where one dataset's documents end, batch by batch."""
 
     def __init__(
-        self, name: str, dtype: np.dtype, eos: int | None, recorded: np.ndarray | None
+        self,
+        name: str,
+        dtype: np.dtype,
+        eos: int | None,
+        recorded: documents.EndSearch | np.ndarray | None,
     ) -> None:
         self.name = name
         self.dtype = dtype  # of the tokens on the wire (the store's)
         self.eos = eos
-        self.recorded = recorded  # strictly ascending exclusive end offsets, or None
+        # the store's recorded ends (a search, or one array of them), or None
+        if isinstance(recorded, np.ndarray):
+            recorded = documents.ArrayEnds(recorded)
+        self.recorded = recorded
 
     def ends(self, tokens: bytes | None, starts: np.ndarray, cols: int) -> np.ndarray:
         """Flat end indices of a batch: `tokens` its rows x cols token bytes (read only
         for EOS stores), `starts` its windows' store offsets."""
         if self.recorded is not None:
-            return documents.offset_ends(starts, cols, self.recorded)
+            return self.recorded.ends(starts, cols)
         assert self.eos is not None
         assert tokens is not None
         return documents.eos_ends(np.frombuffer(tokens, dtype=self.dtype), self.eos)
@@ -105,7 +113,7 @@ def for_dataset(ds: Dataset) -> BatchEnds:
     A mixture (MixtureSpace: its sources end to end) works when every source records
     offsets (the virtual store has them all) or every source ends documents with the
     same EOS; FailedPrecondition names the source that does not fit."""
-    if isinstance(ds, MixtureSpace) and ds.store.document_ends() is None:
+    if isinstance(ds, MixtureSpace) and ds.store.end_search() is None:
         return _for_eos_mixture(ds)
     return _for_store(ds.name, ds.store)
 
@@ -114,7 +122,7 @@ def _for_eos_mixture(ds: MixtureSpace) -> BatchEnds:
     first = ds.sources[0]
     eos = first.store.meta.eos_token_id
     for src in ds.sources:
-        if src.store.document_ends() is not None or src.store.meta.eos_token_id is None:
+        if src.store.end_search() is not None or src.store.meta.eos_token_id is None:
             kind = "records document offsets" if src.store.meta.eos_token_id is None else ""
             raise FailedPrecondition(
                 f"sources[{src.name!r}]: documents in a mixture need every source to end "
@@ -138,9 +146,9 @@ def _for_eos_mixture(ds: MixtureSpace) -> BatchEnds:
 @functools.lru_cache(maxsize=8)
 def _for_store(name: str, store: StoreReader) -> BatchEnds:
     # Recorded offsets win: a Megatron store's documents are its index's, EOS or not.
-    raw = store.document_ends()
-    if raw is not None:
-        return BatchEnds(name, store.dtype, None, documents.recorded_ends(raw))
+    recorded = store.end_search()
+    if recorded is not None:
+        return BatchEnds(name, store.dtype, None, recorded)
     eos = store.meta.eos_token_id
     if eos is None:
         raise FailedPrecondition(

@@ -18,6 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
+from tokenfeed.core.documents import EndSearch
 from tokenfeed.core.errors import FailedPrecondition
 from tokenfeed.core.store import StoreMeta
 from tokenfeed.core.store.reader import StoreReader
@@ -84,6 +85,36 @@ class VirtualStore(StoreReader):
         return np.concatenate(
             [e + base for e, base in zip(ends, self.bases.tolist(), strict=True) if e is not None]
         )
+
+    def end_search(self) -> EndSearch | None:
+        """The sources' own searches, each over its stretch of the virtual token space
+        (None unless every source records document ends)."""
+        searches = [s.end_search() for s in self.stores]
+        if any(e is None for e in searches):
+            return None
+        return JoinedEnds([e for e in searches if e is not None], self.bases)
+
+
+class JoinedEnds(EndSearch):
+    """Document ends of stores end to end, store i's from virtual offset bases[i]: each
+    row goes to the search of the source its start lies in (a window never crosses
+    sources), once per source the batch holds."""
+
+    def __init__(self, parts: list[EndSearch], bases: np.ndarray) -> None:
+        self.parts = parts
+        self.bases = bases
+
+    def ends(self, starts: np.ndarray, cols: int) -> np.ndarray:
+        starts = np.asarray(starts, dtype=np.int64)
+        owner = np.searchsorted(self.bases, starts, side="right") - 1
+        found = []
+        for i in np.unique(owner).tolist():
+            rows = np.flatnonzero(owner == i)
+            flat = self.parts[i].ends(starts[rows] - self.bases[i], cols)
+            found.append(rows[flat // cols] * cols + flat % cols)  # back to the batch's rows
+        if len(found) == 1:
+            return found[0]
+        return np.sort(np.concatenate(found)) if found else np.empty(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)

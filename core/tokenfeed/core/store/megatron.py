@@ -20,7 +20,8 @@ The writer makes sequence_pointers the running sum of lengths x itemsize, so PRE
 is one flat token array, served as it is: the store's token array T. Document d is
 tokens [starts[di[d]], starts[di[d+1]]) with starts = [0, cumsum(lengths)]. Sequences
 are sentences when the corpus was prepared with --split-sentences; documents are what
-`document_ends()` reports, so document masks need no EOS.
+`document_ends()` reports, so document masks need no EOS. The feeder never makes that
+list (8 bytes a document): `end_search()` finds each batch's ends in the mapped index.
 
 The .bin is cut into chunks of 4 MiB (CHUNK_BYTES) for the cache. A chunk is read with one
 positioned read (not through a memory map: a file truncated under a mapping kills the
@@ -42,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenfeed.core import documents
+from tokenfeed.core.documents import EndSearch
 from tokenfeed.core.errors import DataLoss, NotFound
 from tokenfeed.core.store.memory import anonymous
 from tokenfeed.core.store.meta import Chunk, StoreMeta
@@ -79,13 +82,14 @@ def is_megatron(path: str | os.PathLike[str]) -> bool:
     return all(prefix.with_name(prefix.name + s).is_file() for s in (".bin", ".idx"))
 
 
-def _map(path: Path) -> np.ndarray:
+def _map(path: Path) -> tuple[np.ndarray, mmap.mmap | None]:
+    """The file's bytes, memory-mapped, and the mapping (None for an empty file)."""
     size = path.stat().st_size
     if size == 0:
-        return np.zeros(0, dtype=np.uint8)
+        return np.zeros(0, dtype=np.uint8), None
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return np.frombuffer(m, dtype=np.uint8)
+    return np.frombuffer(m, dtype=np.uint8), m
 
 
 class MegatronStore(StoreReader):
@@ -102,8 +106,10 @@ class MegatronStore(StoreReader):
         total_tokens: int,
         generation: int,
         chunk_tokens: int | None = None,
+        index_map: mmap.mmap | None = None,
     ) -> None:
         self.prefix = prefix
+        self.index_map = index_map  # the .idx's mapping: its size() is the file's now
         self.bin_path = prefix.with_name(prefix.name + ".bin")
         self.idx_path = prefix.with_name(prefix.name + ".idx")
         self.source_dtype = source_dtype
@@ -141,7 +147,7 @@ class MegatronStore(StoreReader):
             if not p.is_file():
                 raise NotFound(f"{p}: no such file (a Megatron dataset is PREFIX.bin + PREFIX.idx)")
         try:
-            idx = _map(idx_path)
+            idx, index_map = _map(idx_path)
             bin_size = bin_path.stat().st_size
             gen_key = f"{idx_path.stat().st_mtime_ns}:{idx.size}:"
             gen_key += f"{bin_path.stat().st_mtime_ns}:{bin_size}"
@@ -196,6 +202,7 @@ class MegatronStore(StoreReader):
             bin_size // dtype.itemsize,
             generation,
             chunk_tokens,
+            index_map,
         )
 
     @property
@@ -211,8 +218,14 @@ class MegatronStore(StoreReader):
 
     def document_ends(self) -> np.ndarray:
         """Exclusive end offset of every document in T, int64 [D], non-decreasing (an
-        empty document repeats the previous end)."""
+        empty document repeats the previous end). Made whole, 8 bytes per document and
+        as many per sequence: the feeder searches the index instead (`end_search`)."""
         return self.sequence_starts[self.document_indices[1:]]
+
+    def end_search(self) -> EndSearch:
+        """The documents' ends searched in the memory-mapped index, batch by batch:
+        nothing per document, in memory or in time (documents.indexed_ends)."""
+        return _IndexEnds(self)
 
     @property
     def in_place(self) -> bool:
@@ -292,3 +305,34 @@ class MegatronStore(StoreReader):
             except DataLoss as e:
                 problems.append(e.message)
         return problems
+
+
+class _IndexEnds(EndSearch):
+    """A Megatron store's document ends, read from its index's sentence pointers and
+    document indices in place (equal to `document_ends()` wherever `verify` finds the
+    index sound: the pointers are then the running sum of the lengths)."""
+
+    def __init__(self, store: MegatronStore) -> None:
+        self.idx_path = store.idx_path
+        self.mapped = store.index_map
+        self.size = len(store.index_map) if store.index_map is not None else 0
+        self.index = documents.Sentences(
+            store.sequence_pointers,
+            store.document_indices,
+            store.source_dtype.itemsize,
+            store.total_tokens,
+        )
+
+    def ends(self, starts: np.ndarray, cols: int) -> np.ndarray:
+        # A page of a mapping past its file's end kills the process (SIGBUS): a file
+        # truncated in place is refused first (one fstat; a file replaced by a rename
+        # leaves this mapping whole).
+        if self.mapped is not None and self.mapped.size() < self.size:
+            raise DataLoss(
+                f"{self.idx_path}: {self.mapped.size()} bytes, {self.size} when opened: the "
+                "file changed since it was opened"
+            )
+        try:
+            return documents.indexed_ends(starts, cols, self.index)
+        except ValueError as e:
+            raise DataLoss(f"{self.idx_path}: {e} (`tokenfeed verify` says where)") from None

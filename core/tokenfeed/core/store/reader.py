@@ -18,6 +18,7 @@ What every reader gives the feeder and the CLI:
 * `verify()`: every problem found, as messages naming the file (empty = healthy);
 * `document_ends()`: for formats that record documents (Megatron), the exclusive
   end offset in T of every document; None for the others (documents end at EOS);
+  `end_search()` the same ends searched batch by batch (a Megatron index in place);
 * `location`, `format`, `generation` (changes when the store is rewritten: part of
   the feeder's cache keys).
 
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenfeed.core.documents import ArrayEnds, EndSearch
 from tokenfeed.core.dtypes import numpy_dtype
 from tokenfeed.core.errors import DataLoss, FeederError, InvalidArgument, NotFound
 from tokenfeed.core.store.files import LocalFiles, StoreFiles, open_files
@@ -103,6 +105,13 @@ class StoreReader(ABC):
         """Exclusive end offsets (int64, non-decreasing) of the recorded documents, or
         None when the format records none (documents then end at EOS)."""
         return None
+
+    def end_search(self) -> EndSearch | None:
+        """The recorded document ends, searched batch by batch (what the feeder uses),
+        or None when the format records none. From `document_ends()` unless the format
+        searches its own index in place (Megatron)."""
+        ends = self.document_ends()
+        return None if ends is None else ArrayEnds(ends)
 
     def _problems(
         self, read: Callable[[int], np.ndarray], findings: type[FeederError]
