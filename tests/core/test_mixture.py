@@ -30,6 +30,7 @@ from tokenfeed.core.mixture import (
     step_keys,
 )
 from tokenfeed.core.mixture.passes import divmod_items
+from tokenfeed.core.mixture.spec import normalize, normalize_given
 from tokenfeed.core.mixture.steps import rank_steps, rounds
 from tokenfeed.core.shuffle import EpochOrder
 
@@ -601,6 +602,27 @@ def test_weights_are_the_shortest_decimal(value, exact):
 def test_normalization_is_exact():
     mix = Mixture([("a", 0.1), ("b", 0.2)], seq_len=1)
     assert mix.segments[0][1] == (Fraction(1, 3), Fraction(2, 3))
+
+
+@given(st.lists(st.floats(min_value=0, allow_nan=False, allow_infinity=False), min_size=1))
+def test_floats_normalize_as_their_shortest_decimals(weights):
+    assume(any(weights))
+    assert normalize_given(weights) == normalize([Fraction(repr(w)) for w in weights])
+
+
+@given(
+    st.lists(st.sampled_from([*WEIGHTS, -0.0, 1e300, 5e-324, 0.1 + 0.2]), min_size=1, max_size=8)
+)
+def test_a_segment_is_the_same_whichever_way_it_is_spelled(weights):
+    """Every source in order as floats is checked at once; any other spelling (names in
+    another order, decimal strings) one pair at a time: the same segment."""
+    assume(any(weights))
+    pairs = [(f"s{i}", float(w)) for i, w in enumerate(weights)]
+    at_once = Mixture(pairs, [(10, dict(pairs))], seq_len=3)
+    one_by_one = Mixture(pairs, [(10, {n: repr(w) for n, w in reversed(pairs)})], seq_len=3)
+    assert at_once.declared[1] == one_by_one.declared[1]
+    assert at_once.declared[1].weights == tuple(Fraction(repr(w)) for _, w in pairs)
+    assert all(math.copysign(1, w) > 0 for w in at_once.declared[1].given)  # -0.0 is 0
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,7 @@ class _Kept:
     Q: int  # S(P - 1): first position whose item is due in this segment
     Tn: tuple[int, ...]  # t_i(P) = Tn[i] / den
     den: int
-    first: tuple[int | None, ...]  # each source's first position with a positive weight, so far
+    first: tuple[int, ...]  # each source's first position with a positive weight so far, or -1
 
     @property
     def G(self) -> int:
@@ -129,7 +129,10 @@ class Apportionment:
         `extending` computed with the same segments up to the one after it.
 
         t_i(P) is kept as an integer numerator over a running common denominator
-        (Fractions cost ~20x more here, and a stream open builds this)."""
+        (Fractions cost ~20x more here, and a stream open builds this). Each segment's
+        step is a few numpy operations over the k sources: on int64 where every product
+        it makes stays below 2**62, else on Python ints (object arrays), the same
+        code either way."""
         k, L, segments = self.k, self.seq_len, self.segments
         n = len(segments)
         reuse = 0  # kept segments taken as they are: whether segment j owns a position
@@ -143,15 +146,17 @@ class Apportionment:
                 and (common == n or -(-segments[common].from_tokens // L) > extending._P[reuse])
             ):
                 reuse += 1
-        Tn, den = [0] * k, 1  # t_i(P) = Tn[i] / den
-        first: list[int | None] = [None] * k  # first position with positive weight
-        prev: tuple[tuple[int, ...], int] | None = None
+        Tn: np.ndarray = np.zeros(k, dtype=np.int64)  # t_i(P) = Tn[i] / den
+        den = 1
+        first = np.full(k, -1, dtype=np.int64)  # first position with positive weight; -1: none
+        prev: tuple[np.ndarray, int] | None = None
         prev_P, j0 = 0, 0
         if reuse:
             assert extending is not None
             last = extending._segs[reuse - 1]
-            Tn, den, first = list(last.Tn), last.den, list(last.first)
-            prev, prev_P, j0 = (last.a, last.D), last.P, last.index + 1
+            Tn, den = np.array(last.Tn, dtype=object), last.den
+            first = np.array(last.first, dtype=np.int64)
+            prev, prev_P, j0 = (np.array(last.a, dtype=object), last.D), last.P, last.index + 1
         new: list[_Kept] = []
         P_next = -(-segments[j0].from_tokens // L) if j0 < n else 0
         for j in range(j0, n):
@@ -160,42 +165,42 @@ class Apportionment:
                 P_next = -(-segments[j + 1].from_tokens // L)
                 if P_next <= P:
                     continue  # owns no position: the next segment starts there too
+            seg = segments[j]
+            D = seg.D
+            pD = 1 if prev is None else prev[1]
+            new_den = math.lcm(den, pD)
+            # every value below is at most P * new_den * max(D, pD) (t_i <= P)
+            exact: Any = object if max(P, 1) * new_den * max(D, pD) >= 1 << 62 else np.int64
+            Tn = Tn.astype(exact, copy=False)
+            a = np.array(seg.a, dtype=exact)
             if prev is not None:
-                pa, pD = prev
-                new_den = math.lcm(den, pD)
+                pa = prev[0].astype(exact, copy=False)
                 up, add = new_den // den, (new_den // pD) * (P - prev_P)
-                Tn, den = [t * up + x * add for t, x in zip(Tn, pa, strict=True)], new_den
-            a, D = segments[j].a, segments[j].D
-            for i in range(k):
-                if first[i] is None and a[i] > 0:
-                    first[i] = P
-            F = [t // den for t in Tn]
-            g = [(t - f * den) * D // den for t, f in zip(Tn, F, strict=True)]
-            started_at = [f is not None and f <= P for f in first]
-            started_before = [f is not None and f <= P - 1 for f in first]
+                Tn, den = Tn * up + pa * add, new_den
+            first = np.where((first < 0) & (a > 0), P, first)
+            F = Tn // den
+            g = (Tn - F * den) * D // den
+            started_at = ((first >= 0) & (first <= P)).astype(exact)
             if prev is None:
-                NB = [0] * k
-            else:
-                pa, pD = prev  # t_i(P - 1) = Tn/den - pa/pD
-                NB = [
-                    (t * pD - x * den) // (den * pD) + int(b)
-                    for t, x, b in zip(Tn, pa, started_before, strict=True)
-                ]
-            N_at = [f + int(s) for f, s in zip(F, started_at, strict=True)]
-            h = [x - y for x, y in zip(N_at, NB, strict=True)]
+                NB = np.zeros(k, dtype=exact)
+            else:  # t_i(P - 1) = Tn/den - pa/pD
+                started_before = ((first >= 0) & (first <= P - 1)).astype(exact)
+                NB = (Tn * pD - pa * den) // (den * pD) + started_before
+            h = F + started_at - NB
+            nb = NB.tolist()
             new.append(
                 _Kept(
                     j,
                     P,
                     D,
-                    tuple(a),
-                    tuple(g),
-                    tuple(h),
-                    tuple(NB),
-                    sum(NB),
-                    tuple(Tn),
+                    seg.a,
+                    tuple(g.tolist()),
+                    tuple(h.tolist()),
+                    tuple(nb),
+                    sum(nb),
+                    tuple(Tn.tolist()),
                     den,
-                    tuple(first),
+                    tuple(first.tolist()),
                 )
             )
             prev, prev_P = (a, D), P

@@ -118,16 +118,13 @@ class Mixture:
     def weights(self, j: int) -> tuple[tuple[str, float], ...]:
         """Declared segment j's weights as given (not normalized; 0 is the base mixture),
         (name, float) in source order."""
-        given = self.declared[j].weights  # n / d: Fraction.__float__ costs 10x more
-        return tuple(
-            (name, w.numerator / w.denominator) for name, w in zip(self.names, given, strict=True)
-        )
+        return tuple(zip(self.names, self.declared[j].given, strict=True))
 
     def schedule(self) -> list[tuple[int, dict[str, str]]]:
         """Every segment in force from token 0, declared and run-time merged, as
         (from_tokens, {name: its weight as given, a decimal string})."""
         return [
-            (s.from_tokens, {n: repr(float(w)) for n, w in zip(self.names, s.weights, strict=True)})
+            (s.from_tokens, {n: repr(w) for n, w in zip(self.names, s.given, strict=True)})
             for s in self.in_force
         ]
 

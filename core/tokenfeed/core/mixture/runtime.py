@@ -32,7 +32,7 @@ import numpy as np
 
 from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.core.limits import MAX_TOKENS
-from tokenfeed.core.mixture.spec import Segment, normalize, parse_weight
+from tokenfeed.core.mixture.spec import Segment, given_weight
 
 FIELD = "runtime_segments"  # the wire's name, which errors start with
 
@@ -99,15 +99,19 @@ class RuntimeSegments:
                     f"must be greater than {FIELD}[{j - 1}]'s {prev}, got {tok} (from_tokens "
                     "must strictly increase)",
                 )
-            ws = [
-                parse_weight(w, f"{at}.weights[{name!r}]")
-                for name, w in zip(names, weights[j].tolist(), strict=True)
-            ]
+            row = weights[j]
+            if np.isfinite(row).all() and (row >= 0).all():  # checked at once, -0.0 made 0
+                ws = (row + 0.0).tolist()
+            else:  # the error names the first weight at fault
+                ws = [
+                    given_weight(w, f"{at}.weights[{name!r}]")
+                    for name, w in zip(names, row.tolist(), strict=True)
+                ]
             if not any(ws):
                 raise InvalidArgument.at(
                     f"{at}.weights", "all weights are 0; at least one must be positive"
                 )
-            out.append(Segment(tok, tuple(ws), *normalize(ws)))
+            out.append(Segment.of(tok, ws))
             prev = tok
         return out
 

@@ -11,6 +11,11 @@ docs/mixtures.md, "Weights and segments" is the contract:
 * a segment's weights are normalized with exact rationals: source i's share is
   ``a[i] / D`` (integers in lowest terms, sum of a = D).
 
+A segment keeps its weights as the floats given (the shortest decimal of a float names
+it exactly), so a thousand sources over a hundred segments are parsed, normalized and
+given back without a Fraction per weight: the few distinct values of a segment are made
+exact once each.
+
 Errors are InvalidArgument whose `field` names the request field at fault
 (``sources[0].name``, ``schedule[1].weights['web']``) and starts the message.
 """
@@ -18,11 +23,12 @@ Errors are InvalidArgument whose `field` names the request field at fault
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from functools import cached_property, lru_cache
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -37,9 +43,20 @@ class Segment:
     weights (in source order)."""
 
     from_tokens: int
-    weights: tuple[Fraction, ...]  # as given: exact decimals
+    given: tuple[float, ...]  # as given: weight i is the shortest decimal of given[i]
     a: tuple[int, ...]  # normalized: share i = a[i] / D
     D: int
+
+    @classmethod
+    def of(cls, from_tokens: int, given: Sequence[float]) -> Segment:
+        """The segment of these weights (checked floats: finite, >= 0, not -0.0, not all
+        0), normalized."""
+        return cls(from_tokens, tuple(given), *normalize_given(given))
+
+    @cached_property
+    def weights(self) -> tuple[Fraction, ...]:
+        """The weights as given, exact: the shortest decimal of each float."""
+        return tuple(map(_decimal, self.given))
 
     @cached_property
     def shares(self) -> tuple[Fraction, ...]:
@@ -52,6 +69,12 @@ def parse_weight(value: Any, field: str) -> Fraction:
     0.7 is 7/10 (not the binary float 0.6999...), so every language that prints floats
     the shortest way computes the same stream.
     """
+    return _decimal(given_weight(value, field))
+
+
+def given_weight(value: Any, field: str) -> float:
+    """A weight as the float whose shortest decimal it is (-0.0 as 0.0); InvalidArgument
+    naming `field` unless it is a finite number >= 0."""
     if type(value) is float:  # what the wire gives: no ABC checks (1,000 sources x 100)
         f = value
     elif isinstance(value, (bool, np.bool_)) or not isinstance(
@@ -67,7 +90,7 @@ def parse_weight(value: Any, field: str) -> Fraction:
         raise InvalidArgument.at(field, f"must be a finite number, got {value!r}")
     if f < 0:
         raise InvalidArgument.at(field, f"must be >= 0, got {value!r}")
-    return _decimal(f)
+    return f or 0.0  # -0.0 is 0
 
 
 @lru_cache(maxsize=1 << 16)
@@ -88,6 +111,20 @@ def normalize(weights: Sequence[Fraction]) -> tuple[tuple[int, ...], int]:
         raise ValueError("all weights are 0")
     g = math.gcd(total, *m)
     return tuple(x // g for x in m), total // g
+
+
+def normalize_given(given: Sequence[float]) -> tuple[tuple[int, ...], int]:
+    """normalize() of the weights the floats `given` name (their shortest decimals),
+    computed per distinct value: a segment of 1,000 sources has a few."""
+    exact = {v: _decimal(v) for v in set(given)}
+    common = math.lcm(*(w.denominator for w in exact.values()))
+    m = {v: w.numerator * (common // w.denominator) for v, w in exact.items()}
+    total = sum(map(m.__getitem__, given))
+    if total == 0:
+        raise ValueError("all weights are 0")
+    g = math.gcd(total, *m.values())
+    a = {v: x // g for v, x in m.items()}
+    return tuple(map(a.__getitem__, given)), total // g
 
 
 def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segment, ...]]:
@@ -112,7 +149,8 @@ def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segm
         if name in names:
             raise InvalidArgument.at(f"sources[{n}].name", f"duplicate source {name!r}")
         names[name] = n
-    raw = [(0, _weights(names, base, "sources"))]
+    order = list(names)
+    raw = [(0, _weights(order, base, "sources"))]
     if schedule is None:
         schedule = ()
     if isinstance(schedule, (str, bytes, Mapping)) or not isinstance(schedule, Sequence):
@@ -130,31 +168,41 @@ def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segm
                 f"must be greater than {before}, got {tokens} (from_tokens must strictly increase)",
             )
         pairs = _pairs(weights, f"{field}.weights")
-        raw.append((tokens, _weights(names, pairs, f"{field}.weights")))
-    segments = tuple(Segment(tok, tuple(w), *normalize(w)) for tok, w in raw)
+        raw.append((tokens, _weights(order, pairs, f"{field}.weights")))
+    segments = tuple(Segment.of(tok, w) for tok, w in raw)
     return tuple(names), segments
 
 
-def segment_weights(names: Sequence[str], weights: Any, field: str) -> list[Fraction]:
+def segment_weights(names: Sequence[str], weights: Any, field: str) -> list[float]:
     """A segment's weights (a mapping name -> weight or (name, weight) pairs, naming
-    every source once) -> its exact weights in source order; InvalidArgument naming
-    `field` otherwise."""
-    return _weights(names, _pairs(weights, field), field)
+    every source once) -> its weights in source order, each the float whose shortest
+    decimal it is (given_weight); InvalidArgument naming `field` otherwise."""
+    return _weights(list(names), _pairs(weights, field), field)
 
 
-def _weights(names: Collection[str], pairs: list[tuple[Any, Any]], field: str) -> list[Fraction]:
-    """A segment's (name, weight) pairs -> its exact weights in source order."""
-    by_name: dict[str, Fraction] = {}
+def _weights(names: list[str], pairs: list[tuple[Any, Any]], field: str) -> list[float]:
+    """A segment's (name, weight) pairs -> its weights in source order (given_weight)."""
+    if list(map(itemgetter(0), pairs)) == names:  # every source in order: checked at once
+        values = list(map(itemgetter(1), pairs))
+        distinct = set(values)
+        if set(map(type, distinct)) == {float} and all(0 <= v < math.inf for v in distinct):
+            if 0.0 in distinct:
+                values = [v or 0.0 for v in values]  # -0.0 is 0
+            if any(values):
+                return values
+    # anything else, and every error, one pair at a time
+    known = set(names)
+    by_name: dict[str, float] = {}
     for n, (name, value) in enumerate(pairs):
         if not isinstance(name, str):
             raise InvalidArgument.at(f"{field}[{n}]", f"source names are strings, got {name!r}")
         if name in by_name:
             raise InvalidArgument.at(f"{field}[{name!r}]", f"duplicate source {name!r}")
-        if name not in names:
+        if name not in known:
             raise InvalidArgument.at(
                 f"{field}[{name!r}]", f"{name!r} is not a source of the mixture {list(names)}"
             )
-        by_name[name] = parse_weight(value, f"{field}[{name!r}]")
+        by_name[name] = given_weight(value, f"{field}[{name!r}]")
     missing = [x for x in names if x not in by_name]
     if missing:
         raise InvalidArgument.at(field, f"must name every source of the mixture; missing {missing}")
@@ -174,9 +222,11 @@ def _pairs(value: Any, field: str) -> list[tuple[Any, Any]]:
             f"must be a mapping name -> weight or a list of (name, weight) pairs, "
             f"got {type(value).__name__}",
         )
+    if set(map(type, value)) == {tuple} and set(map(len, value)) == {2}:
+        return list(value)  # the wire's form, checked at once
     out = []
     for n, item in enumerate(value):
-        if type(item) is tuple and len(item) == 2:  # the wire's form, checked fast
+        if type(item) is tuple and len(item) == 2:
             out.append(item)
             continue
         if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
