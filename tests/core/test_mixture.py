@@ -577,6 +577,8 @@ def test_budget_reports_draws_passes_and_shares():
     assert budget.sources[1].passes == Fraction(40, 7)
     assert budget.sources[0].shares == (Fraction(7, 10), Fraction(1, 2))
     assert budget.segments == ((0, 1000), (1000, None))
+    for s in budget.sources:  # Info's floats, made without the Fractions: the same values
+        assert s.share_floats == [float(x) for x in s.shares]
     with pytest.raises(FailedPrecondition, match="math"):
         mix.budget(2000, {"web": 1, "code": 1, "math": 0})
     assert mix.budget(1e12, [1, 1, 1]).positions == 10**11

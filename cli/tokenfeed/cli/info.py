@@ -262,7 +262,7 @@ def _mixture(args: argparse.Namespace) -> int:
                 "windows_drawn": s.windows_drawn,
                 "tokens_drawn": s.tokens_drawn,
                 "passes": float(s.passes),
-                "shares": [float(x) for x in s.shares],
+                "shares": s.share_floats,
             }
             for s, t in zip(budget.sources, sampler.train_tokens, strict=True)
         ],

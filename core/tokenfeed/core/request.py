@@ -24,6 +24,7 @@ wire, validation.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -46,7 +47,12 @@ AUTO = "auto"
 
 def decimal_fraction(value: float) -> Fraction:
     """The shortest decimal that round-trips to `value`, exactly: 0.7 -> 7/10."""
-    return Fraction(repr(float(value)))
+    return _decimal_fraction(float(value))
+
+
+@functools.lru_cache(maxsize=256)
+def _decimal_fraction(value: float) -> Fraction:
+    return Fraction(repr(value))  # cached: a mixture's Info asks once per source
 
 
 def proper_divisors(n: int) -> list[int]:

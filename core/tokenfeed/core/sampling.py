@@ -18,7 +18,6 @@ this: each source's passes are epoch orders of its train split.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -45,7 +44,7 @@ DATASET_ROUND_POSITIONS = 4096
 def split_bounds(total_tokens: int, split: str, split_rate: Fraction) -> tuple[int, int]:
     """[begin, end) of a split in the token array: train is T[0 : floor(N * split_rate)],
     exact (split_rate is the decimal the user wrote, SamplingSpec.split_fraction)."""
-    cut = math.floor(split_rate * total_tokens)
+    cut = total_tokens * split_rate.numerator // split_rate.denominator  # floor, exact
     return (0, cut) if split == "train" else (cut, total_tokens)
 
 

@@ -322,11 +322,13 @@ class FeederService:
         sampler = mixture_sampler_for(spec, sources)
         budget = sampler.budget(request.budget_tokens)
         resp = pb.InfoResponse()
+        # each source's splits under the params: one spec per split serves them all
+        one = spec.with_(sources=(), schedule=(), runtime=b"", dataset=sources[0].name)
+        splits = [one.with_(split=split) for split in SPLITS]
         for ds, b, tokens in zip(sources, budget.sources, sampler.train_tokens, strict=True):
             info = _describe(resp, ds)
-            one = spec.with_(sources=(), schedule=(), runtime=b"", dataset=ds.name)
-            for split in SPLITS:
-                info.splits.append(self._split_info(one.with_(split=split), ds, request.rank))
+            for split_spec in splits:
+                info.splits.append(self._split_info(split_spec, ds, request.rank))
             resp.sources.add(
                 name=ds.name,
                 tokens=tokens,
@@ -334,7 +336,7 @@ class FeederService:
                 windows_drawn=b.windows_drawn,
                 tokens_drawn=b.tokens_drawn,
                 passes=float(b.passes),
-                shares=[float(x) for x in b.shares],
+                shares=b.share_floats,
             )
         return resp
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenfeed.core.errors import FailedPrecondition, InvalidArgument
 from tokenfeed.core.limits import MAX_TOKENS
+from tokenfeed.core.mixture.spec import Segment
 
 if TYPE_CHECKING:
     from tokenfeed.core.mixture.mixture import Mixture
@@ -28,7 +30,21 @@ class SourceBudget:
     windows_drawn: int
     tokens_drawn: int  # windows_drawn * seq_len
     passes: Fraction  # windows_drawn / windows
-    shares: tuple[Fraction, ...]  # normalized weight in each segment of Mixture.segments
+    index: int  # in the source order
+    segments: Sequence[Segment] = field(repr=False, compare=False)  # Mixture.in_force
+
+    @cached_property
+    def shares(self) -> tuple[Fraction, ...]:
+        """Its normalized weight in each segment of Mixture.segments, exact (made when
+        asked: a Fraction per segment)."""
+        return tuple(s.shares[self.index] for s in self.segments)
+
+    @property
+    def share_floats(self) -> list[float]:
+        """`shares` as floats (each the float nearest the exact share), without making
+        the Fractions."""
+        i = self.index
+        return [s.a[i] / s.D for s in self.segments]
 
 
 @dataclass(frozen=True)
@@ -72,10 +88,8 @@ def budget_of(mix: Mixture, tokens: int, windows: Mapping[str, int] | Sequence[i
             )
     positions = int(tokens) // mix.seq_len
     drawn = mix.counts(positions)
-    spans = tuple(
-        (tok, mix.segments[j + 1][0] if j + 1 < len(mix.segments) else None)
-        for j, (tok, _) in enumerate(mix.segments)
-    )
+    starts = [s.from_tokens for s in mix.in_force]
+    spans = tuple(zip(starts, [*starts[1:], None], strict=True))
     out = tuple(
         SourceBudget(
             name,
@@ -83,7 +97,8 @@ def budget_of(mix: Mixture, tokens: int, windows: Mapping[str, int] | Sequence[i
             c,
             c * mix.seq_len,
             Fraction(c, int(w)),
-            tuple(seg[1][i] for seg in mix.segments),
+            i,
+            mix.in_force,
         )
         for i, (name, w, c) in enumerate(zip(mix.names, counts, drawn, strict=True))
     )
