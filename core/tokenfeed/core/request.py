@@ -132,6 +132,12 @@ def _mixture(sources: Any, schedule: Any, runtime: bytes, seq_len: int) -> Mixtu
     return mix
 
 
+# Specs of large mixture requests by the digest of their params (from_proto).
+_PARSED: dict[bytes, SamplingSpec] = {}
+_PARSED_LOCK = threading.Lock()
+_PARSED_KEYS, _PARSED_MIN_BYTES = 8, 1 << 16
+
+
 def _remember(cache_key: Any, mix: Mixture) -> None:
     with _MIXTURES_LOCK:
         if cache_key not in _MIXTURES and len(_MIXTURES) >= _KEYS:
@@ -415,7 +421,27 @@ class SamplingSpec:
     @classmethod
     def from_proto(cls, p: pb.SamplingParams, **overrides: Any) -> SamplingSpec:
         """The spec a wire request means; unset fields take the defaults above.
-        `overrides` replace fields (Info names the dataset outside the params)."""
+        `overrides` replace fields (Info names the dataset outside the params).
+
+        A large mixture's spec is remembered under a digest of its params' bytes: every
+        rank of a job opens its streams with the same params, and turning 1,000 sources
+        x 100 segments into a checked spec costs ~0.2 s of CPU, reading the bytes ~1 ms."""
+        if overrides or len(p.sources) == 0 or p.ByteSize() < _PARSED_MIN_BYTES:
+            return cls._from_proto(p, **overrides)
+        data = p.SerializeToString(deterministic=True)
+        key = hashlib.blake2b(data, digest_size=32).digest()
+        with _PARSED_LOCK:
+            spec = _PARSED.get(key)
+        if spec is None:
+            spec = cls._from_proto(p)
+            with _PARSED_LOCK:
+                if len(_PARSED) >= _PARSED_KEYS:
+                    _PARSED.clear()
+                _PARSED[key] = spec
+        return spec
+
+    @classmethod
+    def _from_proto(cls, p: pb.SamplingParams, **overrides: Any) -> SamplingSpec:
         mode = p.WhichOneof("shift_mode")
         shift: int | str = 1
         if mode == "shift":
