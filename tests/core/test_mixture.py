@@ -159,6 +159,17 @@ def test_runs_equal_the_walk(spec, starts, length):
         assert list(zip(src[row].tolist(), item[row].tolist(), strict=True)) == seq[s : s + length]
 
 
+@given(mixtures(max_k=12), st.integers(0, 200), st.integers(1, 40), st.integers(0, 30))
+def test_counts_every_step_equal_the_walk(spec, start, step, n):
+    """A round's step boundaries, from the items in due order where steps are short
+    against the sources (or searched one by one), are the walk's counts."""
+    mix, ref = build(spec)
+    seq, _ = ref.walk(start + step * n)
+    walked = prefix_counts(seq, mix.k)
+    got = mix.apportionment.counts_every(start, step, n)
+    assert got.tolist() == [list(walked[start + step * s]) for s in range(n + 1)]
+
+
 @given(mixtures(), st.integers(1, 250))
 def test_bound_monotone_adds_up(spec, n):
     mix, ref = build(spec)

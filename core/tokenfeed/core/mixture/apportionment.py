@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 _FAST_D = 1 << 31  # D <= this: every product of the kernels fits int64
 _ANCHOR_SPAN = 1 << 32  # large D: floats near an exact anchor over at most this span
+_SPAN_BY_ITEMS = 1 << 17  # counts_every walks at most this many positions in due order
 
 
 @dataclass(frozen=True)
@@ -394,6 +395,26 @@ class Apportionment:
             return np.zeros((0, self.k), dtype=np.int64)
         seg = np.searchsorted(self._Q.array, p, side="right") - 1
         return self._counts_by_segment(p, seg)
+
+    def counts_every(self, start: int, step: int, n: int) -> np.ndarray:
+        """c(start + step*s) for s = 0..n: int64 [n + 1, k] (a round's step boundaries).
+
+        Where the steps are short against the sources (step < k log k) and few, from
+        c(start) and the sources of positions [start, start + step*n) in due order:
+        a search per boundary costs O(k log k), a position O(log) (1,000 sources, steps
+        of 8: ~20x less). The caller checked the positions."""
+        k, span = self.k, step * n
+        if not 0 < span <= _SPAN_BY_ITEMS or step > k * max(1, (k - 1).bit_length()):
+            return self.counts_at(start + step * np.arange(n + 1, dtype=np.int64))
+        src, _ = self.items(start, start + span)
+        first = self.counts_at(np.array([start], dtype=np.int64))[0]
+        cell = np.arange(span, dtype=np.int64) // step * k + src  # (step s, source i)
+        per = np.bincount(cell, minlength=n * k).reshape(n, k)
+        out = np.empty((n + 1, k), dtype=np.int64)
+        out[0] = first
+        for s in range(n):  # row by row: numpy's cumsum down a column is ~8x slower here
+            np.add(out[s], per[s], out=out[s + 1])
+        return out
 
     def _counts_by_segment(self, p: np.ndarray, seg: np.ndarray) -> np.ndarray:
         """c(p), p[n] computed in segment seg[n] (Q_seg <= p <= Q_{seg+1})."""

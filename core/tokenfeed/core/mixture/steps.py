@@ -122,7 +122,7 @@ def rank_steps(
         return app.runs(offs + rank * B, B)
     # counts at every step boundary: a step's windows from source i are items
     # c_i(o_s) .. c_i(o_{s+1}) - 1, laid out source-major, then permuted
-    c = app.counts_at(offset + gb * np.arange(steps + 1, dtype=np.int64))
+    c = app.counts_every(offset, gb, steps)
     per = c[1:] - c[:-1]
     start = np.cumsum(per, axis=1) - per  # [steps, k] slot where source i begins
     return step_rows(stage_keys_by_stage(step_keys(seed, offs)), gb, rank * B, B, start, c[:-1])
