@@ -81,6 +81,25 @@ class Dataset:
         return starts
 
 
+_O_PATH = getattr(os, "O_PATH", 0)
+
+
+def _real(path: str) -> str:
+    """os.path.realpath(path, strict=True), resolved by the kernel where it can (Linux:
+    the path opened O_PATH and read back from /proc/self/fd): ~3x cheaper than
+    realpath's lstat per component, and a mixture's stream resolves each of its 1,000
+    sources. OSError if it does not exist or loops, as realpath."""
+    if _O_PATH:
+        fd = os.open(path, _O_PATH | os.O_CLOEXEC)
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # no /proc: the portable way
+        finally:
+            os.close(fd)
+    return os.path.realpath(path, strict=True)
+
+
 class Catalog:
     """Stores by name, every served format. `open_store` opens a native store on a
     local disk (TokenStore.open: chunks read into private memory; chunks.MappedStore
@@ -142,8 +161,8 @@ class Catalog:
 
     def _inside(self, path: Path) -> Path | None:
         """`path` resolved, if it exists inside the root (and is not the root)."""
-        try:  # realpath: what Path.resolve does, at half its cost (a mixture has 1,000)
-            resolved = Path(os.path.realpath(path, strict=True))
+        try:
+            resolved = Path(_real(str(path)))
         except (OSError, RuntimeError):  # missing, or a symlink loop
             return None
         if not resolved.is_relative_to(self.root) or resolved == self.root:
