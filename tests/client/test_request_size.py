@@ -43,6 +43,15 @@ def test_a_mixture_of_1000_sources_over_100_segments_fits() -> None:
     spec.check_size()
     size = spec.to_proto().ByteSize()
     assert 2_000_000 < size < MAX_REQUEST_BYTES
+    # built once, a new message each call: changing one changes neither the spec nor
+    # the next, and the server reads back the spec it was made from
+    first = spec.to_proto()
+    first.seed, first.sources[0].weight = 99, 5.0
+    again = spec.to_proto()
+    assert again is not first
+    assert (again.seed, again.sources[0].weight) == (0, 1.0)
+    assert SamplingSpec.from_proto(again) == spec
+    assert spec.with_(seed=3).to_proto().seed == 3
 
 
 def test_a_client_refuses_a_request_over_the_limit_before_any_contact() -> None:

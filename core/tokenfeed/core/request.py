@@ -188,6 +188,7 @@ class SamplingSpec:
     # bytes (docs/mixtures.md, "Run-time weights"; the wire's runtime_segments).
     runtime: bytes = field(default=b"", repr=False)
     _mixture: Mixture | None = field(default=None, init=False, compare=False, repr=False)
+    _proto: bytes | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.sources or self.schedule or self.runtime:
@@ -378,6 +379,17 @@ class SamplingSpec:
     # ---------------------------------------------------------------------- wire
 
     def to_proto(self) -> pb.SamplingParams:
+        """The wire's SamplingParams, a new message each call. A mixture's is built once
+        and kept as bytes: 100,000 weights cost ~0.1 s to add one by one, ~5 ms to parse
+        back (the client sends it with every Info and stream)."""
+        if not self.sources:
+            return self._build_proto()
+        if self._proto is None:
+            object.__setattr__(self, "_proto", self._build_proto().SerializeToString())
+        assert self._proto is not None
+        return pb.SamplingParams.FromString(self._proto)
+
+    def _build_proto(self) -> pb.SamplingParams:
         p = pb.SamplingParams(
             dataset=self.dataset,
             split=self.split,
