@@ -82,6 +82,7 @@ class Mixture:
         self._tokens = tokens  # each in_force segment's from_tokens
         self._declared_tokens = [s.from_tokens for s in declared]
         self.apportionment = apportionment
+        self._weights: dict[int, tuple[tuple[str, float], ...]] = {}  # see weights()
 
     def with_runtime(self, runtime: RuntimeSegments | bytes) -> Mixture:
         """This mixture with the run-time segments `runtime` instead of its own. What the
@@ -117,8 +118,12 @@ class Mixture:
 
     def weights(self, j: int) -> tuple[tuple[str, float], ...]:
         """Declared segment j's weights as given (not normalized; 0 is the base mixture),
-        (name, float) in source order."""
-        return tuple(zip(self.names, self.declared[j].given, strict=True))
+        (name, float) in source order. Made once: every spec of this mixture (one per
+        seed, world size, ...) holds these same tuples."""
+        made = self._weights.get(j)
+        if made is None:
+            made = self._weights[j] = tuple(zip(self.names, self.declared[j].given, strict=True))
+        return made
 
     def schedule(self) -> list[tuple[int, dict[str, str]]]:
         """Every segment in force from token 0, declared and run-time merged, as
