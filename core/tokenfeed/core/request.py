@@ -437,9 +437,13 @@ class SamplingSpec:
 
         A large mixture's spec is remembered under a digest of its params' bytes: every
         rank of a job opens its streams with the same params, and turning 1,000 sources
-        x 100 segments into a checked spec costs ~0.2 s of CPU, reading the bytes ~1 ms."""
-        if overrides or len(p.sources) == 0 or p.ByteSize() < _PARSED_MIN_BYTES:
+        x 100 segments into a checked spec costs ~0.2 s of CPU, reading the bytes ~1 ms.
+        Run-time segments do not count towards "large": they are cheap to read, and a
+        request with one more than the last is new at every weight change."""
+        if overrides or len(p.sources) == 0:
             return cls._from_proto(p, **overrides)
+        if p.ByteSize() - len(p.runtime_segments) < _PARSED_MIN_BYTES:
+            return cls._from_proto(p)
         data = p.SerializeToString(deterministic=True)
         key = hashlib.blake2b(data, digest_size=32).digest()
         with _PARSED_LOCK:
