@@ -721,6 +721,34 @@ def one_node(root: Path, streams: int, batches: int) -> None:
     )
 
 
+def storm_cost(root: Path, streams: int) -> None:
+    """Item 6's cost: `streams` streams of one batch each opened within a second on a
+    fresh feeder, the feeder's and this load generator's CPU per stream."""
+    print(f"6. {streams:,} streams of one batch each ({load()})", flush=True)
+    with feeder(root, workers=2, cache_bytes="128M") as proc:
+        p = params("ds", world=streams)
+        before, mine = cpu_seconds(proc.proc.pid), time.process_time()
+
+        async def main() -> list[Stream]:
+            tasks = []
+            for r in range(streams):
+                tasks.append(asyncio.ensure_future(stream([proc.address], p, r, 1)))
+                if r % 64 == 63:
+                    await asyncio.sleep(64 / streams)
+            return list(await asyncio.gather(*tasks))
+
+        got = run(main())
+        fed, generated = cpu_seconds(proc.proc.pid) - before, time.process_time() - mine
+    firsts = sorted(s.times[0] - s.opened for s in got if s.times)
+    row(
+        "6 storm",
+        "reported: feeder CPU per stream start",
+        f"{fed / streams * 1e3:.2f} ms (load generator {generated / streams * 1e3:.2f} ms; "
+        f"p99 first batch {firsts[min(len(firsts) - 1, int(0.99 * len(firsts)))]:.2f} s)",
+        True,
+    )
+
+
 # ----------------------------------------------------------------------------- 7. replicas
 
 
@@ -836,6 +864,8 @@ def main() -> int:
             mixture(tmp, 1_000, 100, 100 if q else 400, repeats)
         if items & {"5", "6"}:
             one_node(tmp / "big", 128 if q else 1_024, 4 if q else 20)
+        if "6" in items:
+            storm_cost(tmp / "big", 128 if q else 1_024)
         if "7" in items:
             replicas(tmp / "big", 256 if q else 4_096, 3)
         if "8" in items:
