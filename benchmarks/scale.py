@@ -4,7 +4,7 @@ documents, 1,000 sources, thousands of ranks.
     python benchmarks/scale.py            # the full form: 10^12 tokens, 1,024 streams, ...
     python benchmarks/scale.py --quick    # the same measurements, smaller (CI: a few minutes)
     python benchmarks/scale.py --json out.json   # also write every row as JSON
-    python benchmarks/scale.py --items 3         # only some items (5 runs 5 and 6)
+    python benchmarks/scale.py --items 6         # only some items (5 and 6 run together)
 
 Stores are sparse files (`truncate`): the native format at the default 2^24 tokens per
 chunk, so a 10^12-token store (59,605 chunks) costs no disk; a Megatron dataset's .bin
@@ -721,6 +721,34 @@ def one_node(root: Path, streams: int, batches: int) -> None:
     )
 
 
+def storm_cost(root: Path, streams: int) -> None:
+    """Item 6's cost: `streams` streams of one batch each opened within a second on a
+    fresh feeder, the feeder's and this load generator's CPU per stream."""
+    print(f"6. {streams:,} streams of one batch each ({load()})", flush=True)
+    with feeder(root, workers=2, cache_bytes="128M") as proc:
+        p = params("ds", world=streams)
+        before, mine = cpu_seconds(proc.proc.pid), time.process_time()
+
+        async def main() -> list[Stream]:
+            tasks = []
+            for r in range(streams):
+                tasks.append(asyncio.ensure_future(stream([proc.address], p, r, 1)))
+                if r % 64 == 63:
+                    await asyncio.sleep(64 / streams)
+            return list(await asyncio.gather(*tasks))
+
+        got = run(main())
+        fed, generated = cpu_seconds(proc.proc.pid) - before, time.process_time() - mine
+    firsts = sorted(s.times[0] - s.opened for s in got if s.times)
+    row(
+        "6 storm",
+        "reported: feeder CPU per stream start",
+        f"{fed / streams * 1e3:.2f} ms (load generator {generated / streams * 1e3:.2f} ms; "
+        f"p99 first batch {firsts[min(len(firsts) - 1, int(0.99 * len(firsts)))]:.2f} s)",
+        True,
+    )
+
+
 # ----------------------------------------------------------------------------- 7. replicas
 
 
@@ -812,7 +840,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller, for CI")
     ap.add_argument("--json", type=Path, help="write the rows there too")
     ap.add_argument(
-        "--items", default="1,2,3,4,5,7,8", help="the items to run, e.g. 3 or 1,4 (5 runs 5-6)"
+        "--items",
+        default="1,2,3,4,5,6,7,8",
+        help="which items to run, comma-separated (default: all; 5 and 6 are one run)",
     )
     args = ap.parse_args()
     items = {int(x) for x in args.items.split(",")}
@@ -824,16 +854,18 @@ def main() -> int:
         tmp = Path(d)
         if 1 in items:
             big_store(tmp, big_tokens, 100 if q else 400, repeats)
-        elif items & {4, 5, 7}:
-            sparse_store(tmp / "big" / "ds", big_tokens)
+        elif items & {4, 5, 6, 7}:
+            sparse_store(tmp / "big" / "ds", big_tokens)  # the store the other items read
         if 2 in items:
             megatron(tmp, 10**6 if q else 10**8, 100 if q else 400, repeats)
         if 4 in items:
             world_size(tmp / "big", 100 if q else 400, repeats)
         if 3 in items:
             mixture(tmp, 1_000, 100, 100 if q else 400, repeats)
-        if 5 in items:
+        if items & {5, 6}:
             one_node(tmp / "big", 128 if q else 1_024, 4 if q else 20)
+        if 6 in items:
+            storm_cost(tmp / "big", 128 if q else 1_024)
         if 7 in items:
             replicas(tmp / "big", 256 if q else 4_096, 3)
         if 8 in items:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 from harness import BATCH, SEQ_LEN, LoaderPeer, main
 
+from tokenfeed.client import FeederClient  # imported before the clock, as every peer is
+
 if "torch" in sys.argv:  # a trainer has torch imported already, as the other adapters do
     import torch  # noqa: F401
 
@@ -26,8 +28,6 @@ class Tokenfeed(LoaderPeer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from tokenfeed.client import FeederClient
-
         common: dict[str, Any] = {
             "seq_len": SEQ_LEN,
             "batch_size": BATCH,

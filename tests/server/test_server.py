@@ -191,8 +191,9 @@ def test_unset_fields_mean_the_documented_defaults(feeder) -> None:
 def test_stream_sends_exactly_the_planned_windows(feeder, kw, per_message) -> None:
     p = params(**kw)
     got = messages(feeder.address, p, batches_per_message=per_message)
-    sizes = [len(m.batches) for m in got]  # full messages, then what is left
-    assert sizes[:-1] == [max(1, per_message)] * (len(sizes) - 1)
+    sizes = [len(m.batches) for m in got]  # the first batch alone, full messages, the rest
+    assert sizes[0] == 1
+    assert sizes[1:-1] == [max(1, per_message)] * (len(sizes) - 2)
     assert 1 <= sizes[-1] <= max(1, per_message)
     assert_matches([b for m in got for b in m.batches], expected(feeder.data_root, p), p.seq_len)
 
@@ -471,6 +472,33 @@ def test_corrupt_chunk_is_data_loss_for_its_streams_only(feeder_root: Path) -> N
         registry_metrics.get_sample_value("tokenfeed_server_errors_total", {"code": "DATA_LOSS"})
         >= 1
     )
+
+
+def test_a_cold_streams_first_message_is_read_in_place_and_a_bad_checksum_ends_it(
+    feeder_root: Path,
+) -> None:
+    """A stream whose chunks are not cached sends its first message (one batch) from rows
+    read in place: the file's bytes, before any whole-chunk load checks the checksum;
+    that load then ends the stream with DATA_LOSS naming the chunk (docs/stores.md)."""
+    bad = make_positional_store(feeder_root / "bad", 10_000, 1_000)
+    path = bad.chunk_path(0)
+    data = bytearray(path.read_bytes())
+    data[8] ^= 0xFF  # the low byte of token 2 (uint32)
+    path.write_bytes(bytes(data))
+    with running_feeder(feeder_root) as f:
+        call = stub(f.address).StreamBatches(pb.StreamBatchesRequest(params=params(dataset="bad")))
+        first = next(call)
+        assert len(first.batches) == 1
+        (b,) = first.batches
+        rows = np.frombuffer(b.tokens, dtype="<u4").reshape(b.rows, b.cols)
+        want = np.array(b.starts)[:, None] + np.arange(b.cols)
+        want[0, 2] ^= 0xFF  # the first window starts at 0: the flipped byte, as read
+        np.testing.assert_array_equal(rows, want)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert info.value.code() == grpc.StatusCode.DATA_LOSS
+        assert "chunk_000000.bin is corrupt" in info.value.details()
+        assert f.registry.get_sample_value("tokenfeed_cache_checksum_failures_total") >= 1
 
 
 @pytest.mark.parametrize("world_size", [1, 16])  # chunks loaded whole; rows read in place

@@ -158,10 +158,15 @@ class MessageBuilder:
         self.files: inplace.ChunkFiles | None = None
         self._guard = threading.Lock()  # close() from the event loop, bursts on threads
         self._building = self._closed = False
+        # A stream's first burst whose chunks are not all cached is one message read in
+        # place (inplace.py): its first batch waits for a few rows, not for whole chunks
+        # to be read and checksummed. The read-ahead asked for after it loads them
+        # whole, and the next bursts use them (or wait for them, checksum checked).
+        self._first = True
         shares = sampler.world_size * max(1, sources)
         if shares >= inplace.IN_PLACE_WORLD_SIZE and ds.store.in_place:
             self.files = inplace.ChunkFiles(ds.store)
-        else:
+        elif not ds.store.in_place:  # (else after the first burst: not to slow its reads)
             self.readahead.look_ahead()
 
     @property
@@ -182,8 +187,11 @@ class MessageBuilder:
         """The next n messages as spans of rounds, and the cursor after them."""
         messages = []
         cursor = self.rounds.start
-        for _ in range(n):
-            spans, cursor = self.rounds.spans(self.per_message, cursor)
+        for m in range(n):
+            # A stream's first message holds one batch: the client's first batch waits
+            # for its own bytes, not for a full message's copy, transfer and decoding.
+            batches = 1 if self._first and m == 0 else self.per_message
+            spans, cursor = self.rounds.spans(batches, cursor)
             if not spans:
                 break
             messages.append(spans)
@@ -211,7 +219,7 @@ class MessageBuilder:
 
     def _next_burst(self, inline: bool) -> list[Message]:
         t0 = time.perf_counter()
-        messages, cursor = self._peek(self.burst_messages)
+        messages, cursor = self._peek(1 if self._first else self.burst_messages)
         if not messages:
             return []
         spans = [span for spans in messages for span in spans]
@@ -219,13 +227,20 @@ class MessageBuilder:
         pinned: Pinned | inplace.InPlace | None = self._pin(sorted(chunks))
         if pinned is None and inline:  # leave the burst to a worker thread
             return []
+        cold = None  # a first burst's files, read in place (see __init__)
         if pinned is None and self.files is not None:
             pinned = self.files.burst(sorted(chunks))
+        elif pinned is None and self._first and self.ds.store.in_place:
+            cold = inplace.ChunkFiles(self.ds.store)
+            pinned = cold.burst(sorted(chunks))
+        self._first = False
         try:
             burst = [self._message(spans, pinned) for spans in messages]
         finally:
             if pinned is not None:
                 pinned.release()
+            if cold is not None:
+                cold.close()
         moved = self.rounds.advance(cursor)
         if self.files is None:  # a stream reading in place never loads a chunk whole
             self.readahead.look_ahead(moved, chunks)

@@ -129,6 +129,10 @@ class Catalog:
         self._kinds: dict[Path, tuple[int, str]] = {}  # see _detect
         self._lock = threading.Lock()
         self._probing: dict[str, threading.Lock] = {}  # remote: one HEAD per name at a time
+        # one open per name at a time: the streams of an epoch-start storm that ask for
+        # a store before it is open wait for that one open (meta.json of a 10^12-token
+        # store takes tens of ms to parse) instead of each opening it again
+        self._opening: dict[str, threading.Lock] = {}
         self._checked: dict[str, float] = {}  # remote: when a name's generation was probed
 
     @property
@@ -279,6 +283,17 @@ class Catalog:
             ds = self._open.get(name)
             if ds is not None and ds.generation == generation:
                 return ds
+            opening = self._opening.setdefault(name, threading.Lock())
+        with opening:
+            with self._lock:
+                ds = self._open.get(name)
+            if ds is not None and ds.generation == generation:
+                return ds  # opened while this call waited
+            return self._open_dataset(name, kind, where, generation)
+
+    def _open_dataset(
+        self, name: str, kind: str, where: Path | ObjectFiles, generation: int
+    ) -> Dataset:
         store: StoreReader
         if isinstance(where, ObjectFiles):  # object storage serves native stores only
             store = TokenStore.open_files(where)
