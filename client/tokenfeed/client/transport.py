@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import grpc.experimental
 
 from tokenfeed.client.connection import Connection, Security, Timeouts, host_port
 from tokenfeed.core.errors import FeederError, error_for
@@ -134,10 +133,6 @@ def channel_options(
         ("grpc.enable_retries", 0),
         # gRPC's minimum connect timeout (its default is 20 s).
         ("grpc.min_reconnect_backoff_ms", _ms(dial)),
-        # A stream's responses are read by the thread that iterates them, not handed
-        # over by a per-channel thread that also wakes on a timer while the stream
-        # waits (64 idle clients: most of their CPU).
-        (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
     ]
     if security.tls and endpoint.authority:
         opts.append(("grpc.ssl_target_name_override", endpoint.authority))
