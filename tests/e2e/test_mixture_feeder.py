@@ -377,7 +377,7 @@ def test_info_prints_the_plan_of_a_mixture(mix_root: Path, tmp_path: Path) -> No
 
 @pytest.mark.parametrize("per_message", [1, 3, 7])
 def test_source_counters_count_exactly_the_tokens_of_each_source(mix_root: Path, per_message):
-    """SourceCounters (service.py) against the messages themselves: after the written
+    """SourceCounters (source_counters.py) against the messages themselves: after the written
     messages are counted and flushed, each source's tokens_sent is the tokens of the
     rows carrying its index, also for messages spanning rounds (rounds start at one
     step and double, so 3 and 7 batches per message straddle them) and when not every
@@ -390,6 +390,7 @@ def test_source_counters_count_exactly_the_tokens_of_each_source(mix_root: Path,
     from tokenfeed.server.datasets import Catalog
     from tokenfeed.server.metrics import ServerMetrics
     from tokenfeed.server.mixtures import MixtureSpace
+    from tokenfeed.server.source_counters import SourceCounters
 
     registry = CollectorRegistry()
     metrics = ServerMetrics(registry)
@@ -407,7 +408,7 @@ def test_source_counters_count_exactly_the_tokens_of_each_source(mix_root: Path,
         ChunkCache(1 << 24),
         metrics,
     )
-    counters = service.SourceCounters.of(metrics, pipe)
+    counters = SourceCounters.of(metrics, pipe)
     assert counters is not None
     want = [0, 0]
     held = 0  # messages built, not yet counted: the last burst's

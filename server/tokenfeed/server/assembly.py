@@ -141,7 +141,7 @@ class MessageBuilder:
         self.burst_messages = max(1, min(BURST_MESSAGES, BURST_BYTES // self.message_bytes))
         # A mixture's messages, each as its spans (one entry per message built, in order):
         # the servicer counts their tokens by source (LocatedRound.source_tokens) once they
-        # are written (service.SourceCounters).
+        # are written (source_counters.py).
         self.by_source: deque[list[Span]] | None = None
         sources = 0
         if isinstance(sampler, MixtureSampler):

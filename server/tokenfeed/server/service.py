@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.mixtures import MixtureSpace
 from tokenfeed.server.shares import FairShares
+from tokenfeed.server.source_counters import SourceCounters
 from tokenfeed.server.status import feeder_status
 from tokenfeed.server.streams import OpenStreams, StreamEntry
 from tokenfeed.server.tenants import Job, Tenants
@@ -542,59 +542,3 @@ class FeederService:
     def status(self) -> dict[str, Any]:
         """What the status page shows of this process (status.py)."""
         return feeder_status(self.catalog, self.cache, self.streams)
-
-
-class SourceCounters:
-    """A mixture stream's tokens_sent / bytes_sent, by source: the builder records each
-    message's spans as it builds it (MessageBuilder.by_source); once a burst is
-    written, its spans join the pending runs (consecutive batches of a round make one
-    run), and every FLUSH_SECONDS, and when the stream ends, the runs' tokens by source
-    (LocatedRound.source_tokens: one subtraction a run) go to the counters. Counting
-    each message as built and each burst as written (numpy rows per message, two
-    counter increments per source per burst) cost ~7 of a mixture's ~50 us per batch
-    at one batch per message (in process, chunks cached)."""
-
-    FLUSH_SECONDS = 0.1
-
-    def __init__(self, metrics: ServerMetrics, pipe: MessageBuilder) -> None:
-        assert isinstance(pipe.ds, MixtureSpace)
-        assert pipe.by_source is not None
-        self.pipe = pipe
-        self.itemsize = pipe.ds.store.dtype.itemsize
-        names = [d.name for d in pipe.ds.sources]
-        self.tokens = [
-            metrics.tokens_sent.labels(dataset=n, split="train", source=n) for n in names
-        ]
-        self.bytes = [metrics.bytes_sent.labels(dataset=n, split="train") for n in names]
-        self._runs: list[list[Any]] = []  # [round, first batch, end batch], written, not counted
-        self._due = time.monotonic() + self.FLUSH_SECONDS
-
-    @classmethod
-    def of(cls, metrics: ServerMetrics, pipe: MessageBuilder) -> SourceCounters | None:
-        return cls(metrics, pipe) if pipe.by_source is not None else None
-
-    def count(self, messages: int) -> None:
-        """The next `messages` messages built are written: count them (soon)."""
-        queue, runs = self.pipe.by_source, self._runs
-        assert queue is not None
-        for _ in range(messages):
-            for lr, i, j in queue.popleft():
-                last = runs[-1] if runs else None
-                if last is not None and last[0] is lr and last[2] == i:
-                    last[2] = j
-                else:
-                    runs.append([lr, i, j])
-        if time.monotonic() >= self._due:
-            self.flush()
-
-    def flush(self) -> None:
-        """Count every run written so far."""
-        self._due = time.monotonic() + self.FLUSH_SECONDS
-        if not self._runs:
-            return
-        total = sum(lr.source_tokens[j] - lr.source_tokens[i] for lr, i, j in self._runs)
-        self._runs.clear()
-        for i, n in enumerate(total.tolist()):
-            if n:
-                self.tokens[i].inc(n)
-                self.bytes[i].inc(n * self.itemsize)
