@@ -4,8 +4,10 @@
         [--repeat 3] [--tokens 33554432]
 
 Goals: with 10,000 run-time segments, the feeder's CPU per batch is at most 1.5x a
-static mixture's, the stream re-opened at each change included; the loader's state
-dict at 10,000 segments is at most 1 MiB.
+static mixture's, the stream re-opened at each change included (both segment rows
+below); the loader's state dict at 10,000 segments is at most 1 MiB. The static
+mixture re-opened at the same steps is shown beside them: what a re-open costs at
+any number of segments.
 
 The mixture is benchmarks/mixture_throughput.py's (3 sources, batch 16 x 1024, stride
 256, shuffled, one rank, one batch per message: the per-batch costs). Run-time
@@ -252,9 +254,9 @@ def main() -> None:
         f"{reopen['static-reopen'] / reopen['static']:.2f}x (batches in flight when the stream "
         "is cancelled, and its start)"
     )
-    worst = max(reopen.values()) / base_us
+    worst = max(reopen["segments"], reopen["segments-reopen"]) / base_us
     print(
-        f"\ngoals: server CPU per batch <= {CPU_GOAL}x static (worst row {worst:.2f}x); "
+        f"\ngoals: server CPU per batch <= {CPU_GOAL}x static (worst segment row {worst:.2f}x); "
         f"state dict <= 1 MiB ({trainer['state_pickle_bytes'] / STATE_GOAL:.2f} MiB pickled)"
     )
 
