@@ -24,7 +24,6 @@ wire, validation.
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import math
@@ -38,21 +37,12 @@ from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.core.limits import MAX_PARAM, MAX_REQUEST_BYTES, MAX_SEED, REQUEST_FIELDS_BYTES
 from tokenfeed.core.mixture import Mixture, RuntimeSegments
 from tokenfeed.core.mixture.files import load_mixture
+from tokenfeed.core.mixture.spec import shortest_decimal
 from tokenfeed.v1 import feeder_pb2 as pb
 
 SPLITS = ("train", "validation")
 DEFAULT_SHUFFLE_BLOCKS = 8
 AUTO = "auto"
-
-
-def decimal_fraction(value: float) -> Fraction:
-    """The shortest decimal that round-trips to `value`, exactly: 0.7 -> 7/10."""
-    return _decimal_fraction(float(value))
-
-
-@functools.lru_cache(maxsize=256)
-def _decimal_fraction(value: float) -> Fraction:
-    return Fraction(repr(value))  # cached: a mixture's Info asks once per source
 
 
 def proper_divisors(n: int) -> list[int]:
@@ -285,7 +275,7 @@ class SamplingSpec:
 
     @property
     def split_fraction(self) -> Fraction:
-        return decimal_fraction(self.split_rate)
+        return shortest_decimal(float(self.split_rate))
 
     @property
     def divisors(self) -> list[int]:

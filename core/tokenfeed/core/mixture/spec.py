@@ -56,7 +56,7 @@ class Segment:
     @cached_property
     def weights(self) -> tuple[Fraction, ...]:
         """The weights as given, exact: the shortest decimal of each float."""
-        return tuple(map(_decimal, self.given))
+        return tuple(map(shortest_decimal, self.given))
 
     @cached_property
     def shares(self) -> tuple[Fraction, ...]:
@@ -69,7 +69,7 @@ def parse_weight(value: Any, field: str) -> Fraction:
     0.7 is 7/10 (not the binary float 0.6999...), so every language that prints floats
     the shortest way computes the same stream.
     """
-    return _decimal(given_weight(value, field))
+    return shortest_decimal(given_weight(value, field))
 
 
 def given_weight(value: Any, field: str) -> float:
@@ -94,9 +94,10 @@ def given_weight(value: Any, field: str) -> float:
 
 
 @lru_cache(maxsize=1 << 16)
-def _decimal(f: float) -> Fraction:
-    """The shortest decimal that round-trips `f`, exactly. Cached: parsing it costs
-    microseconds, and weights repeat (a policy's are a few decimals each)."""
+def shortest_decimal(f: float) -> Fraction:
+    """The shortest decimal that round-trips `f`, exactly: 0.7 -> 7/10. Cached: parsing
+    it costs microseconds, and weights repeat (a policy's are a few decimals each; Info
+    asks for each source's split_rate)."""
     return Fraction(*Decimal(repr(f)).as_integer_ratio())  # Fraction(repr(f)), 2x faster
 
 
@@ -116,7 +117,7 @@ def normalize(weights: Sequence[Fraction]) -> tuple[tuple[int, ...], int]:
 def normalize_given(given: Sequence[float]) -> tuple[tuple[int, ...], int]:
     """normalize() of the weights the floats `given` name (their shortest decimals),
     computed per distinct value: a segment of 1,000 sources has a few."""
-    exact = {v: _decimal(v) for v in set(given)}
+    exact = {v: shortest_decimal(v) for v in set(given)}
     common = math.lcm(*(w.denominator for w in exact.values()))
     m = {v: w.numerator * (common // w.denominator) for v, w in exact.items()}
     total = sum(map(m.__getitem__, given))
