@@ -318,16 +318,12 @@ def test_compose_wiring() -> None:
     assert ds["datasources"][0]["url"] == "http://prometheus:9090"
 
 
-def compose_check() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "compose_check", ROOT / "scripts" / "compose_check.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def compose_check(name: str = "compose_check") -> Any:
+    """scripts/<name>.py, imported as `python scripts/compose_check.py` would (its
+    folder first on the path, where its sibling modules are)."""
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module(name)
 
 
 def test_replicas_profile_is_a_second_feeder_that_trainers_and_compose_check_know() -> None:
@@ -655,7 +651,7 @@ def test_scripts_are_executable(path: Path) -> None:
 def test_the_only_panels_compose_check_lets_stay_empty_are_the_online_mixers() -> None:
     # the demo trainers mix by fixed weights: a panel may lack data in the compose stack
     # only when every metric it reads is one an OnlineMixer alone exports
-    check = compose_check()
+    check = compose_check("compose_stack")
     mixer = (ROOT / "mixing" / "tokenfeed" / "mixing" / "mixer.py").read_text()
     exported = {
         name
