@@ -104,6 +104,10 @@ def test_resume_mid_epoch_with_no_info_call(
             resumed.load_state_dict(state)
             rest = _epochs(resumed, 2)
         assert rest == [whole[0][12:], whole[1]]
+        with _client(f.address, **KW) as at_end:  # an epoch's end: the stream tells only
+            at_end.load_state_dict(resumed.state_dict() | {"epoch": 0})
+            assert [b["step"] for b in at_end] == []
+            assert at_end.steps_left == 0
         assert info_calls == []
 
 
@@ -125,20 +129,30 @@ def test_the_first_response_tells_info_and_packs_by_bytes(feeder_root: Path) -> 
                     describe=True,
                 )
             )
-            header, rest = got[0], got[1:]
+            header = got[0]
             per_message = packed_batches(message_bytes, 4, 16, 4) if message_bytes else 2
-            assert not header.batches
+            assert len(header.batches) == 1  # the first batch travels alone
             assert header.info == info  # what Info answers
             assert header.batches_per_message == per_message
-            sizes = [len(r.batches) for r in rest]  # (a first batch may come alone)
+            assert not any(r.batches_per_message or r.HasField("info") for r in got[1:])
+            sizes = [len(r.batches) for r in got]
             assert max(sizes) == per_message
-            assert min(sizes) >= 1
             assert sum(sizes) == info.datasets[0].splits[0].steps
         # packing by bytes alone: the count, without Info's answer
         header = next(_responses(f.address, params=params, rank=1, message_bytes=2000))
-        assert not header.batches
+        assert len(header.batches) == 1
         assert not header.HasField("info")
         assert header.batches_per_message == packed_batches(2000, 4, 16, 4) == 7
+        # an epoch with no step left from the offset: the answer alone
+        (last,) = _responses(
+            f.address,
+            params=params,
+            rank=1,
+            offset=info.datasets[0].splits[0].windows,
+            describe=True,
+        )
+        assert not last.batches
+        assert last.info == info
         # a request with neither (an older or other-language client): batches at once
         first = next(_responses(f.address, params=params, rank=1, batches_per_message=2))
         assert first.batches

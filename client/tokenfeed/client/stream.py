@@ -212,6 +212,7 @@ class StreamReader(threading.Thread):
         self.metadata = channels.connection.metadata
         self._stop_event = threading.Event()
         self._call: grpc.Call | None = None
+        self._early: Any = None  # the first call, made by start()
         self._call_lock = threading.Lock()
         self.reconnects = 0
 
@@ -236,6 +237,38 @@ class StreamReader(threading.Thread):
         return self._stop_event.is_set()
 
     # -------------------------------------------------------------------- body
+    def start(self) -> None:
+        """Start the thread, the stream's call first: the request is on its way while
+        the thread starts (on a busy machine, up to milliseconds). A call that cannot
+        be made here (an address to resolve, a closed channel) is left to the thread,
+        which retries it as any other failure."""
+        try:
+            self._early = self._invoke()
+            with self._call_lock:
+                self._call = self._early
+        except (grpc.RpcError, OSError, ValueError):
+            pass
+        super().start()
+
+    def _invoke(self) -> Any:
+        """The stream's call from the reader's position."""
+        req = self.request
+        return self.channels.stub().StreamBatches(
+            feeder_pb2.StreamBatchesRequest(
+                params=req.params,
+                epoch=req.epoch,
+                rank=req.rank,
+                offset=self.offset,
+                step=self.step,
+                batches_per_message=req.batches_per_message,
+                max_message_bytes=MAX_RECEIVE_BYTES,
+                document_ends=req.document_ends,
+                message_bytes=req.message_bytes,
+                describe=req.describe and self.sizes is None,
+            ),
+            metadata=self.metadata,
+        )
+
     def run(self) -> None:
         try:
             self._run()
@@ -260,22 +293,7 @@ class StreamReader(threading.Thread):
         while not self._stop_event.is_set():
             reason = ""
             try:
-                stub = self.channels.stub()
-                call = stub.StreamBatches(
-                    feeder_pb2.StreamBatchesRequest(
-                        params=req.params,
-                        epoch=req.epoch,
-                        rank=req.rank,
-                        offset=self.offset,
-                        step=self.step,
-                        batches_per_message=req.batches_per_message,
-                        max_message_bytes=MAX_RECEIVE_BYTES,
-                        document_ends=req.document_ends,
-                        message_bytes=req.message_bytes,
-                        describe=req.describe and self.sizes is None,
-                    ),
-                    metadata=self.metadata,
-                )
+                call, self._early = self._early or self._invoke(), None
                 with self._call_lock:
                     self._call = call
                 if self._stop_event.is_set():

@@ -357,8 +357,8 @@ class FeederService:
     def _prepare_stream(
         self, request: Any, entry: StreamEntry
     ) -> tuple[MessageBuilder, bytes | None]:
-        """The stream's message builder, and the first response that tells the client
-        what it asked to be told (`describe`, `message_bytes`), if it asked."""
+        """The stream's message builder, and what the first response tells the client
+        beside its batches (`describe`, `message_bytes`), if it asked."""
         request = self._decoded(request)
         spec = SamplingSpec.from_proto(request.params)
         assert entry.job is not None
@@ -510,8 +510,6 @@ class FeederService:
         burst: list[Message] = []
         written = 0  # messages of `burst` written and not yet counted
         try:
-            if header is not None:
-                await context.write(header)
             while True:
                 job = entry.job
                 assert job is not None
@@ -528,11 +526,15 @@ class FeederService:
                         if not burst and not pipe.finished:
                             burst = await loop.run_in_executor(self.executor, pipe.next_burst)
                     if not burst:
+                        if header is not None:  # an epoch with nothing left to send
+                            await context.write(header)
                         entry.outcome = "ok"
                         return
                     if not small:  # double buffering: build the next burst while writing
                         building = loop.run_in_executor(self.executor, pipe.next_burst)
                     for data, _, _, _ in burst:
+                        if header is not None:  # one message: the fields merge (protobuf)
+                            data, header = header + data, None
                         await context.write(data)  # waits for HTTP/2 flow control
                         written += 1
                 finally:
