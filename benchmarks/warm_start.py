@@ -1,7 +1,7 @@
 """A second FeederClient in the same process, from construction to its first batch.
 
     python benchmarks/warm_start.py                  # ~1 minute; see --help
-    python benchmarks/warm_start.py --baseline-client /tmp/base/client
+    python benchmarks/warm_start.py --baseline /tmp/base
 
 One uint16 store behind a local feeder (a `tokenfeed serve` subprocess); batches of
 16 x 1024, shuffled, as in benchmarks/peers.py. Each trainer process builds a first
@@ -15,9 +15,10 @@ noisy than the wall clock on a shared machine).
 Variants: `stream` (this revision's client as users call it: iterate first), `info`
 (the same client asked `dataset_info` before iterating: an Info call, then the
 stream, which is what every start did before the stream told the client what Info
-says). `--baseline-client DIR` also runs `stream@base` with the client package of
-another revision (DIR is its `client/` source root, e.g. from `git archive main
-client | tar -x -C /tmp/base`). Variants are interleaved round by round.
+says). `--baseline DIR` also runs `stream@base`: another revision's client against
+its own feeder (DIR is that revision's tree with its C extensions built in place, e.g.
+`git archive main | tar -x -C /tmp/base` and the `*.so` files copied when the C
+sources are the same). Variants are interleaved round by round.
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="rounds of every variant, interleaved")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument(
-        "--baseline-client",
+        "--baseline",
         type=Path,
-        help="client/ source root of another revision: also runs stream@base",
+        help="another revision's tree (C extensions built): also runs stream@base on its feeder",
     )
     p.add_argument("--json", help="also write every result to this file")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -110,20 +111,29 @@ def main() -> None:
         return child(args)
 
     variants = args.variants.split(",")
-    if args.baseline_client:
+    envs = {"": dict(os.environ)}  # each revision's feeder and client: its source roots
+    if args.baseline:
         variants.append("stream@base")
+        roots = [str(r) for r in sorted(args.baseline.resolve().glob("*/tokenfeed")) if r.is_dir()]
+        roots = [str(Path(r).parent) for r in roots]
+        envs["@base"] = dict(os.environ, PYTHONPATH=os.pathsep.join(roots))
     results: list[dict[str, Any]] = []
+    feeders: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     with tempfile.TemporaryDirectory(prefix="tokenfeed-bench-") as tmp:
         root = Path(tmp)
         n = int(args.tokens)
         tokens = np.random.default_rng(0).integers(0, 50257, n, dtype=np.uint16)
         write_store(root / DATASET, tokens, dtype="uint16", tokens_per_chunk=1 << 21)
-        port_file = root / "port"
-        feeder = subprocess.Popen(
-            serve_argv(root, port_file), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
         try:
-            address = f"127.0.0.1:{wait_for_port(feeder, port_file)}"
+            for name, env in envs.items():
+                port_file = root / f"port{name}"
+                proc = subprocess.Popen(
+                    serve_argv(root, port_file),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=env,
+                )
+                feeders[name] = proc, f"127.0.0.1:{wait_for_port(proc, port_file)}"
             print(
                 f"store: {n / 1e6:.0f}M uint16 tokens; batches {BATCH} x {SEQ_LEN}, shuffled; "
                 f"{args.starts} warm starts per process, {args.repeat} rounds; "
@@ -133,11 +143,8 @@ def main() -> None:
             for k in range(args.repeat):
                 order = variants[k % len(variants) :] + variants[: k % len(variants)]
                 for variant in order:
-                    env = dict(os.environ)
-                    if variant.endswith("@base"):  # the other revision's client package first
-                        env["PYTHONPATH"] = os.pathsep.join(
-                            [str(args.baseline_client.resolve()), env.get("PYTHONPATH", "")]
-                        )
+                    rev = "@base" if variant.endswith("@base") else ""
+                    feeder, address = feeders[rev]
                     feeder_cpu0 = stat(feeder.pid)[1]
                     child_args = ["--child", variant.removesuffix("@base"), "--address", address]
                     out = subprocess.run(
@@ -145,18 +152,19 @@ def main() -> None:
                         check=True,
                         capture_output=True,
                         text=True,
-                        env=env,
+                        env=envs[rev],
                     )
                     r = json.loads(out.stdout.strip().splitlines()[-1])
-                    if variant.endswith("@base"):
-                        assert Path(r["client"]) == args.baseline_client.resolve(), r["client"]
+                    if rev:  # the other revision's client was the one imported
+                        assert Path(r["client"]).parent == args.baseline.resolve(), r["client"]
                     # the cold start included: an upper bound of the warm starts' share
                     r["feeder_cpu"] = (stat(feeder.pid)[1] - feeder_cpu0) / (args.starts + 1)
                     r["variant"], r["round"] = variant, k
                     results.append(r)
         finally:
-            feeder.terminate()
-            feeder.wait(30)
+            for feeder, _ in feeders.values():
+                feeder.terminate()
+                feeder.wait(30)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     report(results, variants)

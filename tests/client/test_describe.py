@@ -194,3 +194,10 @@ def test_a_mixture_streams_with_no_info_call(
             it = iter(c)
             assert [next(it)["sources"].tolist() for _ in range(20)] == first
         assert len(info_calls) == 1
+        # asked for on the wire, a mixture's first response tells what Info says too
+        params = c.spec.to_proto()
+        with grpc.insecure_channel(f.address) as channel:
+            info = feeder_pb2_grpc.FeederStub(channel).Info(pb.InfoRequest(params=params))
+        header = next(_responses(f.address, params=params, describe=True))
+        assert header.info == info
+        assert header.batches_per_message == 1

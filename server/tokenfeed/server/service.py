@@ -296,12 +296,20 @@ class FeederService:
             found = self.access.datasets(job)
         resp = pb.InfoResponse()
         for ds in found:
-            info = _describe(resp, ds)
+            spec = None
             if request.HasField("params"):
                 spec = SamplingSpec.from_proto(request.params, dataset=ds.name)
-                for split in SPLITS:
-                    info.splits.append(self._split_info(spec.with_(split=split), ds, request.rank))
+            self._dataset_info(resp, ds, spec, request.rank)
         return resp
+
+    def _dataset_info(
+        self, resp: pb.InfoResponse, ds: Dataset, spec: SamplingSpec | None, rank: int
+    ) -> None:
+        """Add `ds`'s DatasetInfo to `resp`, with its splits under `spec` if given."""
+        info = _describe(resp, ds)
+        if spec is not None:
+            for split in SPLITS:
+                info.splits.append(self._split_info(spec.with_(split=split), ds, rank))
 
     def _mixture_info(self, request: Any, job: Job) -> pb.InfoResponse:
         """Info of a mixture: each source's DatasetInfo (its splits for the params) and
@@ -433,11 +441,11 @@ class FeederService:
         header = None
         if request.describe or request.message_bytes:  # what the client did not know
             header = pb.StreamBatchesResponse(batches_per_message=per_message)
-            if request.describe:
-                about = pb.InfoRequest(
-                    dataset=spec.dataset, params=request.params, rank=request.rank
-                )
-                header.info.CopyFrom(self._info(about, entry.job))
+            if request.describe and isinstance(sampler, MixtureSampler):
+                about = pb.InfoRequest(params=request.params, rank=request.rank)
+                header.info.CopyFrom(self._mixture_info(about, entry.job))
+            elif request.describe:  # what Info says, the access checked above
+                self._dataset_info(header.info, ds, spec, request.rank)
         return pipe, None if header is None else header.SerializeToString()
 
     def _admit(self, entry: StreamEntry) -> None:
