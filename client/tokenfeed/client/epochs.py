@@ -50,9 +50,8 @@ class Epochs:
     """The streams of rank `rank` of `spec`, moving `position` as the loop receives.
 
     `info` is what the feeder told of the dataset (a stream's first response, or an
-    Info call), `stager`
-    makes each batch's arrays or tensors (buffers.NumpyStager, device.make_stager),
-    `on_reconnect` is told each reconnect's reason.
+    Info call), `stager` makes each batch's arrays or tensors (buffers.NumpyStager,
+    device.make_stager), `on_reconnect` is told each reconnect's reason.
     """
 
     def __init__(

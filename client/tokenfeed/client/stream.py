@@ -303,7 +303,7 @@ class StreamReader(threading.Thread):
                 for response in call:
                     if sizes is None:
                         sizes = self.sizes = self.learn(response)
-                    if first and response.batches:  # not a first response without any
+                    if first and response.batches:  # (a first response may be the answer alone)
                         first = False
                         outage.succeeded()
                         self._log_start(resumed)
