@@ -474,8 +474,11 @@ def test_batches_per_message_packs_without_changing_the_batches(feeder) -> None:
 
 
 def test_non_retryable_errors_surface_at_once_with_the_servers_message(feeder) -> None:
+    # the stream's own answer: no Info call goes first
     with _client(feeder.address, dataset="nope") as c, pytest.raises(NotFound, match="nope"):
-        iter(c)
+        next(iter(c))
+    with _client(feeder.address, dataset="nope") as c, pytest.raises(NotFound, match="nope"):
+        len(c)
     with pytest.raises(InvalidArgument, match="must divide seq_len"):
         _client(feeder.address, seq_len=16, shift=3)  # checked before any feeder is contacted
     with (

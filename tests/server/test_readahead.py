@@ -144,6 +144,7 @@ def test_every_deep_look_ranks_the_cached_chunks_it_saw_by_their_first_use(
                 wait_until(lambda: cache.loading == 0, 30, "read-aheads")
                 if not mb.next_burst():
                     break
+                mb.settle()
                 if mb.readahead.look is look:
                     continue
                 look = mb.readahead.look
@@ -198,6 +199,7 @@ def test_a_quiet_readahead_asks_what_the_whole_loop_asks(small: Dataset, per_mes
                 before, last = len(cache.asks), mb.readahead._quiet
                 if not mb.next_burst():
                     break
+                mb.settle()  # the first burst's read-ahead, before the loads are awaited
                 quiet += mb.readahead._quiet is last and not forget  # this burst's returned early
                 per_burst.append([k for ask in cache.asks[before:] for k in ask])
         finally:

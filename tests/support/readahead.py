@@ -56,6 +56,7 @@ def drive(ds: Dataset, cache: ChunkCache, spec: SamplingSpec, epochs: int) -> li
             misses = cache.stats.misses
             if not mb.next_burst():
                 break
+            mb.settle()  # as the feeder's next burst does, right after this one is sent
             n += 1
             if cache.stats.misses > misses:
                 waited.append(n)

@@ -29,12 +29,13 @@ import numpy as np
 
 from tokenfeed.client.buffers import batch_array, batch_starts
 from tokenfeed.client.handoff import Handoff
-from tokenfeed.client.info import DatasetInfo
+from tokenfeed.client.info import KnownInfo
 from tokenfeed.client.metrics import ClientMetrics
-from tokenfeed.client.options import Options
+from tokenfeed.client.options import MESSAGE_TARGET_BYTES, Options
 from tokenfeed.client.position import Position
-from tokenfeed.client.stream import END, Failure, StreamReader, StreamRequest
+from tokenfeed.client.stream import END, EpochSizes, Failure, StreamReader, StreamRequest
 from tokenfeed.client.transport import Channels
+from tokenfeed.core.limits import MAX_TOKENS
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.v1 import feeder_pb2
 
@@ -48,9 +49,9 @@ LOOKAHEAD_STEPS = 64
 class Epochs:
     """The streams of rank `rank` of `spec`, moving `position` as the loop receives.
 
-    `info` gives the feeder's DatasetInfo (an Info call the first time), `stager`
-    makes each batch's arrays or tensors (buffers.NumpyStager, device.make_stager),
-    `on_reconnect` is told each reconnect's reason.
+    `info` is what the feeder told of the dataset (a stream's first response, or an
+    Info call), `stager` makes each batch's arrays or tensors (buffers.NumpyStager,
+    device.make_stager), `on_reconnect` is told each reconnect's reason.
     """
 
     def __init__(
@@ -62,7 +63,7 @@ class Epochs:
         channels: Channels,
         metrics: ClientMetrics,
         stager: Any,
-        info: Callable[[], DatasetInfo],
+        info: KnownInfo,
         on_reconnect: Callable[[str], None],
     ) -> None:
         self.rank, self.options = rank, options
@@ -160,41 +161,68 @@ class Epochs:
         self.metrics.track_occupancy(self._queue.qsize)
 
     def _open(self, epoch: int, offset: int, step: int) -> tuple[StreamReader, Handoff]:
-        """A started reader of `epoch` from (offset, step) and its queue."""
-        size = self._info()
-        per_message = self.options.message_batches(
-            self.batch_size * (self.seq_len + 1) * size.itemsize
-        )
-        spec = self._position.spec  # with a mixture's run-time segments
+        """A started reader of `epoch` from (offset, step) and its queue. What the
+        reader needs to know of the epoch (its windows; the batches per message, which
+        depend on the dtype) comes from the feeder's first answer when this client has
+        had none yet: the stream asks for it (`describe`, `message_bytes`) instead of
+        waiting for an Info call first."""
+        known, spec, options = self._info.known, self._position.spec, self.options
+        windows = per_message = None
+        if known is not None:
+            windows = known.windows
+            per_message = options.message_batches(spec.batch_size, spec.seq_len, known.itemsize)
+        else:
+            per_message = options.batches_per_message  # None: the feeder picks by bytes
+            if spec.is_mixture:
+                windows = MAX_TOKENS // spec.seq_len  # endless: the offset never gets there
         request = StreamRequest(
             params=spec.to_proto(),
             epoch=epoch,
             rank=self.rank,
-            batches_per_message=per_message,
+            batches_per_message=per_message or 1,  # what a feeder without message_bytes packs
             global_batch=spec.global_batch,
-            num_windows=size.windows,
-            remaining=self._position.remaining(size.windows),
-            document_ends=self.options.document_ends,
+            document_ends=options.document_ends,
+            message_bytes=0 if per_message else MESSAGE_TARGET_BYTES,
+            describe=windows is None,
         )
         # A message's batches are in memory once it arrives: let them all wait in the
         # buffer (<= ~256 KiB), so the reader takes a message at a time, not a batch.
-        q = Handoff(max(self.prefetch, per_message))
+        q = Handoff(max(self.prefetch, per_message or 1))
+
+        def learn(first: feeder_pb2.StreamBatchesResponse | None) -> EpochSizes:
+            """The epoch's sizes from the stream's first response (or, from a feeder
+            that does not answer `describe`, an Info call)."""
+            n = windows
+            if n is None and first is not None and first.HasField("info"):
+                n = self._info.told(first.info).windows
+            elif n is None:
+                n = self._info.get().windows
+            packed = per_message or (first.batches_per_message if first is not None else 0)
+            return self._sizes(q, offset, step, n, packed or 1)
+
+        sizes = None
+        if windows is not None and per_message is not None:
+            sizes = self._sizes(q, offset, step, windows, per_message)
         reader = StreamReader(
-            self._channels,
-            request,
-            offset,
-            step,
-            q,
-            partial(self._stage, request.num_windows, self._ahead_step(request, offset, step)),
-            self._on_reconnect,
+            self._channels, request, offset, step, q, sizes, learn, self._on_reconnect
         )
         reader.start()
         return reader, q
 
-    def _ahead_step(self, request: StreamRequest, offset: int, step: int) -> int:
+    def _sizes(
+        self, q: Handoff, offset: int, step: int, windows: int, per_message: int
+    ) -> EpochSizes:
+        """A reader's epoch sizes from (offset, step), given its windows and the
+        batches per message (which size its queue)."""
+        q.maxsize = max(self.prefetch, per_message)
+        remaining = self._position.remaining(windows)
+        ahead_step = self._ahead_step(remaining(offset), step)
+        return EpochSizes(windows, remaining, partial(self._stage, windows, ahead_step))
+
+    def _ahead_step(self, left: int, step: int) -> int:
         """The step whose batch, once the loop takes it, opens the next epoch's stream
-        (-1: never; then the epoch's end does, if `lookahead`)."""
-        left = request.remaining(offset)
+        (-1: never; then the epoch's end does, if `lookahead`), from a stream at `step`
+        with `left` steps to go."""
         if not self.lookahead or left <= 0:
             return -1
         return step + max(0, left - 1 - LOOKAHEAD_STEPS)

@@ -1,7 +1,9 @@
-"""What the feeder says about a dataset and a request (its Info RPC), as `DatasetInfo`."""
+"""What the feeder says about a dataset and a request, as `DatasetInfo`: the answer of
+its Info RPC, which a stream's first response also carries when asked (`describe`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenfeed.core.dtypes import itemsize
@@ -74,3 +76,27 @@ def dataset_info(response: feeder_pb2.InfoResponse, dataset: str, split: str) ->
             raise NotFound(f"the feeder reports no split {split!r} for dataset {dataset!r}")
     names = [ds.name for ds in response.datasets]
     raise NotFound(f"the feeder has no dataset {dataset!r} (it has {names})")
+
+
+class KnownInfo:
+    """A client's DatasetInfo, learned once and kept (the store and the request do not
+    change): told by a stream's first response (`told`), or asked with one Info call
+    (`get`) when wanted before any stream told it."""
+
+    def __init__(
+        self,
+        parse: Callable[[feeder_pb2.InfoResponse], DatasetInfo],
+        ask: Callable[[], feeder_pb2.InfoResponse],
+    ) -> None:
+        self.parse, self.ask = parse, ask
+        self.known: DatasetInfo | None = None
+
+    def get(self) -> DatasetInfo:
+        if self.known is None:
+            self.known = self.parse(self.ask())
+        return self.known
+
+    def told(self, response: feeder_pb2.InfoResponse) -> DatasetInfo:
+        if self.known is None:
+            self.known = self.parse(response)
+        return self.known

@@ -40,7 +40,7 @@ from tokenfeed.client.connection import (
     with_connect_timeout,
 )
 from tokenfeed.client.epochs import Epochs
-from tokenfeed.client.info import DatasetInfo, dataset_info, mixture_info
+from tokenfeed.client.info import DatasetInfo, KnownInfo, dataset_info, mixture_info
 from tokenfeed.client.metrics import ClientMetrics
 from tokenfeed.client.options import Options, document_outputs, resolve_rank, sampling_spec
 from tokenfeed.client.position import Position, no_epochs
@@ -93,7 +93,9 @@ class FeederClient:
     `Timeouts.connect_timeout`; `backoff` bounds reconnects once a feeder answered.
 
     Every argument is checked here (TypeError, ValueError), the device too; the
-    first Info call (`len`, `dataset_info`, the first iteration) contacts the feeder.
+    first stream (the first iteration) or Info call (`len`, `dataset_info` before
+    it) contacts the feeder; the stream tells what Info would, so iterating first
+    needs no Info call.
     `len(loader)` is the steps of a FULL epoch for this rank at this world size,
     `steps_left` what remains of the current one from the position.
     """
@@ -221,7 +223,7 @@ class FeederClient:
             from tokenfeed.client.device import make_stager  # imports torch
 
             stager = make_stager(self.device, *stage)
-        self._info: DatasetInfo | None = None
+        self._info = KnownInfo(self._parse_info, self._ask_info)
         self._reconnects = 0
         self._position = Position(spec, self.rank)
         self.metrics.track_weights(self._position.weights_in_force)
@@ -233,7 +235,7 @@ class FeederClient:
             self._channels,
             self.metrics,
             stager,
-            lambda: self.dataset_info,
+            self._info,
             self._on_reconnect,
         )
 
@@ -256,24 +258,28 @@ class FeederClient:
 
     @property
     def dataset_info(self) -> DatasetInfo:
-        """The dataset's metadata and this request's windows and steps (one Info call,
-        then cached: the store and the request do not change)."""
-        if self._info is None:
-            request = feeder_pb2.InfoRequest(
-                dataset=self.dataset, params=self.spec.to_proto(), rank=self.rank
-            )
-            metadata = self.connection.metadata
-            response = call_with_retry(
-                self._channels,
-                lambda stub, timeout: stub.Info(request, metadata=metadata, timeout=timeout),
-                self._on_reconnect,
-                f"rank {self.rank}: Info",
-            )
-            if self.is_mixture:  # Info checked the sources (NOT_FOUND, FAILED_PRECONDITION)
-                self._info = mixture_info(response, self.seq_len)
-            else:
-                self._info = dataset_info(response, self.dataset, self.split)
-        return self._info
+        """The dataset's metadata and this request's windows and steps: what the first
+        stream told, else one Info call; then cached (the store and the request do not
+        change)."""
+        return self._info.get()
+
+    def _ask_info(self) -> feeder_pb2.InfoResponse:
+        request = feeder_pb2.InfoRequest(
+            dataset=self.dataset, params=self.spec.to_proto(), rank=self.rank
+        )
+        metadata = self.connection.metadata
+        response: feeder_pb2.InfoResponse = call_with_retry(
+            self._channels,
+            lambda stub, timeout: stub.Info(request, metadata=metadata, timeout=timeout),
+            self._on_reconnect,
+            f"rank {self.rank}: Info",
+        )
+        return response
+
+    def _parse_info(self, response: feeder_pb2.InfoResponse) -> DatasetInfo:
+        if self.is_mixture:  # Info checked the sources (NOT_FOUND, FAILED_PRECONDITION)
+            return mixture_info(response, self.seq_len)
+        return dataset_info(response, self.dataset, self.split)
 
     @property
     def is_mixture(self) -> bool:

@@ -18,15 +18,15 @@ from prometheus_client import CollectorRegistry
 from tokenfeed.client.buffers import DOCUMENT_OUTPUTS, LAYOUTS
 from tokenfeed.client.checks import check_int, check_type
 from tokenfeed.core.errors import InvalidArgument
+from tokenfeed.core.limits import MAX_PACKED_BATCHES, packed_batches
 from tokenfeed.core.mixture.files import load_mixture
 from tokenfeed.core.request import SamplingSpec
 
 MAX_PREFETCH = 1024
 MAX_BATCHES_PER_MESSAGE = 1024  # the server's limit
-# Auto batches_per_message packs this many bytes per message: gRPC's cost is per
-# message, so small batches travel several to a message.
+# Auto batches_per_message packs this many bytes per message (core.limits.packed_batches).
 MESSAGE_TARGET_BYTES = 256 << 10
-MAX_AUTO_BATCHES_PER_MESSAGE = 16
+MAX_AUTO_BATCHES_PER_MESSAGE = MAX_PACKED_BATCHES
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,12 @@ class Options:
         """Whether a stream asks the feeder for each batch's document ends."""
         return bool(self.documents) or self.mask_cross_document_labels
 
-    def message_batches(self, batch_bytes: int) -> int:
-        """Batches per gRPC message: `batches_per_message`, or as many batches of
-        `batch_bytes` as fit MESSAGE_TARGET_BYTES (1 to 16)."""
-        return self.batches_per_message or max(
-            1, min(MAX_AUTO_BATCHES_PER_MESSAGE, MESSAGE_TARGET_BYTES // batch_bytes)
+    def message_batches(self, batch_size: int, seq_len: int, itemsize: int) -> int:
+        """Batches per gRPC message: `batches_per_message`, or as many batches as fit
+        MESSAGE_TARGET_BYTES (1 to 16; what the feeder picks when the stream asks it to
+        pack by bytes)."""
+        return self.batches_per_message or packed_batches(
+            MESSAGE_TARGET_BYTES, batch_size, seq_len, itemsize
         )
 
 

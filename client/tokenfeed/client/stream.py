@@ -170,13 +170,28 @@ class StreamRequest:
     rank: int
     batches_per_message: int
     global_batch: int  # batch_size * world_size: how far one step moves the offset
+    document_ends: bool = False  # ask for each batch's document ends
+    message_bytes: int = 0  # > 0: the feeder packs by bytes (the client knows no dtype)
+    describe: bool = False  # the first response tells the epoch's windows (Info's answer)
+
+
+@dataclass(frozen=True)
+class EpochSizes:
+    """What a reader needs to know of its epoch: known when it opens, or learned from
+    its stream's first response."""
+
     num_windows: int  # of the epoch order: the offset never passes it
     remaining: Callable[[int], int]  # steps this rank still has from an offset
-    document_ends: bool = False  # ask for each batch's document ends
+    stage: Callable[[feeder_pb2.Batch], Any]  # a Batch -> the queue's item
 
 
 class StreamReader(threading.Thread):
-    """Reads one epoch for one rank, from (offset, step), into `out`."""
+    """Reads one epoch for one rank, from (offset, step), into `out`.
+
+    `sizes`: the epoch's, when known as it opens; else `learn` makes them from the
+    stream's first response (the one `describe` or `message_bytes` asked for, or, from
+    a feeder that predates them, its first batches: None when there were none).
+    """
 
     def __init__(
         self,
@@ -185,17 +200,19 @@ class StreamReader(threading.Thread):
         offset: int,
         step: int,
         out: Handoff,
-        stage: Callable[[feeder_pb2.Batch], Any],
+        sizes: EpochSizes | None,
+        learn: Callable[[feeder_pb2.StreamBatchesResponse | None], EpochSizes],
         on_reconnect: Callable[[str], None],
     ) -> None:
         super().__init__(name=f"tokenfeed-reader-rank{request.rank}", daemon=True)
         self.channels, self.request = channels, request
         self.offset, self.step = offset, step
-        self.out, self.stage = out, stage
+        self.out, self.sizes, self.learn = out, sizes, learn
         self.on_reconnect = on_reconnect
         self.metadata = channels.connection.metadata
         self._stop_event = threading.Event()
         self._call: grpc.Call | None = None
+        self._early: Any = None  # the first call, made by start()
         self._call_lock = threading.Lock()
         self.reconnects = 0
 
@@ -220,6 +237,38 @@ class StreamReader(threading.Thread):
         return self._stop_event.is_set()
 
     # -------------------------------------------------------------------- body
+    def start(self) -> None:
+        """Start the thread, the stream's call first: the request is on its way while
+        the thread starts (on a busy machine, up to milliseconds). A call that cannot
+        be made here (an address to resolve, a closed channel) is left to the thread,
+        which retries it as any other failure."""
+        try:
+            self._early = self._invoke()
+            with self._call_lock:
+                self._call = self._early
+        except (grpc.RpcError, OSError, ValueError):
+            pass
+        super().start()
+
+    def _invoke(self) -> Any:
+        """The stream's call from the reader's position."""
+        req = self.request
+        return self.channels.stub().StreamBatches(
+            feeder_pb2.StreamBatchesRequest(
+                params=req.params,
+                epoch=req.epoch,
+                rank=req.rank,
+                offset=self.offset,
+                step=self.step,
+                batches_per_message=req.batches_per_message,
+                max_message_bytes=MAX_RECEIVE_BYTES,
+                document_ends=req.document_ends,
+                message_bytes=req.message_bytes,
+                describe=req.describe and self.sizes is None,
+            ),
+            metadata=self.metadata,
+        )
+
     def run(self) -> None:
         try:
             self._run()
@@ -244,38 +293,31 @@ class StreamReader(threading.Thread):
         while not self._stop_event.is_set():
             reason = ""
             try:
-                stub = self.channels.stub()
-                call = stub.StreamBatches(
-                    feeder_pb2.StreamBatchesRequest(
-                        params=req.params,
-                        epoch=req.epoch,
-                        rank=req.rank,
-                        offset=self.offset,
-                        step=self.step,
-                        batches_per_message=req.batches_per_message,
-                        max_message_bytes=MAX_RECEIVE_BYTES,
-                        document_ends=req.document_ends,
-                    ),
-                    metadata=self.metadata,
-                )
+                call, self._early = self._early or self._invoke(), None
                 with self._call_lock:
                     self._call = call
                 if self._stop_event.is_set():
                     call.cancel()
                 first = True
+                sizes = self.sizes
                 for response in call:
-                    if first:
+                    if sizes is None:
+                        sizes = self.sizes = self.learn(response)
+                    if first and response.batches:  # (a first response may be the answer alone)
                         first = False
                         outage.succeeded()
                         self._log_start(resumed)
+                    stage, num_windows = sizes.stage, sizes.num_windows
                     for batch in response.batches:
-                        item = self.stage(batch)
+                        item = stage(batch)
                         if not self._put(item):
                             return
-                        self.offset = min(batch.offset + req.global_batch, req.num_windows)
+                        self.offset = min(batch.offset + req.global_batch, num_windows)
                         self.step = batch.step + 1
+                if sizes is None:  # a feeder that predates `describe`, and no batch
+                    sizes = self.sizes = self.learn(None)
                 # The server ended the stream cleanly; believe it only at the epoch's end.
-                if req.remaining(self.offset) == 0:
+                if sizes.remaining(self.offset) == 0:
                     self._put(END)
                     return
                 reason = "ended_early"
@@ -298,7 +340,8 @@ class StreamReader(threading.Thread):
                     self._call = None
             if self._stop_event.is_set():
                 return
-            if req.remaining(self.offset) == 0:  # broke after the last batch: done
+            if self.sizes is not None and self.sizes.remaining(self.offset) == 0:
+                # broke after the last batch: done
                 self._put(END)
                 return
             # Retry: backoff, next address, same position.

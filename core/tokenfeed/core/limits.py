@@ -26,3 +26,15 @@ MAX_SOURCES = 1 << 12
 MAX_REQUEST_BYTES = 16 << 20
 # What a request holds beside its SamplingParams (rank, epoch, offset, ...): at most.
 REQUEST_FIELDS_BYTES = 1 << 10
+# Batches per message when they are packed by bytes (StreamBatchesRequest.message_bytes,
+# the client's default): gRPC's cost is per message, so small batches travel several
+# to a message, up to this many.
+MAX_PACKED_BATCHES = 16
+
+
+def packed_batches(message_bytes: int, batch_size: int, seq_len: int, itemsize: int) -> int:
+    """Batches per message packed by bytes: as many batches of batch_size x (seq_len +
+    1) tokens of `itemsize` bytes as fit `message_bytes`, 1 to MAX_PACKED_BATCHES. The
+    client and the feeder both count with this, so either may pick."""
+    batch_bytes = batch_size * (seq_len + 1) * itemsize
+    return max(1, min(MAX_PACKED_BATCHES, message_bytes // batch_bytes))

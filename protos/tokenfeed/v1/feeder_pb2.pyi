@@ -129,7 +129,7 @@ class InfoResponse(_message.Message):
     def __init__(self, datasets: _Optional[_Iterable[_Union[DatasetInfo, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceInfo, _Mapping]]] = ...) -> None: ...
 
 class StreamBatchesRequest(_message.Message):
-    __slots__ = ("params", "epoch", "rank", "offset", "step", "batches_per_message", "max_message_bytes", "document_ends")
+    __slots__ = ("params", "epoch", "rank", "offset", "step", "batches_per_message", "max_message_bytes", "document_ends", "message_bytes", "describe")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class StreamBatchesRequest(_message.Message):
     BATCHES_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_ENDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIBE_FIELD_NUMBER: _ClassVar[int]
     params: SamplingParams
     epoch: int
     rank: int
@@ -146,7 +148,9 @@ class StreamBatchesRequest(_message.Message):
     batches_per_message: int
     max_message_bytes: int
     document_ends: bool
-    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., step: _Optional[int] = ..., batches_per_message: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., document_ends: _Optional[bool] = ...) -> None: ...
+    message_bytes: int
+    describe: bool
+    def __init__(self, params: _Optional[_Union[SamplingParams, _Mapping]] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., step: _Optional[int] = ..., batches_per_message: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., document_ends: _Optional[bool] = ..., message_bytes: _Optional[int] = ..., describe: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("epoch", "step", "offset", "shift", "rows", "cols", "dtype", "tokens", "starts", "sources", "document_ends")
@@ -175,7 +179,11 @@ class Batch(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., offset: _Optional[int] = ..., shift: _Optional[int] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., dtype: _Optional[str] = ..., tokens: _Optional[bytes] = ..., starts: _Optional[_Iterable[int]] = ..., sources: _Optional[_Iterable[int]] = ..., document_ends: _Optional[bytes] = ...) -> None: ...
 
 class StreamBatchesResponse(_message.Message):
-    __slots__ = ("batches",)
+    __slots__ = ("batches", "batches_per_message", "info")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[Batch]
-    def __init__(self, batches: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ...) -> None: ...
+    batches_per_message: int
+    info: InfoResponse
+    def __init__(self, batches: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., batches_per_message: _Optional[int] = ..., info: _Optional[_Union[InfoResponse, _Mapping]] = ...) -> None: ...

@@ -163,6 +163,10 @@ class MessageBuilder:
         # to be read and checksummed. The read-ahead asked for after it loads them
         # whole, and the next bursts use them (or wait for them, checksum checked).
         self._first = True
+        # The first burst's read-ahead (locating the next burst's rows: about as long
+        # as the first burst itself) is made as the next burst starts, while the first
+        # batch is on its way; that burst needs the same rows located anyway.
+        self._later: tuple[int, set[int]] | None = None
         shares = sampler.world_size * max(1, sources)
         if shares >= inplace.IN_PLACE_WORLD_SIZE and ds.store.in_place:
             self.files = inplace.ChunkFiles(ds.store)
@@ -217,9 +221,18 @@ class MessageBuilder:
             if closed and self.files is not None:
                 self.files.close()
 
+    def settle(self) -> None:
+        """Make the read-ahead the first burst left for later (the next burst makes it
+        first otherwise)."""
+        if self._later is not None:
+            later, self._later = self._later, None
+            self.readahead.look_ahead(*later)
+
     def _next_burst(self, inline: bool) -> list[Message]:
         t0 = time.perf_counter()
-        messages, cursor = self._peek(1 if self._first else self.burst_messages)
+        self.settle()
+        first = self._first
+        messages, cursor = self._peek(1 if first else self.burst_messages)
         if not messages:
             return []
         spans = [span for spans in messages for span in spans]
@@ -242,7 +255,9 @@ class MessageBuilder:
             if cold is not None:
                 cold.close()
         moved = self.rounds.advance(cursor)
-        if self.files is None:  # a stream reading in place never loads a chunk whole
+        if self.files is None and first:  # the next burst asks, once this one is sent
+            self._later = (moved, chunks)
+        elif self.files is None:  # a stream reading in place never loads a chunk whole
             self.readahead.look_ahead(moved, chunks)
         else:
             self.files.keep(spans_chunks(messages[-1]))

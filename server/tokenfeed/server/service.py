@@ -38,7 +38,7 @@ from tokenfeed.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from tokenfeed.core.limits import MAX_PARAM
+from tokenfeed.core.limits import MAX_PARAM, packed_batches
 from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.core.request import SPLITS, SamplingSpec
 from tokenfeed.server import documents
@@ -296,12 +296,20 @@ class FeederService:
             found = self.access.datasets(job)
         resp = pb.InfoResponse()
         for ds in found:
-            info = _describe(resp, ds)
+            spec = None
             if request.HasField("params"):
                 spec = SamplingSpec.from_proto(request.params, dataset=ds.name)
-                for split in SPLITS:
-                    info.splits.append(self._split_info(spec.with_(split=split), ds, request.rank))
+            self._dataset_info(resp, ds, spec, request.rank)
         return resp
+
+    def _dataset_info(
+        self, resp: pb.InfoResponse, ds: Dataset, spec: SamplingSpec | None, rank: int
+    ) -> None:
+        """Add `ds`'s DatasetInfo to `resp`, with its splits under `spec` if given."""
+        info = _describe(resp, ds)
+        if spec is not None:
+            for split in SPLITS:
+                info.splits.append(self._split_info(spec.with_(split=split), ds, rank))
 
     def _mixture_info(self, request: Any, job: Job) -> pb.InfoResponse:
         """Info of a mixture: each source's DatasetInfo (its splits for the params) and
@@ -354,7 +362,11 @@ class FeederService:
 
     # --------------------------------------------------------- StreamBatches
 
-    def _prepare_stream(self, request: Any, entry: StreamEntry) -> MessageBuilder:
+    def _prepare_stream(
+        self, request: Any, entry: StreamEntry
+    ) -> tuple[MessageBuilder, bytes | None]:
+        """The stream's message builder, and what the first response tells the client
+        beside its batches (`describe`, `message_bytes`), if it asked."""
         request = self._decoded(request)
         spec = SamplingSpec.from_proto(request.params)
         assert entry.job is not None
@@ -388,9 +400,20 @@ class FeederService:
             sampler.check(request.rank, request.offset, request.step)
         else:
             sampler.steps(request.rank, request.offset)  # validates rank and offset
+        if request.message_bytes < 0:
+            raise InvalidArgument(
+                f"message_bytes must be non-negative, got {request.message_bytes}",
+                field="message_bytes",
+            )
+        wanted = request.batches_per_message
+        if request.message_bytes:  # the client leaves the count to the dtype, unknown to it
+            itemsize = ds.store.dtype.itemsize
+            wanted = packed_batches(
+                request.message_bytes, sampler.batch_size, sampler.seq_len, itemsize
+            )
         cols = sampler.seq_len + sampler.max_shift
         per_message = _fit_client_limit(
-            max(1, request.batches_per_message),
+            max(1, wanted),
             request.max_message_bytes,
             sampler.batch_size,
             cols,
@@ -412,9 +435,18 @@ class FeederService:
             rounds = sampler.rounds(request.epoch, request.rank, request.offset, request.step)
             then = sampler.rounds(request.epoch + 1, request.rank)  # a generator: nothing runs yet
         ends = documents.for_dataset(ds) if request.document_ends else None
-        return MessageBuilder(
+        pipe = MessageBuilder(
             ds, sampler, rounds, per_message, self.cache, self.metrics, ends, then=then
         )
+        header = None
+        if request.describe or request.message_bytes:  # what the client did not know
+            header = pb.StreamBatchesResponse(batches_per_message=per_message)
+            if request.describe and isinstance(sampler, MixtureSampler):
+                about = pb.InfoRequest(params=request.params, rank=request.rank)
+                header.info.CopyFrom(self._mixture_info(about, entry.job))
+            elif request.describe:  # what Info says, the access checked above
+                self._dataset_info(header.info, ds, spec, request.rank)
+        return pipe, None if header is None else header.SerializeToString()
 
     def _admit(self, entry: StreamEntry) -> None:
         """The feeder's and the job's stream limits: the error that refuses the call."""
@@ -459,7 +491,9 @@ class FeederService:
         self, request: Any, context: grpc.aio.ServicerContext, entry: StreamEntry
     ) -> None:
         loop = asyncio.get_running_loop()
-        pipe = await loop.run_in_executor(self.executor, self._prepare_stream, request, entry)
+        pipe, header = await loop.run_in_executor(
+            self.executor, self._prepare_stream, request, entry
+        )
         self.streams.opened(entry)
         labels = {"dataset": pipe.ds.name, "split": pipe.sampler.split}
         batches_sent = self.metrics.batches_sent.labels(**labels)
@@ -500,11 +534,15 @@ class FeederService:
                         if not burst and not pipe.finished:
                             burst = await loop.run_in_executor(self.executor, pipe.next_burst)
                     if not burst:
+                        if header is not None:  # an epoch with nothing left to send
+                            await context.write(header)
                         entry.outcome = "ok"
                         return
                     if not small:  # double buffering: build the next burst while writing
                         building = loop.run_in_executor(self.executor, pipe.next_burst)
                     for data, _, _, _ in burst:
+                        if header is not None:  # one message: the fields merge (protobuf)
+                            data, header = header + data, None
                         await context.write(data)  # waits for HTTP/2 flow control
                         written += 1
                 finally:
