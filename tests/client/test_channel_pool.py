@@ -10,15 +10,18 @@ clients sharing a channel: tests/e2e/test_replicas.py.
 
 from __future__ import annotations
 
-import multiprocessing
+import json
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from tokenfeed.client import Connection, FeederClient
+from tokenfeed.client import Backoff, Connection, FeederClient
 from tokenfeed.client.channel_pool import POOL
 from tokenfeed.client.transport import Channels
 from tokenfeed.v1 import feeder_pb2 as pb
@@ -41,8 +44,8 @@ def root(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def expected(rank: int) -> list[int]:
-    sampler = make_sampler(TOKENS, block_tokens=CHUNK, world_size=2, **SPEC)
+def expected(rank: int, world: int = 2) -> list[int]:
+    sampler = make_sampler(TOKENS, block_tokens=CHUNK, world_size=world, **SPEC)
     return [s for b in sampler.batches(0, rank) for s in b.starts.tolist()]
 
 
@@ -95,6 +98,35 @@ def test_a_client_closed_mid_stream_leaves_the_other_streaming(root: Path) -> No
             info(shared.stub)  # closed by the last client to release it
 
 
+def test_a_client_refused_retires_the_channel_while_two_others_stream_on_it(
+    root: Path,
+) -> None:
+    """The feeder's stream limit refuses the third client (RESOURCE_EXHAUSTED, retried):
+    its failure retires the channel the three shared, the other two keep streaming on
+    it, and once one of them ends, the third gets in; all three exactly."""
+    kw = {**KW, "world_size": 3}
+    with (
+        running_feeder(root, max_streams=2) as f,
+        FeederClient(f.address, rank=0, **kw) as a,
+        FeederClient(f.address, rank=1, **kw) as b,
+        FeederClient(f.address, rank=2, backoff=Backoff(initial=0.05, maximum=0.2), **kw) as c,
+    ):
+        ia, ib = iter(a), iter(b)
+        got = {0: starts([next(ia)]), 1: starts([next(ib)])}
+        (shared,) = POOL.pooled(f.address)
+        third = threading.Thread(target=lambda: got.__setitem__(2, starts(c)))
+        third.start()
+        # refused, c retires the channel: it comes back on a fresh one
+        wait_until(lambda: shared not in POOL.pooled(f.address), 60, "the channel retired")
+        assert c.reconnects > 0
+        assert shared.holders == 2  # a and b stream on
+        got[0] += starts(ia)
+        a.close()
+        got[1] += starts(ib)
+        third.join(120)
+    assert got == {r: expected(r, world=3) for r in range(3)}
+
+
 def test_failing_over_retires_the_channel_without_closing_it_for_others(feeder) -> None:
     a, b = Channels(Connection(feeder.address)), Channels(Connection(feeder.address))
     try:
@@ -141,29 +173,54 @@ def test_a_fresh_channel_is_a_fresh_connection_not_one_in_reconnect_backoff(
         b.close()
 
 
-def _child(address: str, out: Any) -> None:
-    inherited = POOL.pooled()
-    with FeederClient(address, rank=1, **KW) as c:
-        got = starts(c)
+# A process with a client that holds a pooled channel forks; the child streams as rank
+# 1, the parent (after the child exits) as rank 0, on the channel it had before.
+FORKING = """
+import json, os, sys
+from tokenfeed.client import FeederClient
+from tokenfeed.client.channel_pool import POOL
+address, kw = sys.argv[1], json.loads(sys.argv[2])
+a = FeederClient(address, rank=0, **kw)
+a.dataset_info  # an Info call: the channel is open and pooled, no call in flight
+(parents,) = POOL.pooled(address)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    inherited = len(POOL.pooled())
+    with FeederClient(address, rank=1, **kw) as b:
+        starts = [s for batch in b for s in batch["starts"].tolist()]
         pids = [s.key[0] for s in POOL.pooled(address)]
-    out.put((len(inherited), pids, os.getpid(), got == expected(1)))
+    os.write(write, json.dumps([inherited, pids, os.getpid(), starts]).encode())
+    os._exit(0)
+os.close(write)
+with os.fdopen(read) as f:
+    inherited, pids, child, child_starts = json.loads(f.read())
+assert os.waitpid(pid, 0)[1] == 0
+assert POOL.pooled(address) == [parents]
+starts = [s for batch in a for s in batch["starts"].tolist()]
+a.close()
+print(json.dumps({"inherited": inherited, "pids": pids, "child": child, "parent": os.getpid(),
+                  "child_starts": child_starts, "parent_starts": starts}))
+"""
 
 
 def test_a_forked_child_dials_its_own_channel(root: Path) -> None:
-    with running_feeder(root) as f, FeederClient(f.address, rank=0, **KW) as a:
-        ia = iter(a)
-        got = starts([next(ia)])  # the parent's channel is open, its stream in flight
-        (parents,) = POOL.pooled(f.address)
-        fork = multiprocessing.get_context("fork")
-        out = fork.Queue()
-        child = fork.Process(target=_child, args=(f.address, out))
-        child.start()
-        inherited, pids, pid, exact = out.get(timeout=120)
-        child.join(60)
-        assert child.exitcode == 0
-        assert (inherited, pids, exact) == (0, [pid], True)
-        assert pid != os.getpid()
-        assert POOL.pooled(f.address) == [parents]
-        assert parents.holders == 1
-        got += starts(ia)  # the parent's stream was not disturbed
-    assert got == expected(0)
+    """gRPC supports a fork after channels exist with its fork support on (its
+    GRPC_ENABLE_FORK_SUPPORT and GRPC_POLL_STRATEGY=poll): the child then dials its own
+    channel, and the parent's still serves the parent."""
+    env = {**os.environ, "GRPC_ENABLE_FORK_SUPPORT": "true", "GRPC_POLL_STRATEGY": "poll"}
+    with running_feeder(root) as f:
+        run = subprocess.run(
+            [sys.executable, "-c", FORKING, f.address, json.dumps(KW)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+    assert run.returncode == 0, run.stderr[-4000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got["inherited"] == 0  # the child starts with an empty pool
+    assert got["pids"] == [got["child"]]  # and dials a channel of its own
+    assert got["child"] != got["parent"]
+    assert got["child_starts"] == expected(1)
+    assert got["parent_starts"] == expected(0)
