@@ -5,6 +5,8 @@ documents, 1,000 sources, thousands of ranks.
     python benchmarks/scale.py --quick    # the same measurements, smaller (CI: a few minutes)
     python benchmarks/scale.py --json out.json   # also write every row as JSON
     python benchmarks/scale.py --items 6         # only some items (5 and 6 run together)
+    python benchmarks/scale.py --items 4 --baseline-client /tmp/base/client
+                                  # item 4's idle clients in turns with another revision's
 
 Stores are sparse files (`truncate`): the native format at the default 2^24 tokens per
 chunk, so a 10^12-token store (59,605 chunks) costs no disk; a Megatron dataset's .bin
@@ -587,7 +589,7 @@ def mixture(tmp: Path, sources: int, segments: int, batches: int, repeats: int) 
 # ----------------------------------------------------------------------------- 4. world size
 
 
-def world_size(root: Path, batches: int, repeats: int) -> None:
+def world_size(root: Path, batches: int, repeats: int, baseline_client: Path | None = None) -> None:
     print(f"4. the world size ({load()})", flush=True)
     with feeder(root) as proc:
 
@@ -604,13 +606,27 @@ def world_size(root: Path, batches: int, repeats: int) -> None:
             f"{shown} ({spread:.2f}x)",
             spread <= 1.2,
         )
-        idle_clients(proc.address, 64)
+        idle_clients(proc.address, 64, repeats, baseline_client)
 
 
-def idle_clients(address: str, n: int, seconds: float = 5.0) -> None:
-    """`n` FeederClients in a child process, each with a full buffer: its CPU per second."""
+def idle_clients(address: str, n: int, repeats: int, baseline: Path | None = None) -> None:
+    """`n` FeederClients in a child process, each with a full buffer: its CPU per second.
+    With `baseline` (another revision's client/ folder) its clients take turns with
+    these, `repeats` times each."""
+    clients = {"": None} | ({"@base": baseline} if baseline else {})
+    cores = interleaved(
+        {k: partial(idle_cores, address, n, c) for k, c in clients.items()},
+        repeats if baseline else 1,
+    )
+    shown = f"{cores['']:.4f}"
+    if baseline:
+        shown += f" (base {cores['@base']:.4f}: {cores[''] / cores['@base']:.2f}x)"
+    row("4 world size", f"{n} idle clients < 0.02 of a core", shown, cores[""] < 0.02)
+
+
+def idle_cores(address: str, n: int, client: Path | None, _: int, seconds: float = 5.0) -> float:
     code = f"""
-import os, sys, time
+import time
 from tokenfeed.client import FeederClient
 cs = [FeederClient({address!r}, dataset="ds", seq_len={SEQ}, batch_size={B}, rank=r,
                    world_size={n}, prefetch=4) for r in range({n})]
@@ -624,9 +640,13 @@ print((time.process_time() - c0) / (time.monotonic() - t0))
 for c in cs:
     c.close()
 """
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    cores = float(out.stdout.split()[-1])
-    row("4 world size", f"{n} idle clients < 0.02 of a core", f"{cores:.4f}", cores < 0.02)
+    env = dict(os.environ)
+    if client is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(client.resolve()), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
+    )
+    return float(out.stdout.split()[-1])
 
 
 # ----------------------------------------------------------------------------- 5-6. one node
@@ -844,6 +864,11 @@ def main() -> int:
         default="1,2,3,4,5,6,7,8",
         help="which items to run, comma-separated (default: all; 5 and 6 are one run)",
     )
+    ap.add_argument(
+        "--baseline-client",
+        type=Path,
+        help="client/ source root of another revision: item 4's idle clients take turns with it",
+    )
     args = ap.parse_args()
     items = {int(x) for x in args.items.split(",")}
     q = args.quick
@@ -859,7 +884,7 @@ def main() -> int:
         if 2 in items:
             megatron(tmp, 10**6 if q else 10**8, 100 if q else 400, repeats)
         if 4 in items:
-            world_size(tmp / "big", 100 if q else 400, repeats)
+            world_size(tmp / "big", 100 if q else 400, repeats, args.baseline_client)
         if 3 in items:
             mixture(tmp, 1_000, 100, 100 if q else 400, repeats)
         if items & {5, 6}:

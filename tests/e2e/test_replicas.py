@@ -2,8 +2,8 @@
 
 Real `tokenfeed serve` processes and real clients, one per rank (threads): rank r
 starts on endpoint r mod n, so each replica serves its share (its own metrics say
-so), and when one is SIGKILLed its ranks move on to the next and every window of the
-epoch is still delivered exactly once.
+so), and when one is SIGKILLed its ranks (which share one channel to it) move on to
+the next and every window of the epoch is still delivered exactly once.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tokenfeed.client import Backoff, FeederClient
+from tokenfeed.client.channel_pool import POOL
 
 from support import free_port
 from support.feeders import FeederProcess
@@ -97,17 +98,26 @@ def test_ranks_spread_over_replicas(root: Path, replicas: int, world: int) -> No
 
 
 def test_a_replica_killed_mid_epoch_loses_and_repeats_nothing(root: Path) -> None:
+    """Ranks 1 and 4 stream from replica 1 over one shared channel when it is killed."""
     world = 6
     with ExitStack() as stack:
         feeders = [stack.enter_context(FeederProcess(root)) for _ in range(3)]
-        killed = threading.Event()
+        rank4_streaming, killed = threading.Event(), threading.Event()
+        sharing: list[int] = []
 
         def kill_once(rank: int, step: int) -> None:
+            if rank == 4 and step == 10:
+                rank4_streaming.set()
+                assert killed.wait(120)  # rank 4 stays mid-stream until the kill
             if rank == 1 and step == 20 and not killed.is_set():
-                killed.set()
+                assert rank4_streaming.wait(120)
+                sharing.extend(s.holders for s in POOL.pooled(feeders[1].address))
                 feeders[1].kill()  # ranks 1 and 4 were on it: they move to replica 2
+                killed.set()
 
         starts = _run_ranks([f.address for f in feeders], world, hook=kill_once)
     assert killed.is_set()
+    assert sharing == [2]  # one channel, held by both ranks
     got = sorted(s for r in starts for s in r)
     assert got == _expected(world)  # every window exactly once
+    assert POOL.pooled() == []  # every client closed, every channel released

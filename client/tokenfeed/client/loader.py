@@ -374,7 +374,8 @@ class FeederClient:
         self.metrics.reconnect(reason)
 
     def close(self) -> None:
-        """End the stream, the reader thread, the channel and the metrics server."""
+        """End the stream, the reader thread and the metrics server; release the channel
+        (closed unless another client of the process holds it)."""
         if self._epochs.close():
             self._channels.close()
             self.metrics.close()

@@ -402,8 +402,9 @@ def call_with_retry(
 
 def closed_by_another_stream(error: ValueError) -> bool:
     """A rank's streams (the epoch's, the next epoch's lookahead, Info) share one
-    channel; when one of them fails over it closes that channel, and a call another
-    one makes on it at that moment raises this ValueError rather than a gRPC error.
+    channel; when one of them fails over it releases that channel, which closes it when
+    no other client holds it, and a call another one makes on it at that moment raises
+    this ValueError rather than a gRPC error.
     The caller simply tries again, on the channel the failing stream moved to."""
     text = str(error).lower()  # "Channel closed!", "Cannot invoke RPC on closed channel!"
     return "closed" in text and "channel" in text

@@ -6,11 +6,13 @@ interchangeable because the sample order is a pure function of the request
 (docs/serving.md, "Several replicas"). A name with one record stays a name, so TLS
 checks the certificate against it.
 
-`Channels` holds one gRPC channel to the current address. After a failure the caller
-`rotate()`s: the channel is closed and the next attempt opens a fresh one to the next
-address. A fresh channel connects at once, so the client's own backoff
-(`connection.Backoff`) is the only retry policy in play, not gRPC's internal reconnect
-backoff (which grows to minutes).
+`Channels` holds a client's channel to the current address, shared with the other
+clients of the process that reach it the same way (`channel_pool`). After a failure
+the caller `rotate()`s: the channel is retired from the pool and released, and the next
+attempt takes the pool's channel to the next address, a fresh one if nobody holds it.
+A fresh channel connects at once, so the client's own backoff (`connection.Backoff`)
+is the only retry policy in play, not gRPC's internal reconnect backoff (which grows to
+minutes).
 
 gRPC status codes are turned into the project's error hierarchy
 (`tokenfeed.core.errors`) here, in one place, with the server's message. A failed
@@ -33,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from tokenfeed.client.channel_pool import POOL, SharedChannel
 from tokenfeed.client.connection import Connection, Security, Timeouts, host_port
 from tokenfeed.core.errors import FeederError, error_for
 from tokenfeed.v1 import feeder_pb2_grpc
@@ -234,6 +237,9 @@ class Channels:
     the resolver returns. A client starts on endpoint `start mod n` (the rank: ranks
     spread over replicas) and on failure moves to the next, wrapping around; after a
     whole turn the names are resolved again, so replicas that moved are found.
+
+    The channel itself is the process's pooled one (`channel_pool.POOL`): clients of
+    one process on the same endpoint share it, and `close()` only releases it.
     """
 
     def __init__(self, connection: Connection, start: int = 0) -> None:
@@ -243,8 +249,7 @@ class Channels:
         self.start = start
         self._endpoints: list[Endpoint] = []
         self._turn = 0  # endpoints tried since the last resolve
-        self._channel: grpc.Channel | None = None
-        self._stub: feeder_pb2_grpc.FeederStub | None = None
+        self._shared: SharedChannel | None = None
         self._lock = threading.Lock()
         self._closed = False
         # Whether any feeder ever answered: until then, a failure is a connect failure
@@ -269,26 +274,17 @@ class Channels:
         return self._endpoints[(self.start + self._turn + 1) % len(self._endpoints)].target
 
     def stub(self) -> feeder_pb2_grpc.FeederStub:
-        """The stub of the current endpoint's channel, opening it if needed."""
+        """The stub of the current endpoint's channel, acquiring it if needed."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the client is closed")
-            if self._stub is None:
+            if self._shared is None:
                 if not self._endpoints:
                     self._resolve()
                 ep = self._endpoint()
-                opts = channel_options(self.connection.timeouts, ep, self.security)
-                if self.security.tls:
-                    creds = grpc.ssl_channel_credentials(
-                        self.security.root_certificates,
-                        self.security.private_key,
-                        self.security.certificate_chain,
-                    )
-                    self._channel = grpc.secure_channel(ep.target, creds, options=opts)
-                else:
-                    self._channel = grpc.insecure_channel(ep.target, options=opts)
-                self._stub = feeder_pb2_grpc.FeederStub(self._channel)
-            return self._stub
+                opts = tuple(channel_options(self.connection.timeouts, ep, self.security))
+                self._shared = POOL.acquire(ep.target, opts, self.security)
+            return self._shared.stub
 
     def _resolve(self) -> None:
         """(Re)resolve every address; names are looked up again each round, so
@@ -308,10 +304,11 @@ class Channels:
         self._turn = 0
 
     def rotate(self) -> None:
-        """Drop the current channel; the next `stub()` dials the next endpoint.
-        After a whole turn, names are resolved again."""
+        """Leave the current channel, retiring it from the pool (a failure was seen on
+        it: clients whose streams on it are fine keep it); the next `stub()` takes the
+        next endpoint's. After a whole turn, names are resolved again."""
         with self._lock:
-            self._close_channel()
+            self._release(retire=True)
             if self._endpoints:
                 self._turn += 1
                 if self._turn >= len(self._endpoints):
@@ -319,12 +316,13 @@ class Channels:
                     self.start += self._turn
                     self._endpoints = []
 
-    def _close_channel(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-        self._channel, self._stub = None, None
+    def _release(self, retire: bool = False) -> None:
+        if self._shared is not None:
+            POOL.release(self._shared, retire)
+        self._shared = None
 
     def close(self) -> None:
+        """Release the channel (closed if no other client holds it)."""
         with self._lock:
             self._closed = True
-            self._close_channel()
+            self._release()
