@@ -32,12 +32,18 @@ def test_fifo_bounded_and_queue_compatible() -> None:
         Handoff(0)
 
 
-def test_a_waiting_loop_is_woken_by_the_reader() -> None:
-    h = Handoff(1)
+def waiting_loop(h: Handoff, takes: int = 1) -> tuple[threading.Thread, list[int]]:
+    """A loop that takes `takes` items, once it waits on the empty ring; what it got."""
     got: list[int] = []
-    t = threading.Thread(target=lambda: got.append(h.get(timeout=30)))
+    t = threading.Thread(target=lambda: got.extend(h.get(timeout=120) for _ in range(takes)))
     t.start()
     wait_until(lambda: h._waiting, 30, "the loop to wait for an item")
+    return t, got
+
+
+def test_a_waiting_loop_is_woken_by_the_reader() -> None:
+    h = Handoff(1)
+    t, got = waiting_loop(h)
     h.put(7, timeout=1)
     t.join(30)
     assert got == [7]
@@ -127,10 +133,7 @@ def test_the_loop_wakes_a_reader_waiting_for_room_only_when_the_ring_runs_dry() 
 
 def test_a_message_reaches_a_waiting_loop_with_one_wake() -> None:
     h = Handoff(8)
-    got: list[int] = []
-    t = threading.Thread(target=lambda: got.append(h.get(timeout=30)))
-    t.start()
-    wait_until(lambda: h._waiting, 30, "the loop to wait for an item")
+    t, got = waiting_loop(h)
     assert h.put_all([1, 2, 3], timeout=1) == 3
     t.join(30)
     assert got == [1]
@@ -152,15 +155,7 @@ def test_a_message_larger_than_the_ring_wakes_the_loop_before_waiting_for_room()
     loop before it waits for room, or each side waits for the other until put_all's
     time runs out."""
     h = Handoff(2)
-    got: list[int] = []
-
-    def loop() -> None:
-        for _ in range(5):
-            got.append(h.get(timeout=120))
-
-    t = threading.Thread(target=loop)
-    t.start()
-    wait_until(lambda: h._waiting, 30, "the loop to wait for an item")
+    t, got = waiting_loop(h, takes=5)
     assert h.put_all([0, 1, 2, 3, 4], timeout=20) == 5
     t.join(30)
     assert got == [0, 1, 2, 3, 4]
