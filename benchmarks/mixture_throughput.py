@@ -16,8 +16,8 @@ up (cache fill, connection) for 0.5 s, then one load-generator process drains 1 
 streams of the request for `--seconds` on one asyncio event loop and decodes every
 response with protobuf to count its tokens (benchmarks/serve_throughput.py's load
 generator, `stream_load`). Rows run at 1 batch per message (the per-batch costs:
-sampling, assembly, one message each) and at the client's default message size (7
-batches, ~256 KiB), with 1 stream and with 4. The
+sampling, assembly, one message each) and at the client's default message size (31
+batches, ~1 MiB), with 1 stream and with 4. The
 schedule of rows runs `--repeat` times, rows interleaved; each row reports its median tokens/s
 and server CPU seconds per 10^9 tokens, and each mixture row its ratio to the dataset
 row beside it (median, and each run's) and its tokens per server CPU second as a ratio

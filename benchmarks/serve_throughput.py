@@ -17,7 +17,7 @@ its own process and one load-generator process that drains 1 or 4 streams for
   it replaces.
 
 `--cpu` runs the one-stream rows at 1 batch per message and at the client's default
-(7 batches, ~256 KiB) and prints each server's CPU seconds per 10^9 tokens against
+(31 batches, ~1 MiB) and prints each server's CPU seconds per 10^9 tokens against
 bare grpc.aio's, with the ratio in every repeat (goal: at most 2x at the default
 size). CPU per token is the steadier figure here: tokens/s swings with what
 else the two cores run, and both servers share them with the load generator.
@@ -38,7 +38,7 @@ the bare ceiling at the same message size (batches per message).
 `--workers-rows` runs `tokenfeed serve --workers 1` (one process) beside `--workers 2`
 (a supervisor and two worker processes on one port) and beside 2 replicas (two
 separate servers; stream i dials replica i mod 2, as rank r starts on endpoint r mod
-n) at the client's default message size (7 batches, ~256 KiB) with 1 and 4 streams,
+n) at the client's default message size (31 batches, ~1 MiB) with 1 and 4 streams,
 and reports the server's CPU per token summed over all its processes and split by
 process: per-worker CPU per token should stay within 10 % of one process's, so a
 node's capacity is its cores times one core's figure (printed for a 16-core node, one
@@ -63,11 +63,12 @@ from typing import Any
 from procs import process_cpu
 
 from tokenfeed.cli.process import wait_for_port
+from tokenfeed.client.options import Options
 from tokenfeed.core.atomic import write_atomic
 
 SEQ_LEN, BATCH, STRIDE = 1024, 16, 256
-# the client's default batches per message for these batches: ~256 KiB (loader.py)
-DEFAULT_PER_MESSAGE = max(1, (256 << 10) // (BATCH * (SEQ_LEN + 1) * 2))
+# the client's default batches per message for these batches (~1 MiB, options.py)
+DEFAULT_PER_MESSAGE = Options().message_batches(BATCH, SEQ_LEN, 2)
 METHOD = "/tokenfeed.v1.Feeder/StreamBatches"
 
 

@@ -32,12 +32,18 @@ def test_fifo_bounded_and_queue_compatible() -> None:
         Handoff(0)
 
 
-def test_a_waiting_loop_is_woken_by_the_reader() -> None:
-    h = Handoff(1)
+def waiting_loop(h: Handoff, takes: int = 1) -> tuple[threading.Thread, list[int]]:
+    """A loop that takes `takes` items, once it waits on the empty ring; what it got."""
     got: list[int] = []
-    t = threading.Thread(target=lambda: got.append(h.get(timeout=30)))
+    t = threading.Thread(target=lambda: got.extend(h.get(timeout=120) for _ in range(takes)))
     t.start()
     wait_until(lambda: h._waiting, 30, "the loop to wait for an item")
+    return t, got
+
+
+def test_a_waiting_loop_is_woken_by_the_reader() -> None:
+    h = Handoff(1)
+    t, got = waiting_loop(h)
     h.put(7, timeout=1)
     t.join(30)
     assert got == [7]
@@ -123,3 +129,33 @@ def test_the_loop_wakes_a_reader_waiting_for_room_only_when_the_ring_runs_dry() 
     with pytest.raises(queue.Empty):
         h.get_nowait()
     assert h._room.is_set()  # ran dry: a reader about to wait is woken at once
+
+
+def test_a_message_reaches_a_waiting_loop_with_one_wake() -> None:
+    h = Handoff(8)
+    t, got = waiting_loop(h)
+    assert h.put_all([1, 2, 3], timeout=1) == 3
+    t.join(30)
+    assert got == [1]
+    assert h._wake.empty()  # one token, which the loop took
+    assert [h.get_nowait(), h.get_nowait()] == [2, 3]
+
+
+def test_put_all_appends_what_fits_in_time() -> None:
+    h = Handoff(2)
+    assert h.put_all([1, 2, 3], timeout=0.01) == 2
+    assert [h.get_nowait(), h.get_nowait()] == [1, 2]
+    assert h.put_all([], timeout=1) == 0
+    with pytest.raises(queue.Empty):
+        h.get_nowait()
+
+
+def test_a_message_larger_than_the_ring_wakes_the_loop_before_waiting_for_room() -> None:
+    """The loop waits on an empty ring; a reader's put_all fills it and must wake the
+    loop before it waits for room, or each side waits for the other until put_all's
+    time runs out."""
+    h = Handoff(2)
+    t, got = waiting_loop(h, takes=5)
+    assert h.put_all([0, 1, 2, 3, 4], timeout=20) == 5
+    t.join(30)
+    assert got == [0, 1, 2, 3, 4]

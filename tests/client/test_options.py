@@ -45,10 +45,10 @@ def test_options_defaults_and_what_they_derive() -> None:
     assert not o.document_ends
     assert Options(mask_cross_document_labels=True).document_ends
     assert Options(documents=("cu_seqlens",)).document_ends
-    # auto packing: as many batches as fit ~256 KiB, 1 to 16
+    # auto packing: as many batches as fit ~1 MiB, 1 to 64
     # (a batch counted as batch_size x (seq_len + 1) tokens of the dtype's bytes)
     assert o.message_batches(1, MESSAGE_TARGET_BYTES // 3 - 1, 1) == 3
-    assert o.message_batches(16, 1024, 2) == 7  # 16 x 1025 x 2 bytes: 32,800
+    assert o.message_batches(16, 1024, 2) == 31  # 16 x 1025 x 2 bytes: 32,800
     assert o.message_batches(1, MESSAGE_TARGET_BYTES * 2, 1) == 1
     assert o.message_batches(1, 0, 1) == MAX_AUTO_BATCHES_PER_MESSAGE
     assert Options(batches_per_message=5).message_batches(1, 1 << 30, 4) == 5

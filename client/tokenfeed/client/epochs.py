@@ -20,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -186,7 +186,7 @@ class Epochs:
             describe=windows is None,
         )
         # A message's batches are in memory once it arrives: let them all wait in the
-        # buffer (<= ~256 KiB), so the reader takes a message at a time, not a batch.
+        # buffer (<= ~1 MiB), so the reader takes a message at a time, not a batch.
         q = Handoff(max(self.prefetch, per_message or 1))
 
         def learn(first: feeder_pb2.StreamBatchesResponse | None) -> EpochSizes:
@@ -228,33 +228,42 @@ class Epochs:
         return step + max(0, left - 1 - LOOKAHEAD_STEPS)
 
     def _stage(
-        self, num_windows: int, ahead_step: int, msg: feeder_pb2.Batch
-    ) -> tuple[dict[str, Any], int, int, Any, bool]:
-        """Reader thread: a Batch message -> what the loop takes from the queue: (the
-        batch dict, the loop's offset and step after it, the device copy to wait for
-        or None, whether to open the next epoch's stream now)."""
-        arr = batch_array(msg)
-        # First: on CUDA it sets this thread's device before anything frees tensors.
-        inputs, labels, docs, pending = self._stager.stage(msg, arr)
+        self, num_windows: int, ahead_step: int, msgs: Sequence[feeder_pb2.Batch]
+    ) -> list[tuple[dict[str, Any], int, int, Any, bool]]:
+        """Reader thread: a message's Batches -> what the loop takes from the queue, one
+        item each: (the batch dict, the loop's offset and step after it, the device
+        copy to wait for or None, whether to open the next epoch's stream now)."""
         spent = self._spent
         while len(spent) > 1:  # not the newest: the loop may still hold it (see next)
             spent.popleft()
-        self.metrics.received(msg.rows * self.seq_len, arr.nbytes)
-        batch = {
-            "input_ids": inputs,
-            "labels": labels,
-            "shift": msg.shift,
-            "epoch": msg.epoch,
-            "step": msg.step,
-            "offset": msg.offset,
-            "starts": batch_starts(msg),
-        }
-        if self.sources:
-            batch["sources"] = np.array(msg.sources, dtype=np.int64)
-        if docs is not None:
-            batch.update(docs)
-        offset = min(msg.offset + self.batch_size * self.world_size, num_windows)
-        return batch, offset, msg.step + 1, pending, msg.step == ahead_step
+        stage, seq_len, sources = self._stager.stage, self.seq_len, self.sources
+        global_batch = self.batch_size * self.world_size
+        items = []
+        tokens = nbytes = 0
+        for msg in msgs:
+            arr = batch_array(msg)
+            # First: on CUDA it sets this thread's device before anything frees tensors.
+            inputs, labels, docs, pending = stage(msg, arr)
+            tokens += msg.rows * seq_len
+            nbytes += arr.nbytes
+            step = msg.step
+            batch = {
+                "input_ids": inputs,
+                "labels": labels,
+                "shift": msg.shift,
+                "epoch": msg.epoch,
+                "step": step,
+                "offset": msg.offset,
+                "starts": batch_starts(msg),
+            }
+            if sources:
+                batch["sources"] = np.array(msg.sources, dtype=np.int64)
+            if docs is not None:
+                batch.update(docs)
+            offset = min(batch["offset"] + global_batch, num_windows)
+            items.append((batch, offset, step + 1, pending, step == ahead_step))
+        self.metrics.received(tokens, nbytes, len(items))
+        return items
 
     def next(self, iteration: object, first: bool = False) -> dict[str, Any]:
         """The training loop's next(): the only place the loop can wait.

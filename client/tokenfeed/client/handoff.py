@@ -15,6 +15,9 @@ The loop sets that Event only when it finds the ring empty, and the reader wakes
 waiting loop at once (a token on a SimpleQueue), so an empty ring is refilled with no
 delay.
 
+A reader hands over a message's batches together (`put_all`): an idle loop wakes once
+per message, not once per batch.
+
 Same subset of the `queue.Queue` interface the client uses: put(item, timeout),
 get(timeout), get_nowait(), qsize(), empty(); `queue.Full` / `queue.Empty` as there.
 """
@@ -25,6 +28,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 # A full ring's wait for room: 0.2 ms, doubling up to POLL_MAX while no room comes.
@@ -48,20 +52,38 @@ class Handoff:
 
     def put(self, item: Any, timeout: float) -> None:
         """Append `item`, waiting up to `timeout` s for room (queue.Full after that)."""
-        items = self._items
-        if len(items) >= self.maxsize:
-            deadline = time.monotonic() + timeout
-            poll = POLL_MIN
-            while len(items) >= self.maxsize:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise queue.Full
-                self._room.wait(min(poll, left))
-                self._room.clear()
-                poll = min(2 * poll, POLL_MAX)
-        items.append(item)
+        if not self.put_all((item,), timeout):
+            raise queue.Full
+
+    def put_all(self, items: Sequence[Any], timeout: float) -> int:
+        """Append `items` in order, each waiting for room up to `timeout` s from the
+        call; how many were appended (fewer: the time ran out first).
+
+        A loop waiting for an item is woken once, when they are in or before waiting
+        for room, not once per item: a message's batches reach an idle loop together.
+        """
+        ring, maxsize = self._items, self.maxsize
+        deadline = None
+        done = 0
+        for item in items:
+            if len(ring) >= maxsize:
+                if self._waiting:  # it takes what is in before this waits for room
+                    self._wake.put(None)
+                if deadline is None:
+                    deadline = time.monotonic() + timeout
+                poll = POLL_MIN
+                while len(ring) >= maxsize:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return done
+                    self._room.wait(min(poll, left))
+                    self._room.clear()
+                    poll = min(2 * poll, POLL_MAX)
+            ring.append(item)
+            done += 1
         if self._waiting:
             self._wake.put(None)
+        return done
 
     def get_nowait(self) -> Any:
         try:

@@ -72,8 +72,8 @@ class FeederClient:
     with segments added at or after its position.
 
     Delivery (`options.Options`): `prefetch` batches are buffered (at least: all
-    batches of one message may wait, <= ~256 KiB with auto packing);
-    `batches_per_message` None packs ~256 KiB per gRPC message (its per-message cost
+    batches of one message may wait, <= ~1 MiB with auto packing);
+    `batches_per_message` None packs ~1 MiB per gRPC message (its per-message cost
     dominates small batches). `lookahead` opens the next epoch's stream
     `LOOKAHEAD_STEPS` steps before this one ends, adopted by `set_epoch(epoch + 1)`.
     `documents` (True, or some of position_ids, document_ids, cu_seqlens,

@@ -32,7 +32,7 @@ up to now, so a loop stuck mid-stream shows as stalled while it is stuck (a loop
 waiting for a first batch does not: see `first_batch_seconds` and reconnects).
 
 Cheap for the training loop. The loop's `next()` touches no Prometheus object and no
-lock: it appends its wait to a deque. The reader thread, once per batch, folds those
+lock: it appends its wait to a deque. The reader thread, once per message, folds those
 waits into plain-Python histogram counts and stall bins and counts what it received,
 under a lock of its own; a collector (one per registry) folds too and turns the
 counts into the series at scrape time. (Uncontended locks cost ten times their warm
@@ -232,7 +232,7 @@ class ClientMetrics:
     """The series of one client (one rank).
 
     The training loop records each `next()`'s wait with `waited(seconds)`: one append
-    to a deque (atomic, no lock). The reader thread, once per batch in `received`,
+    to a deque (atomic, no lock). The reader thread, once per message in `received`,
     and the collector at scrape time fold those waits into the histogram and the stall
     window under a lock the loop never takes (`fold`). The first-batch waits are rare
     and recorded by `first_batch_waited` the same way.
@@ -254,7 +254,7 @@ class ClientMetrics:
         self.tokens = self.batches = self.bytes = 0
         self.closed = False
         # Written by the loop only; a bound keeps memory flat if nothing folds them
-        # (the reader folds every batch, so it is never reached in practice).
+        # (the reader folds every message, so it is never reached in practice).
         self.waits: deque[float] = deque(maxlen=1 << 16)
         self._first_waits: deque[tuple[float, float]] = deque(maxlen=1 << 10)
         self._lock = threading.Lock()  # the readers and the collector, never the loop
@@ -279,11 +279,11 @@ class ClientMetrics:
         self.first_batch_seconds = seconds
         self._first_waits.append((seconds, perf_counter() if now is None else now))
 
-    # The reader thread, per batch.
-    def received(self, tokens: int, nbytes: int) -> None:
+    # The reader thread, per message.
+    def received(self, tokens: int, nbytes: int, batches: int = 1) -> None:
         with self._lock:
             self.tokens += tokens
-            self.batches += 1
+            self.batches += batches
             self.bytes += nbytes
             self._fold()
 

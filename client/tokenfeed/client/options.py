@@ -24,15 +24,19 @@ from tokenfeed.core.request import SamplingSpec
 
 MAX_PREFETCH = 1024
 MAX_BATCHES_PER_MESSAGE = 1024  # the server's limit
-# Auto batches_per_message packs this many bytes per message (core.limits.packed_batches).
-MESSAGE_TARGET_BYTES = 256 << 10
+# Auto batches_per_message packs this many bytes per message (core.limits.packed_batches):
+# gRPC's cost is per message, on the feeder and in the client (a thread hop and a parse
+# each), so batches travel several to a message. 1 MiB: a quarter of 256 KiB's
+# per-message share of the CPU per token, and still a message the feeder builds on its
+# event loop (service.INLINE_MAX_BYTES) and a stock gRPC client accepts (4 MiB).
+MESSAGE_TARGET_BYTES = 1 << 20
 MAX_AUTO_BATCHES_PER_MESSAGE = MAX_PACKED_BATCHES
 
 
 @dataclass(frozen=True)
 class Options:
     """How batches are delivered: their layout, the buffer (`prefetch`), gRPC packing
-    (`batches_per_message`, None: ~256 KiB a message), streaming the next epoch
+    (`batches_per_message`, None: ~1 MiB a message), streaming the next epoch
     ahead, the document outputs (a tuple of `DOCUMENT_OUTPUTS`; see
     `document_outputs` for what users pass) and label masking, and the metrics'
     registry and HTTP port."""
@@ -70,7 +74,7 @@ class Options:
 
     def message_batches(self, batch_size: int, seq_len: int, itemsize: int) -> int:
         """Batches per gRPC message: `batches_per_message`, or as many batches as fit
-        MESSAGE_TARGET_BYTES (1 to 16; what the feeder picks when the stream asks it to
+        MESSAGE_TARGET_BYTES (1 to 64; what the feeder picks when the stream asks it to
         pack by bytes)."""
         return self.batches_per_message or packed_batches(
             MESSAGE_TARGET_BYTES, batch_size, seq_len, itemsize

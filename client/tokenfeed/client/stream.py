@@ -32,7 +32,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,7 +182,7 @@ class EpochSizes:
 
     num_windows: int  # of the epoch order: the offset never passes it
     remaining: Callable[[int], int]  # steps this rank still has from an offset
-    stage: Callable[[feeder_pb2.Batch], Any]  # a Batch -> the queue's item
+    stage: Callable[[Sequence[feeder_pb2.Batch]], list[Any]]  # a message's Batches -> items
 
 
 class StreamReader(threading.Thread):
@@ -276,14 +276,16 @@ class StreamReader(threading.Thread):
             self._put(Failure(e))
 
     def _put(self, item: Any) -> bool:
+        return self._put_all([item])
+
+    def _put_all(self, items: list[Any]) -> bool:
         # stop() empties the ring, which wakes a put waiting for room (Handoff), so the
         # timeout is a safety net only.
+        done = 0
         while not self._stop_event.is_set():
-            try:
-                self.out.put(item, timeout=10.0)
+            done += self.out.put_all(items[done:], timeout=10.0)
+            if done == len(items):
                 return True
-            except queue.Full:
-                continue
         return False
 
     def _run(self) -> None:
@@ -307,13 +309,15 @@ class StreamReader(threading.Thread):
                         first = False
                         outage.succeeded()
                         self._log_start(resumed)
-                    stage, num_windows = sizes.stage, sizes.num_windows
-                    for batch in response.batches:
-                        item = stage(batch)
-                        if not self._put(item):
+                    # A message's batches go to the loop together (one wake of an idle
+                    # loop per message; Handoff.put_all).
+                    batches = response.batches
+                    if batches:
+                        if not self._put_all(sizes.stage(batches)):
                             return
-                        self.offset = min(batch.offset + req.global_batch, num_windows)
-                        self.step = batch.step + 1
+                        last = batches[-1]
+                        self.offset = min(last.offset + req.global_batch, sizes.num_windows)
+                        self.step = last.step + 1
                 if sizes is None:  # a feeder that predates `describe`, and no batch
                     sizes = self.sizes = self.learn(None)
                 # The server ended the stream cleanly; believe it only at the epoch's end.

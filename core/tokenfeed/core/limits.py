@@ -29,7 +29,7 @@ REQUEST_FIELDS_BYTES = 1 << 10
 # Batches per message when they are packed by bytes (StreamBatchesRequest.message_bytes,
 # the client's default): gRPC's cost is per message, so small batches travel several
 # to a message, up to this many.
-MAX_PACKED_BATCHES = 16
+MAX_PACKED_BATCHES = 64
 
 
 def packed_batches(message_bytes: int, batch_size: int, seq_len: int, itemsize: int) -> int:
