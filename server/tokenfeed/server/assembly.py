@@ -163,6 +163,9 @@ class MessageBuilder:
         # to be read and checksummed. The read-ahead asked for after it loads them
         # whole, and the next bursts use them (or wait for them, checksum checked).
         self._first = True
+        # the last _peek's messages, cursor and chunks, until the stream advances: a burst
+        # tried on the event loop and left to a worker thread is peeked once
+        self._peeked: tuple[int, list[list[Span]], tuple[int, int], set[int]] | None = None
         shares = sampler.world_size * max(1, sources)
         if shares >= inplace.IN_PLACE_WORLD_SIZE and ds.store.in_place:
             self.files = inplace.ChunkFiles(ds.store)
@@ -183,8 +186,11 @@ class MessageBuilder:
         if self.files is not None:
             self.files.close()
 
-    def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int]]:
-        """The next n messages as spans of rounds, and the cursor after them."""
+    def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int], set[int]]:
+        """The next n messages as spans of rounds, the cursor after them and their chunks
+        (remembered until the stream advances)."""
+        if self._peeked is not None and self._peeked[0] == n:
+            return self._peeked[1:]
         messages = []
         cursor = self.rounds.start
         for m in range(n):
@@ -195,7 +201,9 @@ class MessageBuilder:
             if not spans:
                 break
             messages.append(spans)
-        return messages, cursor
+        chunks = self.readahead.chunks_of([span for spans in messages for span in spans])
+        self._peeked = (n, messages, cursor, chunks)
+        return messages, cursor, chunks
 
     def next_burst(self, inline: bool = False) -> list[Message]:
         """Up to BURST_MESSAGES messages (BURST_BYTES in all); empty at the end or,
@@ -219,21 +227,28 @@ class MessageBuilder:
 
     def _next_burst(self, inline: bool) -> list[Message]:
         t0 = time.perf_counter()
-        messages, cursor = self._peek(1 if self._first else self.burst_messages)
+        messages, cursor, chunks = self._peek(1 if self._first else self.burst_messages)
         if not messages:
             return []
-        spans = [span for spans in messages for span in spans]
-        chunks = self.readahead.chunks_of(spans)
-        pinned: Pinned | inplace.InPlace | None = self._pin(sorted(chunks))
-        if pinned is None and inline:  # leave the burst to a worker thread
-            return []
+        order = sorted(chunks)
+        pinned: Pinned | inplace.InPlace | None = self._pin(order)
+        if pinned is None and inline:
+            # rows read in place on the event loop from files open already, where the
+            # page cache holds them all; else the burst is left to a worker thread
+            pinned = None if self.files is None else self.files.kept(order)
+            if pinned is None:
+                return []
+            try:
+                burst = [self._message(spans, pinned) for spans in messages]
+            except inplace.WouldBlock:
+                return []
+            return self._sent(burst, messages, cursor, chunks, t0, inline)
         cold = None  # a first burst's files, read in place (see __init__)
         if pinned is None and self.files is not None:
-            pinned = self.files.burst(sorted(chunks))
+            pinned = self.files.burst(order)
         elif pinned is None and self._first and self.ds.store.in_place:
             cold = inplace.ChunkFiles(self.ds.store)
-            pinned = cold.burst(sorted(chunks))
-        self._first = False
+            pinned = cold.burst(order)
         try:
             burst = [self._message(spans, pinned) for spans in messages]
         finally:
@@ -241,11 +256,30 @@ class MessageBuilder:
                 pinned.release()
             if cold is not None:
                 cold.close()
+        return self._sent(burst, messages, cursor, chunks, t0, inline)
+
+    def _sent(
+        self,
+        burst: list[Message],
+        messages: list[list[Span]],
+        cursor: tuple[int, int],
+        chunks: set[int],
+        t0: float,
+        inline: bool,
+    ) -> list[Message]:
+        """A burst built: the stream moves past it, and its read-ahead looks on (reading in
+        place off the event loop: the next burst's files are opened)."""
+        self._first = False
+        if self.by_source is not None:  # counted by source when written (no numpy call here)
+            self.by_source.extend(messages)
         moved = self.rounds.advance(cursor)
+        self._peeked = None
         if self.files is None:  # a stream reading in place never loads a chunk whole
             self.readahead.look_ahead(moved, chunks)
-        else:
+        elif inline:
             self.files.keep(spans_chunks(messages[-1]))
+        else:
+            self.files.ahead(sorted(self._peek(self.burst_messages)[2]))
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
         return burst
@@ -265,8 +299,6 @@ class MessageBuilder:
     def _message(self, spans: list[Span], pinned: Pinned | inplace.InPlace | None) -> Message:
         batches = sum(j - i for _, i, j in spans)
         tokens = sum(lr.token_lo[j] - lr.token_lo[i] for lr, i, j in spans)
-        if self.by_source is not None:  # counted by source when written (no numpy call here)
-            self.by_source.append(spans)
         if pinned is not None and self.documents is None:
             data = pinned.message(spans)
         else:

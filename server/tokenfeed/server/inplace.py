@@ -71,6 +71,28 @@ class ChunkFiles:
         for c in order[KEEP_FILES:]:
             os.close(self._files.pop(c)[0])
 
+    def ahead(self, chunks: list[int]) -> None:
+        """Off the event loop, after a burst: open the files of the next one's `chunks`
+        and keep them first, so that the next burst can be read on the event loop. A file
+        that fails to open is left to the burst that needs it (its error names it)."""
+        for c in chunks:
+            if c not in self._files:
+                path, base = self.store.chunk_file(c)
+                try:
+                    self._files[c] = (self._open(c, path), base, self.store.chunk_nbytes(c))
+                except (DataLoss, OSError):
+                    break
+        self.keep(set(chunks))
+
+    def kept(self, chunks: list[int]) -> InPlace | None:
+        """The files of `chunks` (ascending) if all are open already, to be read without
+        waiting (`InPlace` with `nowait`: on the event loop); else None."""
+        files = self._files
+        if not all(c in files for c in chunks):
+            return None
+        table = np.array([files[c] for c in chunks], dtype=np.int64).reshape(-1, 3)
+        return InPlace(self.store, np.asarray(chunks, dtype=np.int64), table, nowait=True)
+
     def burst(self, chunks: list[int]) -> InPlace:
         """The files of `chunks` (ascending), open; DataLoss naming the first that is
         missing, cut short or unreadable."""
@@ -106,14 +128,23 @@ class ChunkFiles:
             os.close(fd)
 
 
+class WouldBlock(Exception):
+    """A row read without waiting is not in the page cache: the burst is left to a
+    worker thread."""
+
+
 class InPlace:
     """A burst's chunks as open files: what `rows` and `message` read (one positioned
-    read per row piece). Like assembly.Pinned; `release()` has nothing to let go."""
+    read per row piece). Like assembly.Pinned; `release()` has nothing to let go.
+    `nowait`: the reads take only what the page cache holds, WouldBlock otherwise."""
 
-    def __init__(self, store: StoreReader, keys: np.ndarray, files: np.ndarray) -> None:
+    def __init__(
+        self, store: StoreReader, keys: np.ndarray, files: np.ndarray, nowait: bool = False
+    ) -> None:
         self.store = store
         self.keys = keys  # ascending chunk ids
         self.fds, self.bases, self.sizes = (np.ascontiguousarray(files[:, i]) for i in range(3))
+        self.nowait = nowait
 
     def release(self) -> None:
         pass  # the stream's ChunkFiles keeps the files for its next burst
@@ -130,7 +161,9 @@ class InPlace:
 
     def _splice(self, parts: list[splice.Part]) -> bytes:
         try:
-            return splice.splice_files(parts, self.keys, self.fds, self.bases, self.sizes)
+            data = splice.splice_files(
+                parts, self.keys, self.fds, self.bases, self.sizes, self.nowait
+            )
         except EOFError as e:  # the file was cut since it was opened: say which and how
             chunk = int(str(e).split()[-1])
             fd = int(self.fds[int(np.searchsorted(self.keys, chunk))])
@@ -138,3 +171,6 @@ class InPlace:
             raise DataLoss(f"{self.store.location}: chunk {chunk} was cut short") from None
         except OSError as e:
             raise DataLoss(f"{self.store.location}: a chunk file is unreadable ({e})") from None
+        if data is None:
+            raise WouldBlock
+        return data
