@@ -288,7 +288,8 @@ class FeederService:
     def _info(self, request: Any, job: Job) -> pb.InfoResponse:
         request = self._decoded(request)
         if request.HasField("params") and len(request.params.sources):
-            return self._mixture_info(request, job)
+            with self.catalog.names_once():
+                return self._mixture_info(request, job)
         if request.dataset:
             self.access.real_names(job, request.dataset)
             found = [self.catalog.get(request.dataset)]
@@ -355,6 +356,10 @@ class FeederService:
     # --------------------------------------------------------- StreamBatches
 
     def _prepare_stream(self, request: Any, entry: StreamEntry) -> MessageBuilder:
+        with self.catalog.names_once():  # the grant's check and the opening share lookups
+            return self._prepare(request, entry)
+
+    def _prepare(self, request: Any, entry: StreamEntry) -> MessageBuilder:
         request = self._decoded(request)
         spec = SamplingSpec.from_proto(request.params)
         assert entry.job is not None
