@@ -211,9 +211,10 @@ class Catalog:
         except OSError:
             st = None
         if path is not None and st is not None and stat.S_ISDIR(st.st_mode):
-            kind = self._detect(Path(path), st.st_mtime_ns)
+            found = Path(path)
+            kind = self._detect(found, st.st_mtime_ns)
             if kind is not None:
-                return kind, Path(path)
+                return kind, found
         idx = self._inside(named + ".idx")
         bin_ = self._inside(named + ".bin")
         if idx is not None and bin_ is not None and os.path.isfile(idx) and os.path.isfile(bin_):
@@ -269,7 +270,7 @@ class Catalog:
         kind, path = self.locate(name)
         try:
             if kind == "tokenfeed":
-                generation = (path / META_NAME).stat().st_mtime_ns
+                generation = os.stat(os.path.join(path, META_NAME)).st_mtime_ns
             elif kind == "seed":
                 meta = path / META_NAME
                 generation = path.stat().st_mtime_ns ^ (
