@@ -32,7 +32,7 @@ from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.readahead import ReadaheadPolicy
-from tokenfeed.server.rounds import LocatedRound, RoundQueue, Span, spans_chunks
+from tokenfeed.server.rounds import LocatedRound, RoundQueue, Span
 
 # A burst is built in one go: one pin of its chunks, one thread-pool round trip, which
 # costs more than building one small message. Past a few messages a burst saves no
@@ -126,9 +126,11 @@ class MessageBuilder:
         metrics: ServerMetrics,
         documents: BatchEnds | None = None,
         then: Iterator[sampling.Round] | None = None,
+        files: inplace.FilePool | None = None,
     ) -> None:
         """`then`: the rounds of this rank's next epoch from its start (lazy: only a
-        remote store's deep read-ahead looks at its first batches, as this one ends)."""
+        remote store's deep read-ahead looks at its first batches, as this one ends);
+        `files`: the feeder's open chunk files, shared by its streams (else its own)."""
         self.ds, self.sampler, self.cache, self.metrics = ds, sampler, cache, metrics
         self.documents = documents  # each batch's document ends, when the request asks
         self.per_message = per_message
@@ -155,6 +157,7 @@ class MessageBuilder:
         )
         # a rank of a large job, or of a mixture of many sources, reads its rows from
         # the chunk files (inplace.py)
+        self.pool = files if files is not None else inplace.FilePool()
         self.files: inplace.ChunkFiles | None = None
         self._guard = threading.Lock()  # close() from the event loop, bursts on threads
         self._building = self._closed = False
@@ -168,7 +171,7 @@ class MessageBuilder:
         self._peeked: tuple[int, list[list[Span]], tuple[int, int], set[int]] | None = None
         shares = sampler.world_size * max(1, sources)
         if shares >= inplace.IN_PLACE_WORLD_SIZE and ds.store.in_place:
-            self.files = inplace.ChunkFiles(ds.store)
+            self.files = inplace.ChunkFiles(ds, self.pool)
         elif not ds.store.in_place:  # (else after the first burst: not to slow its reads)
             self.readahead.look_ahead()
 
@@ -205,9 +208,10 @@ class MessageBuilder:
         self._peeked = (n, messages, cursor, chunks)
         return messages, cursor, chunks
 
-    def next_burst(self, inline: bool = False) -> list[Message]:
+    def next_burst(self, inline: bool = False, read_files: bool = True) -> list[Message]:
         """Up to BURST_MESSAGES messages (BURST_BYTES in all); empty at the end or,
-        `inline`, when a chunk would have to be loaded (nothing is consumed then).
+        `inline`, when a chunk would have to be loaded (nothing is consumed then); with
+        `read_files` False, also when its rows would be read in place.
 
         A burst is the unit of pinning and of a thread-pool round trip: the hop to a
         worker and back costs more than building one small message.
@@ -217,7 +221,7 @@ class MessageBuilder:
                 return []
             self._building = True
         try:
-            return self._next_burst(inline)
+            return self._next_burst(inline, read_files)
         finally:
             with self._guard:
                 self._building = False
@@ -225,7 +229,7 @@ class MessageBuilder:
             if closed and self.files is not None:
                 self.files.close()
 
-    def _next_burst(self, inline: bool) -> list[Message]:
+    def _next_burst(self, inline: bool, read_files: bool = True) -> list[Message]:
         t0 = time.perf_counter()
         messages, cursor, chunks = self._peek(1 if self._first else self.burst_messages)
         if not messages:
@@ -235,27 +239,27 @@ class MessageBuilder:
         if pinned is None and inline:
             # rows read in place on the event loop from files open already, where the
             # page cache holds them all; else the burst is left to a worker thread
-            pinned = None if self.files is None else self.files.kept(order)
+            pinned = None if self.files is None or not read_files else self.files.kept(order)
             if pinned is None:
                 return []
             try:
                 burst = [self._message(spans, pinned) for spans in messages]
             except inplace.WouldBlock:
                 return []
+            finally:
+                pinned.release()
             return self._sent(burst, messages, cursor, chunks, t0, inline)
         cold = None  # a first burst's files, read in place (see __init__)
         if pinned is None and self.files is not None:
             pinned = self.files.burst(order)
         elif pinned is None and self._first and self.ds.store.in_place:
-            cold = inplace.ChunkFiles(self.ds.store)
+            cold = inplace.ChunkFiles(self.ds, self.pool, attach=False)
             pinned = cold.burst(order)
         try:
             burst = [self._message(spans, pinned) for spans in messages]
         finally:
             if pinned is not None:
                 pinned.release()
-            if cold is not None:
-                cold.close()
         return self._sent(burst, messages, cursor, chunks, t0, inline)
 
     def _sent(
@@ -276,9 +280,7 @@ class MessageBuilder:
         self._peeked = None
         if self.files is None:  # a stream reading in place never loads a chunk whole
             self.readahead.look_ahead(moved, chunks)
-        elif inline:
-            self.files.keep(spans_chunks(messages[-1]))
-        else:
+        elif not inline:
             self.files.ahead(sorted(self._peek(self.burst_messages)[2]))
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)

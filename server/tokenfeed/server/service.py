@@ -46,6 +46,7 @@ from tokenfeed.server.access import Access
 from tokenfeed.server.assembly import Message, MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
+from tokenfeed.server.inplace import FilePool
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.mixtures import MixtureSpace
 from tokenfeed.server.shares import FairShares
@@ -186,10 +187,12 @@ class FeederService:
         self.max_streams = max_streams
         self.max_batch_bytes = max_batch_bytes
         self.active_streams = 0
+        self.preparing = 0  # streams being prepared on worker threads
         self.draining = False
         self.access = Access(catalog, tenants)  # who a call is, what it may read
         self.shares = shares if shares is not None else FairShares(SHARE_SLOTS)
         self.streams = OpenStreams()  # the calls in progress (status page, audit)
+        self.files = FilePool()  # the chunk files streams read in place, shared
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler to register. Responses of StreamBatches are pre-serialized
@@ -418,7 +421,15 @@ class FeederService:
             then = sampler.rounds(request.epoch + 1, request.rank)  # a generator: nothing runs yet
         ends = documents.for_dataset(ds) if request.document_ends else None
         return MessageBuilder(
-            ds, sampler, rounds, per_message, self.cache, self.metrics, ends, then=then
+            ds,
+            sampler,
+            rounds,
+            per_message,
+            self.cache,
+            self.metrics,
+            ends,
+            then=then,
+            files=self.files,
         )
 
     def _admit(self, entry: StreamEntry) -> None:
@@ -464,7 +475,11 @@ class FeederService:
         self, request: Any, context: grpc.aio.ServicerContext, entry: StreamEntry
     ) -> None:
         loop = asyncio.get_running_loop()
-        pipe = await loop.run_in_executor(self.executor, self._prepare_stream, request, entry)
+        self.preparing += 1
+        try:
+            pipe = await loop.run_in_executor(self.executor, self._prepare_stream, request, entry)
+        finally:
+            self.preparing -= 1
         self.streams.opened(entry)
         labels = {"dataset": pipe.ds.name, "split": pipe.sampler.split}
         batches_sent = self.metrics.batches_sent.labels(**labels)
@@ -501,7 +516,10 @@ class FeederService:
                     if building is not None:
                         burst, building = await building, None
                     else:
-                        burst = pipe.next_burst(inline=True) if small else []
+                        # rows read in place on the loop only while no stream is being
+                        # prepared: a busy loop holds the GIL, which the preparations
+                        # on worker threads wait for (an epoch-start storm's first batches)
+                        burst = pipe.next_burst(True, not self.preparing) if small else []
                         if not burst and not pipe.finished:
                             burst = await loop.run_in_executor(self.executor, pipe.next_burst)
                     if not burst:
