@@ -49,6 +49,7 @@ import numpy as np
 from tokenfeed.core import native
 
 Part = tuple[np.ndarray, Any]  # (program, blob): pieces, and the frames key -1 reads
+Ints = np.ndarray  # keys, file descriptors, offsets, sizes: int64 arrays
 _NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)  # Linux's: a read only from the page cache
 
 
@@ -72,12 +73,7 @@ def splice_py(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> 
 
 
 def splice_files_py(
-    parts: Sequence[Part],
-    keys: np.ndarray,
-    fds: np.ndarray,
-    bases: np.ndarray,
-    sizes: np.ndarray,
-    nowait: bool = False,
+    parts: Sequence[Part], keys: Ints, fds: Ints, bases: Ints, sizes: Ints, nowait: bool = False
 ) -> bytes | None:
     """`splice_files`' reference, in Python."""
     flags = _NOWAIT if nowait else 0
@@ -179,12 +175,7 @@ def splice(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> byt
 
 
 def splice_files(
-    parts: Sequence[Part],
-    keys: np.ndarray,
-    fds: np.ndarray,
-    bases: np.ndarray,
-    sizes: np.ndarray,
-    nowait: bool = False,
+    parts: Sequence[Part], keys: Ints, fds: Ints, bases: Ints, sizes: Ints, nowait: bool = False
 ) -> bytes | None:
     """The parts' pieces, in order, the chunks' read from their files; `nowait`: None
     if a read would wait for the disk (module docstring)."""
