@@ -32,7 +32,7 @@ from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.readahead import ReadaheadPolicy
-from tokenfeed.server.rounds import LocatedRound, RoundQueue, Span
+from tokenfeed.server.rounds import LocatedRound, RoundQueue, Span, spans_chunks
 
 # A burst is built in one go: one pin of its chunks, one thread-pool round trip, which
 # costs more than building one small message. Past a few messages a burst saves no
@@ -42,6 +42,12 @@ BURST_MESSAGES = 4  # messages per burst...
 # ...unless they reach this size first: large messages share the round trip already,
 # and a burst's messages are all held in memory until written.
 BURST_BYTES = 1 << 20
+
+# A stream reading in place opens the files of this many bursts ahead after a burst
+# built on a worker thread: a rank of a job of 1,024 crosses a shuffle group's chunks
+# in two bursts, so with one burst's files open ahead every other burst went to a
+# worker to open the next group's; with four, one in five does.
+OPEN_AHEAD = 4
 
 Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, payload bytes)
 
@@ -280,8 +286,9 @@ class MessageBuilder:
         self._peeked = None
         if self.files is None:  # a stream reading in place never loads a chunk whole
             self.readahead.look_ahead(moved, chunks)
-        elif not inline:
-            self.files.ahead(sorted(self._peek(self.burst_messages)[2]))
+        elif not inline:  # the next bursts' files, so that they can be read on the loop
+            ahead = OPEN_AHEAD * self.burst_messages * self.per_message
+            self.files.ahead(sorted(spans_chunks(self.rounds.spans(ahead, self.rounds.start)[0])))
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
         return burst

@@ -46,6 +46,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -172,7 +173,7 @@ class FilePool:
         over = len(self._files) - self.capacity
         if over <= 0:
             return
-        idle = [k for k, row in self._files.items() if not row[3]][:over]
+        idle = list(islice((k for k, row in self._files.items() if not row[3]), over))
         for key in idle:
             os.close(self._files.pop(key)[0])
 
