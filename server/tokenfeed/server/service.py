@@ -519,7 +519,11 @@ class FeederService:
                         # rows read in place on the loop only while no stream is being
                         # prepared: a busy loop holds the GIL, which the preparations
                         # on worker threads wait for (an epoch-start storm's first batches)
-                        burst = pipe.next_burst(True, not self.preparing) if small else []
+                        burst = (
+                            pipe.next_burst(inline=True, read_files=not self.preparing)
+                            if small
+                            else []
+                        )
                         if not burst and not pipe.finished:
                             burst = await loop.run_in_executor(self.executor, pipe.next_burst)
                     if not burst:
