@@ -107,4 +107,8 @@ def test_the_streams_of_a_large_job_can_decide_the_cores() -> None:
     assert (doc["replicas"], doc["workers_per_replica"]) == (2, 8)
     assert doc["streams_per_replica"] == 8192
     assert doc["open_files_per_replica"] == 8192 * 9 + 8 * 256
+    # a small job: each worker's pool of chunk files keeps at least 1,024 open
+    small = plan_json("--gpus", "64", "--per-core-tokens-s", "1e12", "--cores-per-node", "8")
+    streams, workers = small["streams_per_replica"], small["workers_per_replica"]
+    assert small["open_files_per_replica"] == streams + workers * (256 + 1024)
     assert doc["memory_beside_cache_bytes"] == 8192 * (1 << 20) + 8 * (100 << 20)

@@ -497,7 +497,7 @@ def test_a_feeder_bug_is_raised_after_a_few_internal_errors_not_retried_for_minu
     from tokenfeed.client.stream import INTERNAL_ATTEMPTS
     from tokenfeed.server.assembly import MessageBuilder
 
-    def bug(self, inline: bool = False) -> list:
+    def bug(self, *args: object, **kwargs: object) -> list:
         raise AttributeError("a bug")
 
     monkeypatch.setattr(MessageBuilder, "next_burst", bug)

@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core import native, sampling
+from tokenfeed.core.errors import NotFound
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.server import assembly, readahead, rounds, service, wire
 from tokenfeed.server.datasets import Catalog
@@ -330,6 +331,33 @@ def test_uint16_store_and_nested_name(tmp_path: Path) -> None:
         got = stream(f.address, p, batches_per_message=4)
         assert got[0].dtype == "uint16"
         assert_matches(got, expected(root, p), 128, modulo=1 << 16)
+
+
+def test_a_request_locates_each_name_once(tmp_path: Path) -> None:
+    """Within names_once (one request: its grant's check, then its opening) a name is
+    located once, on that thread only; outside it every lookup sees the root as it is."""
+    make_positional_store(tmp_path / "a", 2_000, 1_000)
+    catalog = Catalog(tmp_path)
+    seen: list[object] = []
+    with catalog.names_once():
+        first = catalog.locate("a")
+        (tmp_path / "a").rename(tmp_path / "b")
+        assert catalog.locate("a") == first  # the request's own lookup
+        with catalog.names_once():  # nested: the same request
+            assert catalog.locate("a") == first
+        other = threading.Thread(target=lambda: seen.append(_located(catalog, "a")))
+        other.start()
+        other.join()
+    assert seen == ["NotFound"]  # another thread looks for itself
+    assert _located(catalog, "a") == "NotFound"
+    assert catalog.locate("b") == ("tokenfeed", tmp_path.resolve() / "b")
+
+
+def _located(catalog: Catalog, name: str) -> object:
+    try:
+        return catalog.locate(name)
+    except NotFound:
+        return "NotFound"
 
 
 def test_many_concurrent_streams_load_each_chunk_once(feeder) -> None:

@@ -135,6 +135,10 @@ def test_splice_files_reads_every_piece_in_order(case) -> None:
     parts, keys, views, want = case
     with as_files(views) as (fds, bases, sizes):
         assert both_ways(splice.splice_files, parts, keys, fds, bases, sizes) == (want, want)
+        # just written, so in the page cache: read without waiting, the same bytes
+        if hasattr(os, "RWF_NOWAIT"):
+            got = both_ways(splice.splice_files, parts, keys, fds, bases, sizes, True)
+            assert got == (want, want)
 
 
 @pytest.mark.parametrize(
@@ -159,6 +163,49 @@ def test_splice_files_says_which_file_came_back_short(loops, tmp_path) -> None:
         args = (np.array([5]), np.array([fd]), np.array([0]), np.array([10]))
         with pytest.raises(EOFError, match="key 5"):
             splice.splice_files(parts, *(np.asarray(a, dtype=np.int64) for a in args))
+    finally:
+        os.close(fd)
+
+
+def test_splice_files_without_waiting_stops_at_a_cut_file(loops, tmp_path) -> None:
+    """`nowait`: a read that reaches the end of a cut file is None (the read that may
+    wait then says which file), never a message with bytes that are not there."""
+    (tmp_path / "c").write_bytes(b"0123456789")
+    fd = os.open(tmp_path / "c", os.O_RDONLY)
+    try:
+        os.truncate(tmp_path / "c", 4)
+        parts = [(np.array([(-1, 0, 2), (5, 2, 6)], dtype=np.int64), b"ab")]
+        args = (np.array([5]), np.array([fd]), np.array([0]), np.array([10]))
+        assert (
+            splice.splice_files(parts, *(np.asarray(a, dtype=np.int64) for a in args), True) is None
+        )
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="Linux's RWF_NOWAIT")
+def test_splice_files_without_waiting_is_none_where_the_disk_would_be_read(loops, tmp_path) -> None:
+    """`nowait` on bytes the page cache dropped: None where the kernel says a read
+    would wait, the bytes where it does not (a file system that keeps every file in
+    memory); the same as a read with RWF_NOWAIT of the file itself."""
+    data = os.urandom(1 << 20)
+    (tmp_path / "c").write_bytes(data)
+    fd = os.open(tmp_path / "c", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages, which DONTNEED drops
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a miss loads its own pages only
+        try:  # the kernel's answer, far from the bytes spliced (a miss may load its pages)
+            os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+            cached = True
+        except BlockingIOError:
+            cached = False
+        parts = [(np.array([(5, 1 << 19, 4096)], dtype=np.int64), b"")]
+        args = [np.asarray(a, dtype=np.int64) for a in ([5], [fd], [0], [len(data)])]
+        got = splice.splice_files(parts, *args, True)
+        assert got == (data[1 << 19 : (1 << 19) + 4096] if cached else None)
+        assert splice.splice_files(parts, *args) == data[1 << 19 : (1 << 19) + 4096]
+        assert splice.splice_files(parts, *args, True) == data[1 << 19 : (1 << 19) + 4096]
     finally:
         os.close(fd)
 

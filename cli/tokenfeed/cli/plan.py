@@ -43,6 +43,7 @@ BUILD_PER_CORE_TOKENS_S = 5.8e8
 # and per worker process beside its chunks.
 STREAMS_PER_WORKER = 2048
 FILES_PER_STREAM, FILES_PER_WORKER = 9, 256
+POOL_FILES = 1024  # a worker's open chunk files: 8 per stream, at least this many
 STREAM_BYTES, WORKER_BYTES = 1 << 20, 100 << 20
 
 
@@ -147,7 +148,9 @@ def plan(args: argparse.Namespace, per_core: float, source: str) -> dict[str, An
         "workers_per_replica": workers,
         "cores_by_streams": by_streams,
         "streams_per_replica": streams,
-        "open_files_per_replica": streams * FILES_PER_STREAM + workers * FILES_PER_WORKER,
+        "open_files_per_replica": streams * FILES_PER_STREAM
+        + workers * FILES_PER_WORKER
+        + max(0, workers * POOL_FILES - streams * (FILES_PER_STREAM - 1)),
         "memory_beside_cache_bytes": streams * STREAM_BYTES + workers * WORKER_BYTES,
         "gpus": args.gpus,
         "tokens_per_gpu_s": args.tokens_per_gpu_s,

@@ -22,6 +22,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 /* A C-contiguous buffer of int64 rows of 3, or of plain int64 (keys). */
@@ -111,19 +112,37 @@ typedef struct {
     int64_t base, size;
 } Source;
 
-/* What stopped a copy: a piece outside its source, a file cut short, a failed read. */
+/* What stopped a copy: a piece outside its source, a file cut short, a failed read, or
+ * (reading without waiting) bytes not in the page cache. */
 typedef struct {
     Py_ssize_t part, piece; /* the piece outside its source; part -1: none */
     int64_t short_key;      /* -1: none */
     int err;                /* an errno; 0: none */
+    int would_block;        /* a read without waiting found bytes to wait for */
 } Failure;
+
+/* A positioned read; `nowait`: only from the page cache (RWF_NOWAIT), -1 with EAGAIN
+ * where the read would wait for the disk. */
+static ssize_t
+read_at(int fd, char *dst, int64_t count, int64_t at, int nowait)
+{
+    if (!nowait)
+        return pread(fd, dst, (size_t)count, (off_t)at);
+#ifdef RWF_NOWAIT
+    struct iovec iov = {dst, (size_t)count};
+    return preadv2(fd, &iov, 1, (off_t)at, RWF_NOWAIT);
+#else
+    errno = EAGAIN;
+    return -1;
+#endif
+}
 
 /* Copy every part's pieces into `dst` in order: key -1 reads the part's blob, any other
  * key its source in `src` (`key_of` ascending). Touches no Python object: it runs
  * without the GIL. Stops at the first failure, recorded in `f`. */
 static void
 copy_pieces(const Part *parts, Py_ssize_t n_parts, const int64_t *key_of, const Source *src,
-            Py_ssize_t n_keys, char *dst, Failure *f)
+            Py_ssize_t n_keys, char *dst, int nowait, Failure *f)
 {
     for (Py_ssize_t k = 0; k < n_parts; k++) {
         const int64_t *p = parts[k].program.buf;
@@ -145,9 +164,15 @@ copy_pieces(const Part *parts, Py_ssize_t n_parts, const int64_t *key_of, const 
             }
             int64_t left = p[2], at = s->base + p[1];
             while (left > 0) {
-                ssize_t got = pread(s->fd, dst, (size_t)left, (off_t)at);
+                ssize_t got = read_at(s->fd, dst, left, at, nowait);
                 if (got < 0 && errno == EINTR)
                     continue;
+                /* not cached, a file system that cannot tell, or the end of a file cut
+                 * short: a read that may wait says which */
+                if (nowait && (got == 0 || (got < 0 && (errno == EAGAIN || errno == EOPNOTSUPP)))) {
+                    f->would_block = 1;
+                    return;
+                }
                 if (got < 0) {
                     f->err = errno;
                     return;
@@ -163,9 +188,10 @@ copy_pieces(const Part *parts, Py_ssize_t n_parts, const int64_t *key_of, const 
 }
 
 /* The message `parts` make with each key's bytes in `src`: a new bytes object, or NULL
- * with an exception set. */
+ * with an exception set; `nowait`: None where a read would wait for the disk. */
 static PyObject *
-spliced(PyObject *parts_seq, const int64_t *key_of, const Source *src, Py_ssize_t n_keys)
+spliced(PyObject *parts_seq, const int64_t *key_of, const Source *src, Py_ssize_t n_keys,
+        int nowait)
 {
     Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(parts_seq);
     Part *parts = PyMem_Calloc(n_parts ? n_parts : 1, sizeof(Part));
@@ -182,12 +208,16 @@ spliced(PyObject *parts_seq, const int64_t *key_of, const Source *src, Py_ssize_
     if (out == NULL)
         goto done;
     /* Second pass, without the GIL: find each piece's source, check it, copy it. */
-    Failure f = {-1, -1, -1, 0};
+    Failure f = {-1, -1, -1, 0, 0};
     char *dst = PyBytes_AS_STRING(out);
     Py_BEGIN_ALLOW_THREADS
-    copy_pieces(parts, n_parts, key_of, src, n_keys, dst, &f);
+    copy_pieces(parts, n_parts, key_of, src, n_keys, dst, nowait, &f);
     Py_END_ALLOW_THREADS
-    if (f.part >= 0) {
+    if (f.would_block) {
+        Py_DECREF(out);
+        Py_INCREF(Py_None);
+        out = Py_None;
+    } else if (f.part >= 0) {
         const int64_t *p = (const int64_t *)parts[f.part].program.buf + 3 * f.piece;
         PyErr_Format(PyExc_ValueError,
                      "splice: piece %zd of part %zd (key %lld, offset %lld, count %lld) is "
@@ -250,7 +280,7 @@ splice(PyObject *module, PyObject *args)
             goto done;
         src[got_views] = (Source){bufs[got_views].buf, -1, 0, bufs[got_views].len};
     }
-    out = spliced(parts_seq, keys.buf, src, n_views);
+    out = spliced(parts_seq, keys.buf, src, n_views, 0);
 done:
     for (Py_ssize_t j = 0; j < got_views; j++)
         PyBuffer_Release(&bufs[j]);
@@ -263,17 +293,19 @@ done:
     return out;
 }
 
-/* splice_files(parts, keys, fds, bases, sizes): splice, with each key's bytes read from
- * a file: piece (key, offset, count) is `count` bytes at `bases[j] + offset` of file
- * descriptor `fds[j]` (keys[j] == key), inside [0, sizes[j]). A read that comes back
- * short (the file was cut) raises EOFError("key K"), a failed one OSError. */
+/* splice_files(parts, keys, fds, bases, sizes, nowait=False): splice, with each key's
+ * bytes read from a file: piece (key, offset, count) is `count` bytes at `bases[j] +
+ * offset` of file descriptor `fds[j]` (keys[j] == key), inside [0, sizes[j]). A read
+ * that comes back short (the file was cut) raises EOFError("key K"), a failed one
+ * OSError. `nowait`: reads from the page cache only, None if one would wait. */
 static PyObject *
 splice_files(PyObject *module, PyObject *args)
 {
     (void)module;
     PyObject *parts_obj, *keys_obj, *fds_obj, *bases_obj, *sizes_obj;
-    if (!PyArg_ParseTuple(args, "OOOOO:splice_files", &parts_obj, &keys_obj, &fds_obj,
-                          &bases_obj, &sizes_obj))
+    int nowait = 0;
+    if (!PyArg_ParseTuple(args, "OOOOO|p:splice_files", &parts_obj, &keys_obj, &fds_obj,
+                          &bases_obj, &sizes_obj, &nowait))
         return NULL;
     PyObject *parts_seq = PySequence_Fast(parts_obj, "splice: parts must be a sequence");
     if (parts_seq == NULL)
@@ -298,7 +330,7 @@ splice_files(PyObject *module, PyObject *args)
     const int64_t *fd_of = fds.buf, *base_of = bases.buf, *size_of = sizes.buf;
     for (Py_ssize_t j = 0; j < n_keys; j++)
         src[j] = (Source){NULL, (int)fd_of[j], base_of[j], size_of[j]};
-    out = spliced(parts_seq, keys.buf, src, n_keys);
+    out = spliced(parts_seq, keys.buf, src, n_keys, nowait);
 done:
     if (keys.obj != NULL)
         PyBuffer_Release(&keys);
@@ -626,7 +658,8 @@ static PyMethodDef methods[] = {
     {"splice", splice, METH_VARARGS,
      "splice(parts, keys, views) -> bytes: see tokenfeed.server.splice."},
     {"splice_files", splice_files, METH_VARARGS,
-     "splice_files(parts, keys, fds, bases, sizes) -> bytes: see tokenfeed.server.splice."},
+     "splice_files(parts, keys, fds, bases, sizes, nowait=False) -> bytes | None: see "
+     "tokenfeed.server.splice."},
     {"program", program, METH_VARARGS,
      "program(...) -> (int64 (n, 3) as bytes, int64 piece_lo as bytes): see "
      "tokenfeed.server.splice."},

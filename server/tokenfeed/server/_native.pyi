@@ -13,7 +13,8 @@ def splice_files(
     fds: np.ndarray,
     bases: np.ndarray,
     sizes: np.ndarray,
-) -> bytes: ...
+    nowait: bool = False,
+) -> bytes | None: ...
 def frames(
     batch_tag: bytes,
     epoch_field: bytes,

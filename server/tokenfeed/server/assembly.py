@@ -43,6 +43,12 @@ BURST_MESSAGES = 4  # messages per burst...
 # and a burst's messages are all held in memory until written.
 BURST_BYTES = 1 << 20
 
+# A stream reading in place opens the files of this many bursts ahead after a burst
+# built on a worker thread: a rank of a job of 1,024 crosses a shuffle group's chunks
+# in two bursts, so with one burst's files open ahead every other burst went to a
+# worker to open the next group's; with four, one in five does.
+OPEN_AHEAD = 4
+
 Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, payload bytes)
 
 
@@ -126,9 +132,11 @@ class MessageBuilder:
         metrics: ServerMetrics,
         documents: BatchEnds | None = None,
         then: Iterator[sampling.Round] | None = None,
+        files: inplace.FilePool | None = None,
     ) -> None:
         """`then`: the rounds of this rank's next epoch from its start (lazy: only a
-        remote store's deep read-ahead looks at its first batches, as this one ends)."""
+        remote store's deep read-ahead looks at its first batches, as this one ends);
+        `files`: the feeder's open chunk files, shared by its streams (else its own)."""
         self.ds, self.sampler, self.cache, self.metrics = ds, sampler, cache, metrics
         self.documents = documents  # each batch's document ends, when the request asks
         self.per_message = per_message
@@ -155,6 +163,7 @@ class MessageBuilder:
         )
         # a rank of a large job, or of a mixture of many sources, reads its rows from
         # the chunk files (inplace.py)
+        self.pool = files if files is not None else inplace.FilePool()
         self.files: inplace.ChunkFiles | None = None
         self._guard = threading.Lock()  # close() from the event loop, bursts on threads
         self._building = self._closed = False
@@ -167,9 +176,12 @@ class MessageBuilder:
         # as the first burst itself) is made as the next burst starts, while the first
         # batch is on its way; that burst needs the same rows located anyway.
         self._later: tuple[int, set[int]] | None = None
+        # the last _peek's messages, cursor and chunks, until the stream advances: a burst
+        # tried on the event loop and left to a worker thread is peeked once
+        self._peeked: tuple[int, list[list[Span]], tuple[int, int], set[int]] | None = None
         shares = sampler.world_size * max(1, sources)
         if shares >= inplace.IN_PLACE_WORLD_SIZE and ds.store.in_place:
-            self.files = inplace.ChunkFiles(ds.store)
+            self.files = inplace.ChunkFiles(ds, self.pool)
         elif not ds.store.in_place:  # (else after the first burst: not to slow its reads)
             self.readahead.look_ahead()
 
@@ -187,8 +199,11 @@ class MessageBuilder:
         if self.files is not None:
             self.files.close()
 
-    def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int]]:
-        """The next n messages as spans of rounds, and the cursor after them."""
+    def _peek(self, n: int) -> tuple[list[list[Span]], tuple[int, int], set[int]]:
+        """The next n messages as spans of rounds, the cursor after them and their chunks
+        (remembered until the stream advances)."""
+        if self._peeked is not None and self._peeked[0] == n:
+            return self._peeked[1:]
         messages = []
         cursor = self.rounds.start
         for m in range(n):
@@ -199,11 +214,14 @@ class MessageBuilder:
             if not spans:
                 break
             messages.append(spans)
-        return messages, cursor
+        chunks = self.readahead.chunks_of([span for spans in messages for span in spans])
+        self._peeked = (n, messages, cursor, chunks)
+        return messages, cursor, chunks
 
-    def next_burst(self, inline: bool = False) -> list[Message]:
+    def next_burst(self, inline: bool = False, read_files: bool = True) -> list[Message]:
         """Up to BURST_MESSAGES messages (BURST_BYTES in all); empty at the end or,
-        `inline`, when a chunk would have to be loaded (nothing is consumed then).
+        `inline`, when a chunk would have to be loaded (nothing is consumed then); with
+        `read_files` False, also when its rows would be read in place.
 
         A burst is the unit of pinning and of a thread-pool round trip: the hop to a
         worker and back costs more than building one small message.
@@ -213,7 +231,7 @@ class MessageBuilder:
                 return []
             self._building = True
         try:
-            return self._next_burst(inline)
+            return self._next_burst(inline, read_files)
         finally:
             with self._guard:
                 self._building = False
@@ -228,39 +246,63 @@ class MessageBuilder:
             later, self._later = self._later, None
             self.readahead.look_ahead(*later)
 
-    def _next_burst(self, inline: bool) -> list[Message]:
+    def _next_burst(self, inline: bool, read_files: bool = True) -> list[Message]:
         t0 = time.perf_counter()
         self.settle()
-        first = self._first
-        messages, cursor = self._peek(1 if first else self.burst_messages)
+        messages, cursor, chunks = self._peek(1 if self._first else self.burst_messages)
         if not messages:
             return []
-        spans = [span for spans in messages for span in spans]
-        chunks = self.readahead.chunks_of(spans)
-        pinned: Pinned | inplace.InPlace | None = self._pin(sorted(chunks))
-        if pinned is None and inline:  # leave the burst to a worker thread
-            return []
+        order = sorted(chunks)
+        pinned: Pinned | inplace.InPlace | None = self._pin(order)
+        if pinned is None and inline:
+            # rows read in place on the event loop from files open already, where the
+            # page cache holds them all; else the burst is left to a worker thread
+            pinned = None if self.files is None or not read_files else self.files.kept(order)
+            if pinned is None:
+                return []
+            try:
+                burst = [self._message(spans, pinned) for spans in messages]
+            except inplace.WouldBlock:
+                return []
+            finally:
+                pinned.release()
+            return self._sent(burst, messages, cursor, chunks, t0, inline)
         cold = None  # a first burst's files, read in place (see __init__)
         if pinned is None and self.files is not None:
-            pinned = self.files.burst(sorted(chunks))
+            pinned = self.files.burst(order)
         elif pinned is None and self._first and self.ds.store.in_place:
-            cold = inplace.ChunkFiles(self.ds.store)
-            pinned = cold.burst(sorted(chunks))
-        self._first = False
+            cold = inplace.ChunkFiles(self.ds, self.pool, attach=False)
+            pinned = cold.burst(order)
         try:
             burst = [self._message(spans, pinned) for spans in messages]
         finally:
             if pinned is not None:
                 pinned.release()
-            if cold is not None:
-                cold.close()
+        return self._sent(burst, messages, cursor, chunks, t0, inline)
+
+    def _sent(
+        self,
+        burst: list[Message],
+        messages: list[list[Span]],
+        cursor: tuple[int, int],
+        chunks: set[int],
+        t0: float,
+        inline: bool,
+    ) -> list[Message]:
+        """A burst built: the stream moves past it, and its read-ahead looks on (reading in
+        place off the event loop: the next burst's files are opened)."""
+        first, self._first = self._first, False
+        if self.by_source is not None:  # counted by source when written (no numpy call here)
+            self.by_source.extend(messages)
         moved = self.rounds.advance(cursor)
+        self._peeked = None
         if self.files is None and first:  # the next burst asks, once this one is sent
             self._later = (moved, chunks)
         elif self.files is None:  # a stream reading in place never loads a chunk whole
             self.readahead.look_ahead(moved, chunks)
-        else:
-            self.files.keep(spans_chunks(messages[-1]))
+        elif not inline:  # the next bursts' files, so that they can be read on the loop
+            ahead = OPEN_AHEAD * self.burst_messages * self.per_message
+            self.files.ahead(sorted(spans_chunks(self.rounds.spans(ahead, self.rounds.start)[0])))
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)
         return burst
@@ -280,8 +322,6 @@ class MessageBuilder:
     def _message(self, spans: list[Span], pinned: Pinned | inplace.InPlace | None) -> Message:
         batches = sum(j - i for _, i, j in spans)
         tokens = sum(lr.token_lo[j] - lr.token_lo[i] for lr, i, j in spans)
-        if self.by_source is not None:  # counted by source when written (no numpy call here)
-            self.by_source.append(spans)
         if pinned is not None and self.documents is None:
             data = pinned.message(spans)
         else:

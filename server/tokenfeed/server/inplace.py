@@ -15,29 +15,45 @@ whole chunks, one stream of a mixture of 1,000 sources needed 1,000 groups' chun
 the cache (far more than it holds) and reloaded a chunk for nearly every window. So
 the threshold is on W x k, the shares each chunk's windows go to.
 
-A stream keeps up to KEEP_FILES files of its last burst open for the next
-(`ChunkFiles`): a shuffle group's chunks serve several bursts. Each file is advised
-random access, so a row missing from the page cache reads its own pages, not the
-kernel's 128 KiB read-ahead.
+The feeder's streams share its open chunk files (`FilePool`): a shuffle group's chunks
+serve a stream's next bursts and the other ranks of its job, a mixture's sources serve
+every batch. Each file is advised random access, so a row missing from the page cache
+reads its own pages, not the kernel's 128 KiB read-ahead.
+
+Where a burst is read: a burst whose files are all open is tried on the event loop,
+its reads taking only what the page cache holds (`kept`: RWF_NOWAIT, never waiting
+for the disk); a row that is not there (WouldBlock), or a file to open, leaves the
+burst to a worker thread, which then opens the next burst's files (`ahead`). A rank of
+a large job crosses a shuffle group's chunks in a few bursts, so most of its bursts
+are read on the loop, with no thread hop. While a stream is being set up its bursts
+go to worker threads (service.py): a loop busy reading holds the GIL the set-up waits
+for.
 
 What is checked: the file's size against the store, when it is opened (a chunk missing
-or cut short is DataLoss naming it, for the streams that need it; one cut while open
-is found by the read that comes back short). Not the chunk's checksum, which covers
-the whole chunk: a whole-chunk load checks it (streams of smaller jobs, `tokenfeed
-verify`). Stores whose reads convert the ids (the seed layout, Megatron files of
-another dtype than uint16) and stores in object storage are not read in place
-(`StoreReader.in_place`): their streams load whole chunks as any other.
+or cut short is DataLoss naming it, for the streams that need it; one cut while open,
+in the pool, is found by the read that comes back short). A file is opened for its
+store's generation (the pool's key is the chunk's cache key), as a chunk is cached.
+Not the chunk's checksum, which covers the whole chunk: a whole-chunk load checks it
+(streams of smaller jobs, `tokenfeed verify`). Stores whose reads convert the ids
+(the seed layout, Megatron files of another dtype than uint16) and stores in object
+storage are not read in place (`StoreReader.in_place`): their streams load whole
+chunks as any other.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from itertools import islice
+from typing import Any
 
 import numpy as np
 
 from tokenfeed.core.errors import DataLoss
-from tokenfeed.core.store import StoreReader
 from tokenfeed.server import splice
+from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.rounds import LocatedRound, Span
 
 # A job this large reads in place. At 16 ranks a rank takes 1/16 of each chunk it
@@ -46,47 +62,170 @@ from tokenfeed.server.rounds import LocatedRound, Span
 # over, while a smaller job is usually served by one feeder, whose cache shares each
 # load among all its ranks (and checks the chunk's checksum).
 IN_PLACE_WORLD_SIZE = 16
-# Files a stream keeps open between bursts: a shuffle group's chunks (8 by default),
-# which serve the stream's next bursts until it moves on. A burst opens what it needs
-# (tens of files at most, for as long as a worker thread builds it); 1,024 streams
-# hold at most 8,192 between bursts (docs/serving.md, "Limits").
+# The feeder's open chunk files (`FilePool`), shared by its streams that read in place:
+# KEEP_FILES per such stream, a shuffle group's chunks (8 by default), which serve the
+# stream's next bursts until it moves on; and at least POOL_FILES while any stream reads
+# in place, so that one stream of a mixture of 1,000 sources (a chunk file each, or
+# more) finds its sources' files open instead of opening 8 files per batch. Beyond
+# that, the files bursts are reading (tens at most per burst, while a worker thread
+# builds it); none once no stream reads in place (docs/serving.md, "Limits").
 KEEP_FILES = 8
-FILES_PER_STREAM = 1 + KEEP_FILES  # its connection, and the chunk files it keeps open
+POOL_FILES = 1024
+FILES_PER_STREAM = 1 + KEEP_FILES  # its connection, and its share of the pool
+
+
+class FilePool:
+    """A feeder's open chunk files, by chunk cache key (a store's generation is in the
+    key: a rewritten store's files are opened anew), shared by its streams.
+
+    A file is held (`take`) while a burst reads it and closed only when no burst holds
+    it: least recently taken first, once the pool holds more than its capacity
+    (KEEP_FILES per attached stream, at least POOL_FILES; none without a stream).
+    Files are opened outside the lock (a cold disk would hold every stream up).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # key -> [fd, base, size, holds], least recently taken first
+        self._files: OrderedDict[Any, list[int]] = OrderedDict()
+        self._streams = 0
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    @property
+    def capacity(self) -> int:
+        return max(KEEP_FILES * self._streams, POOL_FILES) if self._streams else 0
+
+    def attach(self) -> None:
+        """A stream reads in place: the pool may keep KEEP_FILES more files."""
+        with self._lock:
+            self._streams += 1
+
+    def detach(self) -> None:
+        """A stream ended: the files beyond the pool's capacity now are closed."""
+        with self._lock:
+            self._streams -= 1
+            self._trim()
+
+    def take(
+        self, keys: list[Any], open_file: Callable[[int], tuple[int, int, int]] | None
+    ) -> np.ndarray | None:
+        """(fd, base, size) of each key's file, held until `give_back(keys)`; a file not
+        open is opened by `open_file(i)` (keys[i]'s; its DataLoss raised, nothing held),
+        or without `open_file`, None (nothing held)."""
+        rows: list[list[int]] = []
+        try:
+            for i, key in enumerate(keys):
+                with self._lock:
+                    row = self._files.get(key)
+                    if row is not None:
+                        row[3] += 1
+                        self._files.move_to_end(key)
+                if row is None:
+                    if open_file is None:
+                        break
+                    row = self._add(key, open_file(i), 1)
+                rows.append(row)
+        except BaseException:
+            self.give_back(keys[: len(rows)])
+            raise
+        if len(rows) < len(keys):
+            self.give_back(keys[: len(rows)])
+            return None
+        return np.array([r[:3] for r in rows], dtype=np.int64).reshape(-1, 3)
+
+    def open(self, keys: list[Any], open_file: Callable[[int], tuple[int, int, int]]) -> None:
+        """Open the files of `keys` not open yet, held by no burst (read-ahead of opens);
+        stops quietly at one that fails (the burst that needs it says why)."""
+        for i, key in enumerate(keys):
+            with self._lock:
+                if key in self._files:
+                    continue
+            try:
+                opened = open_file(i)
+            except (DataLoss, OSError):
+                return
+            self._add(key, opened, 0)
+        with self._lock:
+            self._trim()
+
+    def _add(self, key: Any, opened: tuple[int, int, int], holds: int) -> list[int]:
+        with self._lock:
+            row = self._files.get(key)
+            if row is None:
+                row = self._files[key] = [*opened, holds]
+                return row
+            row[3] += holds
+            self._files.move_to_end(key)
+        os.close(opened[0])  # opened meanwhile by another stream
+        return row
+
+    def give_back(self, keys: list[Any]) -> None:
+        with self._lock:
+            for key in keys:
+                self._files[key][3] -= 1
+            self._trim()
+
+    def _trim(self) -> None:
+        """Close files held by no burst, least recently taken first, down to capacity.
+        (Called holding the lock.)"""
+        over = len(self._files) - self.capacity
+        if over <= 0:
+            return
+        idle = list(islice((k for k, row in self._files.items() if not row[3]), over))
+        for key in idle:
+            os.close(self._files.pop(key)[0])
 
 
 class ChunkFiles:
-    """One stream's open chunk files: those of its last burst (`burst`), closed by
-    `close()` or when the next burst no longer needs them."""
+    """One stream's chunk files, from the feeder's pool (`FilePool`, attached while the
+    stream reads in place: `close()` detaches it)."""
 
-    def __init__(self, store: StoreReader) -> None:
-        self.store = store
-        self._files: dict[int, tuple[int, int, int]] = {}  # chunk -> (fd, base, size)
+    def __init__(self, ds: Dataset, pool: FilePool, attach: bool = True) -> None:
+        self.store = ds.store
+        self.keys = ds.chunk_keys
+        self.pool = pool
+        # attached at the first burst: a stream that ends before its first (its client
+        # gone while it was prepared) holds nothing
+        self._attach = attach
+        self._attached = False
 
-    def keep(self, chunks: set[int]) -> None:
-        """After a burst: close the files beyond KEEP_FILES, `chunks` (the chunks of its
-        last message, the likeliest to serve the next) first kept."""
-        if len(self._files) <= KEEP_FILES:
-            return
-        order = sorted(self._files, key=lambda c: c not in chunks)
-        for c in order[KEEP_FILES:]:
-            os.close(self._files.pop(c)[0])
+    def _use(self) -> None:
+        if self._attach and not self._attached:
+            self._attached = True
+            self.pool.attach()
+
+    def ahead(self, chunks: list[int]) -> None:
+        """Off the event loop, after a burst: open the files of the next one's `chunks`,
+        so that it can be read on the event loop. A file that fails to open is left to
+        the burst that needs it (its error names it)."""
+        self._use()
+        self.pool.open([self.keys[c] for c in chunks], lambda i: self._open(chunks[i]))
+
+    def kept(self, chunks: list[int]) -> InPlace | None:
+        """The files of `chunks` (ascending) if all are open already, to be read without
+        waiting (`InPlace` with `nowait`: on the event loop); else None."""
+        keys = [self.keys[c] for c in chunks]
+        table = self.pool.take(keys, None)
+        if table is None:
+            return None
+        return InPlace(self, keys, np.asarray(chunks, dtype=np.int64), table, nowait=True)
 
     def burst(self, chunks: list[int]) -> InPlace:
         """The files of `chunks` (ascending), open; DataLoss naming the first that is
         missing, cut short or unreadable."""
-        kept = {c: self._files.pop(c) for c in chunks if c in self._files}
-        self.close()
-        self._files = kept
-        for c in chunks:
-            if c not in kept:
-                path, base = self.store.chunk_file(c)
-                kept[c] = (self._open(c, path), base, self.store.chunk_nbytes(c))
-        files = np.array([kept[c] for c in chunks], dtype=np.int64).reshape(-1, 3)
-        return InPlace(self.store, np.asarray(chunks, dtype=np.int64), files)
+        self._use()
+        keys = [self.keys[c] for c in chunks]
+        table = self.pool.take(keys, lambda i: self._open(chunks[i]))
+        assert table is not None
+        return InPlace(self, keys, np.asarray(chunks, dtype=np.int64), table)
 
-    def _open(self, chunk: int, path: str) -> int:
+    def _open(self, chunk: int) -> tuple[int, int, int]:
+        """Chunk `chunk`'s file opened and checked: (fd, base, size)."""
+        path, base = self.store.chunk_file(chunk)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             self.store.check_chunk_file(chunk, None)
             raise
@@ -98,25 +237,44 @@ class ChunkFiles:
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        return fd, base, self.store.chunk_nbytes(chunk)
 
     def close(self) -> None:
-        files, self._files = self._files, {}
-        for fd, _, _ in files.values():
-            os.close(fd)
+        """The stream ended (once; the files stay in the pool, within its capacity)."""
+        self._attach = False
+        if self._attached:
+            self._attached = False
+            self.pool.detach()
+
+
+class WouldBlock(Exception):
+    """A row read without waiting is not in the page cache: the burst is left to a
+    worker thread."""
 
 
 class InPlace:
     """A burst's chunks as open files: what `rows` and `message` read (one positioned
-    read per row piece). Like assembly.Pinned; `release()` has nothing to let go."""
+    read per row piece). Like assembly.Pinned: `release()` gives the files back to the
+    pool. `nowait`: the reads take only what the page cache holds, WouldBlock
+    otherwise."""
 
-    def __init__(self, store: StoreReader, keys: np.ndarray, files: np.ndarray) -> None:
-        self.store = store
+    def __init__(
+        self,
+        files: ChunkFiles,
+        held: list[Any],
+        keys: np.ndarray,
+        table: np.ndarray,
+        nowait: bool = False,
+    ) -> None:
+        self.store = files.store
+        self._files, self._held = files, held
         self.keys = keys  # ascending chunk ids
-        self.fds, self.bases, self.sizes = (np.ascontiguousarray(files[:, i]) for i in range(3))
+        self.fds, self.bases, self.sizes = (np.ascontiguousarray(table[:, i]) for i in range(3))
+        self.nowait = nowait
 
     def release(self) -> None:
-        pass  # the stream's ChunkFiles keeps the files for its next burst
+        held, self._held = self._held, []
+        self._files.pool.give_back(held)
 
     def rows(self, lr: LocatedRound, i: int) -> bytes:
         """Batch i's rows of tokens."""
@@ -130,7 +288,9 @@ class InPlace:
 
     def _splice(self, parts: list[splice.Part]) -> bytes:
         try:
-            return splice.splice_files(parts, self.keys, self.fds, self.bases, self.sizes)
+            data = splice.splice_files(
+                parts, self.keys, self.fds, self.bases, self.sizes, self.nowait
+            )
         except EOFError as e:  # the file was cut since it was opened: say which and how
             chunk = int(str(e).split()[-1])
             fd = int(self.fds[int(np.searchsorted(self.keys, chunk))])
@@ -138,3 +298,6 @@ class InPlace:
             raise DataLoss(f"{self.store.location}: chunk {chunk} was cut short") from None
         except OSError as e:
             raise DataLoss(f"{self.store.location}: a chunk file is unreadable ({e})") from None
+        if data is None:
+            raise WouldBlock
+        return data

@@ -15,7 +15,7 @@ from tokenfeed.core import native
 from tokenfeed.server.app import run_until_stopped, serve
 from tokenfeed.server.chunks import raise_open_files_limit
 from tokenfeed.server.config import ServerConfig
-from tokenfeed.server.inplace import FILES_PER_STREAM
+from tokenfeed.server.inplace import FILES_PER_STREAM, KEEP_FILES, POOL_FILES
 from tokenfeed.server.supervisor import Supervisor
 
 log = logging.getLogger("tokenfeed.server")
@@ -47,7 +47,9 @@ def check_open_files(config: ServerConfig) -> int:
     """Raise the soft limit of open files to the hard one, and warn when it is below
     what `--max-streams` streams may hold; the limit in force."""
     limit = raise_open_files_limit()
-    need = config.max_streams * FILES_PER_STREAM + OTHER_FILES
+    # a connection per stream; the pool of chunk files read in place, KEEP_FILES per
+    # stream and at least POOL_FILES (inplace.FilePool); the rest
+    need = config.max_streams + max(config.max_streams * KEEP_FILES, POOL_FILES) + OTHER_FILES
     if limit < need:
         log.warning(
             "the limit of open files is %d, below the %d that --max-streams %d streams may "

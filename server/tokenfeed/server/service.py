@@ -46,6 +46,7 @@ from tokenfeed.server.access import Access
 from tokenfeed.server.assembly import Message, MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
+from tokenfeed.server.inplace import FilePool
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.mixtures import MixtureSpace
 from tokenfeed.server.shares import FairShares
@@ -186,10 +187,12 @@ class FeederService:
         self.max_streams = max_streams
         self.max_batch_bytes = max_batch_bytes
         self.active_streams = 0
+        self.preparing = 0  # streams being prepared on worker threads
         self.draining = False
         self.access = Access(catalog, tenants)  # who a call is, what it may read
         self.shares = shares if shares is not None else FairShares(SHARE_SLOTS)
         self.streams = OpenStreams()  # the calls in progress (status page, audit)
+        self.files = FilePool()  # the chunk files streams read in place, shared
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler to register. Responses of StreamBatches are pre-serialized
@@ -288,7 +291,8 @@ class FeederService:
     def _info(self, request: Any, job: Job) -> pb.InfoResponse:
         request = self._decoded(request)
         if request.HasField("params") and len(request.params.sources):
-            return self._mixture_info(request, job)
+            with self.catalog.names_once():
+                return self._mixture_info(request, job)
         if request.dataset:
             self.access.real_names(job, request.dataset)
             found = [self.catalog.get(request.dataset)]
@@ -367,6 +371,10 @@ class FeederService:
     ) -> tuple[MessageBuilder, bytes | None]:
         """The stream's message builder, and what the first response tells the client
         beside its batches (`describe`, `message_bytes`), if it asked."""
+        with self.catalog.names_once():  # the grant's check and the opening share lookups
+            return self._prepare(request, entry)
+
+    def _prepare(self, request: Any, entry: StreamEntry) -> tuple[MessageBuilder, bytes | None]:
         request = self._decoded(request)
         spec = SamplingSpec.from_proto(request.params)
         assert entry.job is not None
@@ -436,7 +444,15 @@ class FeederService:
             then = sampler.rounds(request.epoch + 1, request.rank)  # a generator: nothing runs yet
         ends = documents.for_dataset(ds) if request.document_ends else None
         pipe = MessageBuilder(
-            ds, sampler, rounds, per_message, self.cache, self.metrics, ends, then=then
+            ds,
+            sampler,
+            rounds,
+            per_message,
+            self.cache,
+            self.metrics,
+            ends,
+            then=then,
+            files=self.files,
         )
         header = None
         if request.describe or request.message_bytes:  # what the client did not know
@@ -491,9 +507,13 @@ class FeederService:
         self, request: Any, context: grpc.aio.ServicerContext, entry: StreamEntry
     ) -> None:
         loop = asyncio.get_running_loop()
-        pipe, header = await loop.run_in_executor(
-            self.executor, self._prepare_stream, request, entry
-        )
+        self.preparing += 1
+        try:
+            pipe, header = await loop.run_in_executor(
+                self.executor, self._prepare_stream, request, entry
+            )
+        finally:
+            self.preparing -= 1
         self.streams.opened(entry)
         labels = {"dataset": pipe.ds.name, "split": pipe.sampler.split}
         batches_sent = self.metrics.batches_sent.labels(**labels)
@@ -530,7 +550,14 @@ class FeederService:
                     if building is not None:
                         burst, building = await building, None
                     else:
-                        burst = pipe.next_burst(inline=True) if small else []
+                        # rows read in place on the loop only while no stream is being
+                        # prepared: a busy loop holds the GIL, which the preparations
+                        # on worker threads wait for (an epoch-start storm's first batches)
+                        burst = (
+                            pipe.next_burst(inline=True, read_files=not self.preparing)
+                            if small
+                            else []
+                        )
                         if not burst and not pipe.finished:
                             burst = await loop.run_in_executor(self.executor, pipe.next_burst)
                     if not burst:

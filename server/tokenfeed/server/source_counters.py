@@ -27,11 +27,11 @@ class SourceCounters:
         assert pipe.by_source is not None
         self.pipe = pipe
         self.itemsize = pipe.ds.store.dtype.itemsize
-        names = [d.name for d in pipe.ds.sources]
-        self.tokens = [
-            metrics.tokens_sent.labels(dataset=n, split="train", source=n) for n in names
-        ]
-        self.bytes = [metrics.bytes_sent.labels(dataset=n, split="train") for n in names]
+        self.metrics = metrics
+        self.names = [d.name for d in pipe.ds.sources]
+        # each source's two counters, looked up at its first count: a stream of 1,000
+        # sources would look up 2,000 at its start, most of them for nothing yet
+        self._counters: dict[int, tuple[Any, Any]] = {}
         self._runs: list[list[Any]] = []  # [round, first batch, end batch], written, not counted
         self._due = time.monotonic() + self.FLUSH_SECONDS
 
@@ -62,5 +62,14 @@ class SourceCounters:
         self._runs.clear()
         for i, n in enumerate(total.tolist()):
             if n:
-                self.tokens[i].inc(n)
-                self.bytes[i].inc(n * self.itemsize)
+                tokens, nbytes = self._counters.get(i) or self._lookup(i)
+                tokens.inc(n)
+                nbytes.inc(n * self.itemsize)
+
+    def _lookup(self, i: int) -> tuple[Any, Any]:
+        name = self.names[i]
+        found = self._counters[i] = (
+            self.metrics.tokens_sent.labels(dataset=name, split="train", source=name),
+            self.metrics.bytes_sent.labels(dataset=name, split="train"),
+        )
+        return found

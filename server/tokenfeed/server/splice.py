@@ -14,7 +14,7 @@ pieces, once per round; `splice` copies a message's pieces into its bytes:
   pieces [piece_lo[b], piece_lo[b + 1]).
 
     splice(parts, keys, views) -> bytes
-    splice_files(parts, keys, fds, bases, sizes) -> bytes
+    splice_files(parts, keys, fds, bases, sizes, nowait=False) -> bytes | None
 
 - `parts`: (program, blob) pairs, in order; a program is an int64 array of shape
   (n, 3), one (key, byte offset, byte count) row per piece;
@@ -24,7 +24,10 @@ pieces, once per round; `splice` copies a message's pieces into its bytes:
 - `splice_files` reads chunk keys[i]'s bytes from a file instead (rows read in place,
   inplace.py): `sizes[i]` bytes from byte `bases[i]` of file descriptor `fds[i]`, a
   positioned read per piece; a read cut short (the file shrank) is EOFError naming
-  the key.
+  the key. `nowait`: the reads take only what the page cache holds (Linux's
+  RWF_NOWAIT), and the result is None as soon as one would wait for the disk (or
+  reaches a file's end: a read that waits tells a cut file), so that the event loop
+  can try a burst that a worker thread builds otherwise.
 
 Both loop over rows in C (_native.c) when the extension is built, with no Python
 object per row: the per-row slicing, the join and the per-round numpy are what the
@@ -35,6 +38,7 @@ tests check the two agree.
 
 from __future__ import annotations
 
+import errno
 import os
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -45,6 +49,8 @@ import numpy as np
 from tokenfeed.core import native
 
 Part = tuple[np.ndarray, Any]  # (program, blob): pieces, and the frames key -1 reads
+Ints = np.ndarray  # keys, file descriptors, offsets, sizes: int64 arrays
+_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)  # Linux's: a read only from the page cache
 
 
 def splice_py(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> bytes:
@@ -67,9 +73,10 @@ def splice_py(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> 
 
 
 def splice_files_py(
-    parts: Sequence[Part], keys: np.ndarray, fds: np.ndarray, bases: np.ndarray, sizes: np.ndarray
-) -> bytes:
+    parts: Sequence[Part], keys: Ints, fds: Ints, bases: Ints, sizes: Ints, nowait: bool = False
+) -> bytes | None:
     """`splice_files`' reference, in Python."""
+    flags = _NOWAIT if nowait else 0
     if not len(keys) == len(fds) == len(bases) == len(sizes):
         raise ValueError("splice_files: one fd, base and size per key")
     at = {int(k): j for j, k in enumerate(keys.tolist())}
@@ -93,10 +100,22 @@ def splice_files_py(
             else:
                 done = 0
                 while done < count:  # a positioned read may return less than asked
-                    got = os.preadv(
-                        int(fds[j]), [dst[pos + done : pos + count]], int(bases[j]) + offset + done
-                    )
+                    if nowait and not flags:
+                        return None  # no way to read without waiting here
+                    try:
+                        got = os.preadv(
+                            int(fds[j]),
+                            [dst[pos + done : pos + count]],
+                            int(bases[j]) + offset + done,
+                            flags,
+                        )
+                    except OSError as e:  # not cached, or a file system that cannot tell
+                        if nowait and e.errno in (errno.EAGAIN, errno.EOPNOTSUPP):
+                            return None
+                        raise
                     if got == 0:
+                        if nowait:
+                            return None
                         raise EOFError(f"key {key}")
                     done += got
             pos += count
@@ -138,7 +157,7 @@ def program_py(
 
 
 _splice_c: Callable[..., bytes] | None
-_splice_files_c: Callable[..., bytes] | None
+_splice_files_c: Callable[..., bytes | None] | None
 _program_c: Callable[..., tuple[bytes, bytes]] | None
 try:
     from tokenfeed.server._native import program as _program_c
@@ -156,12 +175,13 @@ def splice(parts: Sequence[Part], keys: np.ndarray, views: Sequence[Any]) -> byt
 
 
 def splice_files(
-    parts: Sequence[Part], keys: np.ndarray, fds: np.ndarray, bases: np.ndarray, sizes: np.ndarray
-) -> bytes:
-    """The parts' pieces, in order, the chunks' read from their files (module docstring)."""
+    parts: Sequence[Part], keys: Ints, fds: Ints, bases: Ints, sizes: Ints, nowait: bool = False
+) -> bytes | None:
+    """The parts' pieces, in order, the chunks' read from their files; `nowait`: None
+    if a read would wait for the disk (module docstring)."""
     if _splice_files_c is None or not native.enabled():
-        return splice_files_py(parts, keys, fds, bases, sizes)
-    return _splice_files_c(parts, keys, fds, bases, sizes)
+        return splice_files_py(parts, keys, fds, bases, sizes, nowait)
+    return _splice_files_c(parts, keys, fds, bases, sizes, nowait)
 
 
 def program(

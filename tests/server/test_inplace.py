@@ -1,0 +1,268 @@
+"""Rows read in place (server/inplace.py): bursts built on the event loop from the files a
+stream keeps open, where the page cache holds the rows, are the bytes a worker thread
+builds; a file cut while kept open is DATA_LOSS naming it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tokenfeed.core.errors import DataLoss
+from tokenfeed.core.request import SamplingSpec
+from tokenfeed.server import inplace
+from tokenfeed.server.assembly import MessageBuilder
+from tokenfeed.server.cache import ChunkCache
+from tokenfeed.server.datasets import Catalog
+from tokenfeed.server.metrics import ServerMetrics
+from tokenfeed.server.mixtures import MixtureSpace
+from tokenfeed.server.service import mixture_sampler_for, sampler_for
+
+from support.stores import make_positional_store
+
+
+def drive(pipe: MessageBuilder, limit: int = 10**9) -> tuple[list[bytes], float]:
+    """The stream's messages as the servicer builds them (each burst tried on the event
+    loop first, then on a worker thread), and the share of bursts the first try built."""
+    out: list[bytes] = []
+    inline = bursts = 0
+    while len(out) < limit:
+        burst = pipe.next_burst(inline=True)
+        inline += bool(burst)
+        if not burst:
+            burst = pipe.next_burst()
+        if not burst:
+            break
+        bursts += 1
+        out += [data for data, _, _, _ in burst]
+    return out, inline / max(1, bursts)
+
+
+def build(
+    ds, sampler, rank: int = 0, limit: int = 10**9
+) -> tuple[list[bytes], float, MessageBuilder]:
+    cache = ChunkCache(1 << 22)
+    pipe = MessageBuilder(
+        ds, sampler, sampler.rounds(0, rank), 1, cache, ServerMetrics(CollectorRegistry())
+    )
+    try:
+        out, inline = drive(pipe, limit)
+    finally:
+        pipe.close()
+        cache.close()
+    return out, inline, pipe
+
+
+def test_bursts_read_in_place_on_the_event_loop_are_the_bytes_loaded_chunks_give(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank of a job of 16 reads its rows in place; once its files are open, its bursts
+    are built on the event loop (the files were just written: in the page cache), and
+    every message is the one the whole-chunk path builds."""
+    make_positional_store(tmp_path / "s", 200_000, 10_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(
+        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
+    )
+    sampler = sampler_for(spec, ds)
+    in_place, inline, pipe = build(ds, sampler, rank=5)
+    assert pipe.files is not None
+    monkeypatch.setattr(inplace, "IN_PLACE_WORLD_SIZE", 1 << 40)
+    whole, _, pipe = build(ds, sampler, rank=5)
+    assert pipe.files is None
+    assert len(in_place) > 20
+    assert in_place == whole
+    if hasattr(os, "RWF_NOWAIT"):
+        assert inline >= 0.5  # the bursts whose files the one before opened
+
+
+def test_a_mixture_counts_by_source_only_the_bursts_it_built(tmp_path: Path) -> None:
+    """A burst tried on the event loop and left to a worker thread is counted once: the
+    stream's by-source record holds one entry per message built (2 sources x 8 ranks:
+    read in place)."""
+    names = ["a", "b"]
+    for n in names:
+        make_positional_store(tmp_path / n, 100_000, 10_000, dtype="uint16")
+    catalog = Catalog(tmp_path)
+    sources = [catalog.get(n) for n in names]
+    spec = SamplingSpec(
+        dataset="",
+        sources=tuple((n, float(1 + i % 3)) for i, n in enumerate(names)),
+        seq_len=90,
+        batch_size=4,
+        world_size=8,
+        shuffle=True,
+    )
+    sampler = mixture_sampler_for(spec, sources)
+    out, inline, pipe = build(MixtureSpace.of(sources), sampler, limit=60)
+    assert pipe.files is not None
+    assert pipe.by_source is not None
+    assert len(pipe.by_source) == len(out) >= 60
+    if hasattr(os, "RWF_NOWAIT"):
+        assert inline > 0
+
+
+def test_a_file_cut_while_kept_open_is_data_loss_naming_it(tmp_path: Path) -> None:
+    """The stream keeps its chunk file open between bursts; cut after that, the event
+    loop's try builds nothing (a read without waiting stops at the file's end) and the
+    worker thread's read ends the stream with DATA_LOSS naming the chunk."""
+    store = make_positional_store(tmp_path / "s", 20_000, 20_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(dataset="s", seq_len=90, batch_size=2, world_size=16, split_rate=1.0)
+    sampler = sampler_for(spec, ds)
+    cache = ChunkCache(1 << 22)
+    pipe = MessageBuilder(
+        ds, sampler, sampler.rounds(0, 0), 1, cache, ServerMetrics(CollectorRegistry())
+    )
+    try:
+        assert pipe.files is not None
+        assert pipe.next_burst(inline=True) == []  # no file open yet: a worker's burst
+        assert pipe.next_burst()
+        os.truncate(store.chunk_path(0), 1_000)
+        assert pipe.next_burst(inline=True) == []
+        with pytest.raises(DataLoss, match=r"chunk(_000000\.bin| 0)"):
+            pipe.next_burst()
+    finally:
+        pipe.close()
+        cache.close()
+
+
+def _fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def _open_counter(tmp_path: Path, n: int) -> tuple[list[Path], Callable[[list[Path]], object]]:
+    """`n` files, and an opener for FilePool keyed by path index (fd, 0, size)."""
+    paths = []
+    for i in range(n):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(bytes([i]) * 10)
+        paths.append(path)
+    return paths, lambda keys: lambda i: (os.open(paths[keys[i]], os.O_RDONLY), 0, 10)
+
+
+def test_the_pool_keeps_its_bound_and_closes_least_recently_taken_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Capacity KEEP_FILES per attached stream (at least POOL_FILES); a file a burst
+    holds is never closed; beyond the bound the least recently taken go first; with no
+    stream attached nothing stays open."""
+    monkeypatch.setattr(inplace, "POOL_FILES", 4)
+    monkeypatch.setattr(inplace, "KEEP_FILES", 3)
+    _, opener = _open_counter(tmp_path, 12)
+    before = _fds()
+    pool = inplace.FilePool()
+    assert pool.capacity == 0
+    pool.attach()
+    assert pool.capacity == 4  # the floor
+    for k in range(6):
+        table = pool.take([k], opener([k]))
+        assert table is not None
+        assert os.pread(int(table[0, 0]), 1, 0) == bytes([k])
+        pool.give_back([k])
+    assert len(pool) == 4
+    assert pool.take([0], None) is None  # closed: least recently taken
+    held = pool.take([2, 3], None)  # open still: held by a "burst"
+    assert held is not None
+    pool.open([6, 7, 8, 9], opener([6, 7, 8, 9]))  # read-ahead of opens, then trimmed
+    assert len(pool) == 4
+    assert pool.take([2, 3], None) is not None  # held ones survive any trim
+    pool.give_back([2, 3])
+    pool.attach()
+    pool.attach()  # three streams: 9 files
+    assert pool.capacity == 9
+    pool.open(list(range(12)), opener(list(range(12))))
+    assert len(pool) == 9
+    pool.detach()
+    pool.detach()
+    assert len(pool) == 4  # back to the floor
+    assert pool.take([2, 3], None) is not None  # still open: held since `held`
+    pool.give_back([2, 3])
+    pool.give_back([2, 3])  # `held`'s
+    pool.detach()
+    assert len(pool) == 0
+    assert _fds() == before
+
+
+def test_a_failed_open_holds_nothing(tmp_path: Path) -> None:
+    _, opener = _open_counter(tmp_path, 3)
+    pool = inplace.FilePool()
+    pool.attach()
+
+    def failing(i: int) -> tuple[int, int, int]:
+        if i == 2:
+            raise DataLoss("s: chunk chunk_000002.bin is missing")
+        return opener([0, 1, 2])(i)
+
+    with pytest.raises(DataLoss, match="chunk_000002"):
+        pool.take([0, 1, 2], failing)
+    pool.detach()
+    assert len(pool) == 0  # 0 and 1 were given back, then closed
+
+
+def test_streams_share_the_pools_files_and_leave_none_open(tmp_path: Path) -> None:
+    """Two ranks of a job of 16 on one feeder's pool: the second opens no file the first
+    has open, both read the bytes the whole-chunk path builds, and once both end no
+    descriptor is left."""
+    make_positional_store(tmp_path / "s", 200_000, 10_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(
+        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
+    )
+    sampler = sampler_for(spec, ds)
+    before = _fds()
+    pool = inplace.FilePool()
+    cache = ChunkCache(1 << 22)
+    pipes = [
+        MessageBuilder(
+            ds,
+            sampler,
+            sampler.rounds(0, r),
+            1,
+            cache,
+            ServerMetrics(CollectorRegistry()),
+            files=pool,
+        )
+        for r in (3, 4)
+    ]
+    out = [drive(p)[0] for p in pipes]
+    opened = len(pool)
+    assert 0 < opened <= ds.store.num_chunks  # each chunk's file once, for both ranks
+    assert len(_fds() - before) == opened
+    for p in pipes:
+        p.close()
+    cache.close()
+    assert len(pool) == 0
+    assert _fds() == before
+    for r, got in zip((3, 4), out, strict=True):
+        assert got == build(ds, sampler, rank=r)[0]
+
+
+def test_a_pooled_file_cut_is_data_loss_naming_it_for_the_next_stream(tmp_path: Path) -> None:
+    """A chunk file cut while the pool holds it open: a later stream reading it ends
+    with DATA_LOSS naming the chunk, as it would opening it."""
+    store = make_positional_store(tmp_path / "s", 20_000, 20_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(dataset="s", seq_len=90, batch_size=2, world_size=16, split_rate=1.0)
+    sampler = sampler_for(spec, ds)
+    pool = inplace.FilePool()
+    cache = ChunkCache(1 << 22)
+
+    def pipe(rank: int) -> MessageBuilder:
+        metrics = ServerMetrics(CollectorRegistry())
+        return MessageBuilder(ds, sampler, sampler.rounds(0, rank), 1, cache, metrics, files=pool)
+
+    first = pipe(0)
+    assert first.next_burst()  # opens chunk 0's file into the pool
+    os.truncate(store.chunk_path(0), 1_000)
+    second = pipe(1)
+    try:
+        with pytest.raises(DataLoss, match=r"chunk(_000000\.bin| 0)"):
+            drive(second)
+    finally:
+        first.close()
+        second.close()
+        cache.close()
