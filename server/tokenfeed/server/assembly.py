@@ -25,6 +25,7 @@ from functools import partial
 import numpy as np
 
 from tokenfeed.core import sampling
+from tokenfeed.core.errors import InvalidArgument
 from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.server import inplace, splice
 from tokenfeed.server.cache import ChunkCache, Entry, count_by_dataset
@@ -49,7 +50,41 @@ BURST_BYTES = 1 << 20
 # worker to open the next group's; with four, one in five does.
 OPEN_AHEAD = 4
 
+# A client that does not say how large a message it accepts gets gRPC's default
+# receive limit (StreamBatchesRequest.max_message_bytes; docs/serving.md, "Limits").
+DEFAULT_CLIENT_MESSAGE_BYTES = 4 << 20
+
 Message = tuple[bytes, int, int, int]  # (serialized response, batches, tokens, payload bytes)
+
+
+def fit_client_limit(
+    per_message: int,
+    max_message_bytes: int,
+    rows: int,
+    cols: int,
+    itemsize: int,
+    document_ends: bool = False,
+) -> int:
+    """Batches per message so that no message exceeds the client's receive limit
+    (StreamBatchesRequest.max_message_bytes; unset = gRPC's default 4 MiB). A batch
+    takes its tokens plus at most 10 bytes per window start and 128 of fields, and with
+    `document_ends` up to 4 bytes more per token (every token ending a document)."""
+    limit = max_message_bytes or DEFAULT_CLIENT_MESSAGE_BYTES
+    if limit < 0:
+        raise InvalidArgument(f"max_message_bytes must be non-negative, got {limit}")
+    batch_bytes = rows * cols * (itemsize + 4 * document_ends) + 10 * rows + 128
+    if batch_bytes > limit:
+        raise InvalidArgument(
+            f"one batch ({rows} rows x {cols} tokens x {itemsize} bytes"
+            + (", and up to 4 bytes of document ends per token" if document_ends else "")
+            + f") takes up to "
+            f"{batch_bytes} bytes on the wire, more than the client accepts: "
+            f"max_message_bytes={limit}"
+            + (" (unset: gRPC's default 4 MiB receive limit)" if not max_message_bytes else "")
+            + "; lower batch_size or seq_len, or raise the client's max receive message "
+            "length and send it as max_message_bytes"
+        )
+    return min(per_message, limit // batch_bytes)
 
 
 class Pinned:

@@ -43,7 +43,7 @@ from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.core.request import SPLITS, SamplingSpec
 from tokenfeed.server import documents
 from tokenfeed.server.access import Access
-from tokenfeed.server.assembly import Message, MessageBuilder
+from tokenfeed.server.assembly import Message, MessageBuilder, fit_client_limit
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.inplace import FilePool
@@ -68,9 +68,6 @@ except ImportError:  # pragma: no cover - grpc's internals moved; fall back to t
 SERVICE_NAME = "tokenfeed.v1.Feeder"
 INLINE_MAX_BYTES = 1 << 20  # messages up to this size from cached chunks: built on the loop
 MAX_BATCHES_PER_MESSAGE = 1024  # docs/serving.md, "Limits"
-# A client that does not say how large a message it accepts gets gRPC's default
-# receive limit (StreamBatchesRequest.max_message_bytes; docs/serving.md, "Limits").
-DEFAULT_CLIENT_MESSAGE_BYTES = 4 << 20
 # Bursts being built and written at once, between which fair shares are kept
 # (shares.py); enough to keep the event loop busy while some wait for gRPC.
 SHARE_SLOTS = 4
@@ -99,36 +96,6 @@ def mixture_sampler_for(spec: SamplingSpec, sources: list[Dataset]) -> MixtureSa
         tuple(ds.store.total_tokens for ds in sources),
         tuple(block_tokens(ds) for ds in sources),
     )
-
-
-def _fit_client_limit(
-    per_message: int,
-    max_message_bytes: int,
-    rows: int,
-    cols: int,
-    itemsize: int,
-    document_ends: bool = False,
-) -> int:
-    """Batches per message so that no message exceeds the client's receive limit
-    (StreamBatchesRequest.max_message_bytes; unset = gRPC's default 4 MiB). A batch
-    takes its tokens plus at most 10 bytes per window start and 128 of fields, and with
-    `document_ends` up to 4 bytes more per token (every token ending a document)."""
-    limit = max_message_bytes or DEFAULT_CLIENT_MESSAGE_BYTES
-    if limit < 0:
-        raise InvalidArgument(f"max_message_bytes must be non-negative, got {limit}")
-    batch_bytes = rows * cols * (itemsize + 4 * document_ends) + 10 * rows + 128
-    if batch_bytes > limit:
-        raise InvalidArgument(
-            f"one batch ({rows} rows x {cols} tokens x {itemsize} bytes"
-            + (", and up to 4 bytes of document ends per token" if document_ends else "")
-            + f") takes up to "
-            f"{batch_bytes} bytes on the wire, more than the client accepts: "
-            f"max_message_bytes={limit}"
-            + (" (unset: gRPC's default 4 MiB receive limit)" if not max_message_bytes else "")
-            + "; lower batch_size or seq_len, or raise the client's max receive message "
-            "length and send it as max_message_bytes"
-        )
-    return min(per_message, limit // batch_bytes)
 
 
 def _describe(resp: pb.InfoResponse, ds: Dataset) -> pb.DatasetInfo:
@@ -420,7 +387,7 @@ class FeederService:
                 request.message_bytes, sampler.batch_size, sampler.seq_len, itemsize
             )
         cols = sampler.seq_len + sampler.max_shift
-        per_message = _fit_client_limit(
+        per_message = fit_client_limit(
             max(1, wanted),
             request.max_message_bytes,
             sampler.batch_size,
