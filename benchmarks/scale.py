@@ -26,283 +26,48 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import grpc
-import numpy as np
+from scale_megatron import megatron
+from scale_parts import (
+    CHUNK,
+    MEASURED,
+    ROWS,
+    SEQ,
+    TOKENFEED,
+    B,
+    FeederProcess,
+    MiB,
+    Stream,
+    children_cpu,
+    cpu_seconds,
+    feeder,
+    feeder_cpu_per_batch,
+    first_batch_seconds,
+    interleaved,
+    load,
+    params,
+    raw_stream,
+    row,
+    rss,
+    run,
+    sparse_store,
+    stream,
+    threads_and_fds,
+)
 
-from tokenfeed.client.transport import RETRYABLE
-from tokenfeed.core.store.megatron import HEADER, MAGIC, VERSION
-from tokenfeed.core.store.meta import Chunk, StoreMeta, chunk_name
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.feeders import FeederProcess
-
-MiB = 1 << 20
-CHUNK = 1 << 24  # the default tokens per chunk
-SEQ, B = 2048, 8  # the batch shape of every stream: 8 x 2,048 tokens
-TOKENFEED = str(Path(sys.executable).with_name("tokenfeed"))
-
-
-@dataclass
-class Row:
-    item: str
-    goal: str
-    measured: str
-    ok: bool
-    functional: bool = False  # a correctness check (the exit status), not a cost goal
-
-
-ROWS: list[Row] = []
-MEASURED: dict[str, float] = {}  # figures one item measures and item 8 checks
-
-
-def row(item: str, goal: str, measured: str, ok: bool, functional: bool = False) -> None:
-    ROWS.append(Row(item, goal, measured, bool(ok), functional))
-    print(f"  {item}: {measured} ({goal}) {'PASS' if ok else 'MISS'}", flush=True)
-
-
-# ----------------------------------------------------------------------------- stores
-
-_ZERO_CRC: dict[int, str] = {}
-
-
-def zero_checksum(nbytes: int) -> str:
-    """The crc32 of `nbytes` zero bytes (what a sparse chunk reads as)."""
-    if nbytes not in _ZERO_CRC:
-        crc, block = 0, bytes(min(nbytes, 4 * MiB) or 1)
-        left = nbytes
-        while left:
-            n = min(left, len(block))
-            crc = zlib.crc32(block[:n], crc)
-            left -= n
-        _ZERO_CRC[nbytes] = f"crc32:{crc:08x}"
-    return _ZERO_CRC[nbytes]
-
-
-def sparse_store(path: Path, tokens: int, per_chunk: int = CHUNK) -> Path:
-    """A native uint16 store of `tokens` zero tokens in sparse chunk files."""
-    path.mkdir(parents=True, exist_ok=True)
-    chunks = []
-    for i, a in enumerate(range(0, tokens, per_chunk)):
-        n = min(per_chunk, tokens - a)
-        with open(path / chunk_name(i), "wb") as f:
-            f.truncate(2 * n)  # a hole: reads as zeros, costs no disk
-        chunks.append(Chunk(chunk_name(i), n, zero_checksum(2 * n)))
-    meta = StoreMeta(
-        dtype="uint16",
-        chunks=tuple(chunks),
-        eos_token_id=0,
-        vocab_size=65536,
-        tokens_per_chunk=per_chunk,
-        source={"kind": "benchmark", "sparse": True},
-    )
-    (path / "meta.json").write_text(json.dumps(meta.to_json()))
-    return path
-
-
-# ----------------------------------------------------------------------------- process figures
-
-
-def _tree(pid: int) -> list[int]:
-    out = [pid]
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids = (task / "children").read_text().split()
-        for k in kids:
-            out += _tree(int(k))
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds of a process and its children (workers): the run time of their
-    threads in nanoseconds (/proc/.../schedstat; /proc/PID/stat counts 10 ms ticks)."""
-    total = 0
-    for p in _tree(pid):
-        for task in Path(f"/proc/{p}/task").iterdir():
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended
-                total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
-
-
-def children_cpu() -> float:
-    """CPU seconds of this process's finished children."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def status_kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def rss(pid: int) -> int:
-    return sum(status_kib(p, "VmRSS") for p in _tree(pid)) * 1024
-
-
-def threads_and_fds(pid: int) -> tuple[int, int]:
-    pids = _tree(pid)
-    return (
-        sum(status_kib(p, "Threads") for p in pids),
-        sum(len(os.listdir(f"/proc/{p}/fd")) for p in pids),
-    )
-
-
-def load() -> str:
-    return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-# ----------------------------------------------------------------------------- the wire
-
-
-def params(dataset: str = "", world: int = 1, **kw: Any) -> pb.SamplingParams:
-    base = dict(
-        dataset=dataset,
-        split="train",
-        split_rate=1.0,
-        seq_len=SEQ,
-        batch_size=B,
-        world_size=world,
-        shuffle=True,
-        seed=7,
-    )
-    return pb.SamplingParams(**(base | kw))
-
-
-@dataclass
-class Stream:
-    """One rank's stream on the wire, resuming on the next address after a failure."""
-
-    rank: int
-    starts: list[int]
-    times: list[float]  # monotonic time of each batch
-    opened: float = 0.0
-    served_by: int = -1  # the address of the first batch
-    failures: int = 0
-    resumed: int = 0
-    error: str = ""
-
-
-async def stream(
-    addresses: list[str],
-    p: pb.SamplingParams,
-    rank: int,
-    batches: int,
-    epoch: int = 0,
-    pace: float = 0.0,
-    first: int = 0,
-    progress: list[int] | None = None,
-    start: int = 0,
-) -> Stream:
-    """Read `batches` batches of `rank` from step `start` of `epoch`; `pace` s after
-    each is a consumer's rate; on a status FeederClient retries, the next address takes
-    over at the first batch not received (what FeederClient does)."""
-    s = Stream(rank, [], [], time.monotonic())
-    at = first
-    while len(s.starts) < batches * p.batch_size:
-        step = start + len(s.times)
-        req = pb.StreamBatchesRequest(
-            params=p, rank=rank, epoch=epoch, step=step, offset=step * p.batch_size * p.world_size
-        )
-        options = [("grpc.use_local_subchannel_pool", 1)]
-        try:
-            async with grpc.aio.insecure_channel(addresses[at % len(addresses)], options) as ch:
-                call = feeder_pb2_grpc.FeederStub(ch).StreamBatches(req)
-                async for msg in call:
-                    for b in msg.batches:
-                        s.starts += list(b.starts)
-                        s.times.append(time.monotonic())
-                    if s.served_by < 0:
-                        s.served_by = at % len(addresses)
-                    if progress is not None:
-                        progress[0] += len(msg.batches)
-                    if len(s.times) >= batches:
-                        call.cancel()
-                        break
-                    if pace:
-                        await asyncio.sleep(pace)  # the consumer's rate
-        except grpc.aio.AioRpcError as e:
-            if e.code() not in RETRYABLE or s.resumed >= 10 * len(addresses):
-                s.failures += 1
-                s.error = f"{e.code().name}: {e.details()}"
-                return s
-            s.resumed += 1
-            at += 1
-            await asyncio.sleep(0.05 * min(s.resumed, 20))  # FeederClient's backoff, shorter
-    return s
-
-
-async def raw_stream(address: str, req: pb.StreamBatchesRequest, batches: int) -> None:
-    """Read `batches` batches of one request."""
-    async with grpc.aio.insecure_channel(address) as ch:
-        call = feeder_pb2_grpc.FeederStub(ch).StreamBatches(req)
-        n = 0
-        async for msg in call:
-            n += len(msg.batches)
-            if n >= batches:
-                call.cancel()
-                return
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-def first_batch_seconds(address: str, p: pb.SamplingParams) -> float:
-    t = time.monotonic()
-    run(stream([address], p, 0, 1))
-    return time.monotonic() - t
-
-
-def feeder_cpu_per_batch(
-    proc: FeederProcess, p: pb.SamplingParams, batches: int, epoch: int, rank: int = 0
-) -> float:
-    """The feeder's CPU seconds per batch of `rank`'s stream in steady state: after
-    `batches` batches that load the chunks the next `batches` read (at W = 1 a
-    shuffle block's chunks serve thousands of batches)."""
-    warm = run(stream([proc.address], p, rank, batches, epoch=epoch))
-    before = cpu_seconds(proc.proc.pid)
-    s = run(stream([proc.address], p, rank, batches, epoch=epoch, start=batches))
-    if s.failures or warm.failures:
-        raise RuntimeError(s.error or warm.error)
-    return (cpu_seconds(proc.proc.pid) - before) / batches
-
-
-def interleaved(cases: dict[str, Callable[[int], float]], repeats: int) -> dict[str, float]:
-    """The median of `repeats` runs of each case, the cases taking turns."""
-    got: dict[str, list[float]] = {k: [] for k in cases}
-    for r in range(repeats):
-        for k, f in cases.items():
-            got[k].append(f(r))
-    return {k: statistics.median(v) for k, v in got.items()}
-
-
-@contextmanager
-def feeder(root: Path, **flags: Any) -> Iterator[FeederProcess]:
-    proc = FeederProcess(root, **flags)
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
 
 # ----------------------------------------------------------------------------- 1. the big store
 
@@ -356,147 +121,6 @@ def big_store(tmp: Path, big_tokens: int, batches: int, repeats: int) -> None:
     ratio = cpu["big"] / cpu["small"]
     measured = f"{cpu['big'] * 1e3:.3f} ms vs {cpu['small'] * 1e3:.3f} ms = {ratio:.2f}x"
     row("1 big store", "CPU/batch <= 1.2x 1 GB store's", measured, ratio <= 1.2)
-
-
-# ----------------------------------------------------------------------------- 2. a Megatron index
-
-MG_SMALL = 100_000  # the small Megatron store's documents (142 MB of tokens)
-MG_CACHE = "64M"  # both feeders' chunk cache: full on either store, so memory compares
-MG_BLOCK = 1 << 22  # documents written at a time
-
-
-def doc_tokens(a: int, b: int) -> np.ndarray:
-    """The tokens of documents [a, b) of the benchmark's Megatron stores: 200 to 1,223."""
-    return 200 + np.arange(a, b, dtype=np.int64) * 7919 % 1024
-
-
-def megatron_store(prefix: Path, documents: int) -> None:
-    """A Megatron uint16 dataset of `documents` one-sentence documents: a real .idx
-    written a block of documents at a time (no Python object per document; 20 bytes a
-    document), the .bin a hole as long as the tokens it indexes."""
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    blocks = [(a, min(a + MG_BLOCK, documents)) for a in range(0, documents, MG_BLOCK)]
-    total = 0
-    with open(prefix.with_name(prefix.name + ".idx"), "wb") as f:
-        f.write(HEADER.pack(MAGIC, VERSION, 8, documents, documents + 1))  # 8: uint16
-        for a, b in blocks:
-            doc_tokens(a, b).astype("<i4").tofile(f)
-        for a, b in blocks:  # each sentence's byte offset in the .bin
-            n = doc_tokens(a, b)
-            ((total + np.cumsum(n) - n) * 2).astype("<i8").tofile(f)
-            total += int(n.sum())
-        for a, b in blocks:  # document d is sentence d
-            np.arange(a, b, dtype="<i8").tofile(f)
-        np.array([documents], dtype="<i8").tofile(f)
-    with open(prefix.with_name(prefix.name + ".bin"), "wb") as f:
-        f.truncate(2 * total)
-
-
-async def document_batches(address: str, req: pb.StreamBatchesRequest, batches: int) -> int:
-    """Read `batches` batches of one request: how many carried document ends."""
-    with_ends = n = 0
-    async with grpc.aio.insecure_channel(address) as ch:
-        call = feeder_pb2_grpc.FeederStub(ch).StreamBatches(req)
-        async for msg in call:
-            n += len(msg.batches)
-            with_ends += sum(bool(b.document_ends) for b in msg.batches)
-            if n >= batches:
-                call.cancel()
-                break
-    return with_ends
-
-
-def memory(pid: int) -> tuple[int, int]:
-    """(RssAnon, RssFile) bytes of a process tree: its own memory, and the pages of
-    files it maps (libraries, a Megatron index), which are the page cache's."""
-    pids = _tree(pid)
-    anon, mapped = (sum(status_kib(p, k) for p in pids) * 1024 for k in ("RssAnon", "RssFile"))
-    return anon, mapped
-
-
-def megatron(tmp: Path, documents: int, batches: int, repeats: int) -> None:
-    print(f"2. a Megatron index of {documents:,} documents against {MG_SMALL:,} ({load()})")
-    t = time.monotonic()
-    roots = {"big": tmp / "mg_big", "small": tmp / "mg_small"}
-    megatron_store(roots["big"] / "mg", documents)
-    megatron_store(roots["small"] / "mg", MG_SMALL)
-    index = (roots["big"] / "mg.idx").stat().st_size
-    print(f"  wrote a {index / 1e9:.2f} GB index in {time.monotonic() - t:.1f} s", flush=True)
-    p = params("mg")
-
-    def request(epoch: int, step: int, ends: bool = True) -> pb.StreamBatchesRequest:
-        return pb.StreamBatchesRequest(
-            params=p, epoch=epoch, step=step, offset=step * B, document_ends=ends
-        )
-
-    first: dict[str, tuple[float, float]] = {}  # (wall s, feeder CPU s) from serve's start
-    opened: dict[str, float] = {}  # feeder CPU s of the open and the first batch alone
-    mem: dict[str, tuple[int, int]] = {}  # after the first batch
-    with contextlib.ExitStack() as stack:
-        procs = {}
-        for k, root in roots.items():
-            t = time.monotonic()
-            procs[k] = proc = stack.enter_context(feeder(root, cache_bytes=MG_CACHE))
-            c = cpu_seconds(proc.proc.pid)
-            run(document_batches(proc.address, request(0, 0), 1))
-            first[k] = (time.monotonic() - t, cpu_seconds(proc.proc.pid))
-            opened[k] = cpu_seconds(proc.proc.pid) - c
-            mem[k] = memory(proc.proc.pid)
-
-        carried = [0, 0]  # batches with document ends, batches asked for them
-
-        def case(k: str, ends: bool, r: int) -> float:
-            """CPU per batch of a new epoch's stream, after as many that load its chunks."""
-            proc = procs[k]
-            got = run(document_batches(proc.address, request(r + 1, 0, ends), batches))
-            before = cpu_seconds(proc.proc.pid)
-            got += run(document_batches(proc.address, request(r + 1, batches, ends), batches))
-            cpu = (cpu_seconds(proc.proc.pid) - before) / batches
-            if ends:
-                carried[0] += got
-                carried[1] += 2 * batches
-            return cpu
-
-        # the same streams without document ends: the token path's own cost by store size
-        cases = {
-            f"{k} {what}": partial(case, k, what == "ends")
-            for k in procs
-            for what in ("ends", "tokens")
-        }
-        cpu = interleaved(cases, repeats)
-        after = {k: memory(procs[k].proc.pid) for k in procs}
-    (wall, c), (small_wall, small_c) = first["big"], first["small"]
-    row(
-        "2 Megatron",
-        "open + first document batch from serve's start <= 2 s (CPU)",
-        f"{c:.2f} s CPU, {wall:.2f} s wall (open and batch alone {opened['big']:.3f} s; "
-        f"{MG_SMALL:,} documents: {small_c:.2f} s, {small_wall:.2f} s, {opened['small']:.3f} s)",
-        c <= 2,
-    )
-    anon = [(m["big"][0] - m["small"][0]) / MiB for m in (mem, after)]
-    mapped = [(m["big"][1] - m["small"][1]) / MiB for m in (mem, after)]
-    row(
-        "2 Megatron",
-        "own memory (RssAnon) <= small store's + 16 MiB",
-        f"{anon[0]:+.1f} MiB at the first batch, {anon[1]:+.1f} MiB after the runs "
-        f"(index pages mapped, RssFile: {mapped[0]:+.0f} / {mapped[1]:+.0f} MiB of "
-        f"{index / MiB:,.0f})",
-        max(anon) <= 16,
-    )
-    ratio, tokens = cpu["big ends"] / cpu["small ends"], cpu["big tokens"] / cpu["small tokens"]
-    measured = (
-        f"{cpu['big ends'] * 1e3:.3f} ms vs {cpu['small ends'] * 1e3:.3f} ms = {ratio:.2f}x "
-        f"(without document ends {cpu['big tokens'] * 1e3:.3f} vs "
-        f"{cpu['small tokens'] * 1e3:.3f} ms = {tokens:.2f}x)"
-    )
-    row("2 Megatron", "CPU/document batch <= 1.1x small store's", measured, ratio <= 1.1)
-    row(
-        "2 Megatron",
-        "every batch carries document ends",
-        f"{carried[0]:,} of {carried[1]:,} batches",
-        carried[0] == carried[1],
-        True,
-    )
 
 
 # ----------------------------------------------------------------------------- 3. 1,000 sources

@@ -1,0 +1,277 @@
+"""What every item of benchmarks/scale.py uses: its rows of results, sparse stores,
+process figures from /proc, raw streams on the wire and a feeder process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tokenfeed.client.transport import RETRYABLE
+from tokenfeed.core.store.meta import Chunk, StoreMeta, chunk_name
+from tokenfeed.v1 import feeder_pb2 as pb
+from tokenfeed.v1 import feeder_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.feeders import FeederProcess
+
+MiB = 1 << 20
+CHUNK = 1 << 24  # the default tokens per chunk
+SEQ, B = 2048, 8  # the batch shape of every stream: 8 x 2,048 tokens
+TOKENFEED = str(Path(sys.executable).with_name("tokenfeed"))
+
+
+@dataclass
+class Row:
+    item: str
+    goal: str
+    measured: str
+    ok: bool
+    functional: bool = False  # a correctness check (the exit status), not a cost goal
+
+
+ROWS: list[Row] = []
+MEASURED: dict[str, float] = {}  # figures one item measures and item 8 checks
+
+
+def row(item: str, goal: str, measured: str, ok: bool, functional: bool = False) -> None:
+    ROWS.append(Row(item, goal, measured, bool(ok), functional))
+    print(f"  {item}: {measured} ({goal}) {'PASS' if ok else 'MISS'}", flush=True)
+
+
+# ----------------------------------------------------------------------------- stores
+
+_ZERO_CRC: dict[int, str] = {}
+
+
+def zero_checksum(nbytes: int) -> str:
+    """The crc32 of `nbytes` zero bytes (what a sparse chunk reads as)."""
+    if nbytes not in _ZERO_CRC:
+        crc, block = 0, bytes(min(nbytes, 4 * MiB) or 1)
+        left = nbytes
+        while left:
+            n = min(left, len(block))
+            crc = zlib.crc32(block[:n], crc)
+            left -= n
+        _ZERO_CRC[nbytes] = f"crc32:{crc:08x}"
+    return _ZERO_CRC[nbytes]
+
+
+def sparse_store(path: Path, tokens: int, per_chunk: int = CHUNK) -> Path:
+    """A native uint16 store of `tokens` zero tokens in sparse chunk files."""
+    path.mkdir(parents=True, exist_ok=True)
+    chunks = []
+    for i, a in enumerate(range(0, tokens, per_chunk)):
+        n = min(per_chunk, tokens - a)
+        with open(path / chunk_name(i), "wb") as f:
+            f.truncate(2 * n)  # a hole: reads as zeros, costs no disk
+        chunks.append(Chunk(chunk_name(i), n, zero_checksum(2 * n)))
+    meta = StoreMeta(
+        dtype="uint16",
+        chunks=tuple(chunks),
+        eos_token_id=0,
+        vocab_size=65536,
+        tokens_per_chunk=per_chunk,
+        source={"kind": "benchmark", "sparse": True},
+    )
+    (path / "meta.json").write_text(json.dumps(meta.to_json()))
+    return path
+
+
+# ----------------------------------------------------------------------------- process figures
+
+
+def process_tree(pid: int) -> list[int]:
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids = (task / "children").read_text().split()
+        for k in kids:
+            out += process_tree(int(k))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and its children (workers): the run time of their
+    threads in nanoseconds (/proc/.../schedstat; /proc/PID/stat counts 10 ms ticks)."""
+    total = 0
+    for p in process_tree(pid):
+        for task in Path(f"/proc/{p}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it ended
+                total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished children."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def status_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def rss(pid: int) -> int:
+    return sum(status_kib(p, "VmRSS") for p in process_tree(pid)) * 1024
+
+
+def threads_and_fds(pid: int) -> tuple[int, int]:
+    pids = process_tree(pid)
+    return (
+        sum(status_kib(p, "Threads") for p in pids),
+        sum(len(os.listdir(f"/proc/{p}/fd")) for p in pids),
+    )
+
+
+def load() -> str:
+    return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+# ----------------------------------------------------------------------------- the wire
+
+
+def params(dataset: str = "", world: int = 1, **kw: Any) -> pb.SamplingParams:
+    base = dict(
+        dataset=dataset,
+        split="train",
+        split_rate=1.0,
+        seq_len=SEQ,
+        batch_size=B,
+        world_size=world,
+        shuffle=True,
+        seed=7,
+    )
+    return pb.SamplingParams(**(base | kw))
+
+
+@dataclass
+class Stream:
+    """One rank's stream on the wire, resuming on the next address after a failure."""
+
+    rank: int
+    starts: list[int]
+    times: list[float]  # monotonic time of each batch
+    opened: float = 0.0
+    served_by: int = -1  # the address of the first batch
+    failures: int = 0
+    resumed: int = 0
+    error: str = ""
+
+
+async def stream(
+    addresses: list[str],
+    p: pb.SamplingParams,
+    rank: int,
+    batches: int,
+    epoch: int = 0,
+    pace: float = 0.0,
+    first: int = 0,
+    progress: list[int] | None = None,
+    start: int = 0,
+) -> Stream:
+    """Read `batches` batches of `rank` from step `start` of `epoch`; `pace` s after
+    each is a consumer's rate; on a status FeederClient retries, the next address takes
+    over at the first batch not received (what FeederClient does)."""
+    s = Stream(rank, [], [], time.monotonic())
+    at = first
+    while len(s.starts) < batches * p.batch_size:
+        step = start + len(s.times)
+        req = pb.StreamBatchesRequest(
+            params=p, rank=rank, epoch=epoch, step=step, offset=step * p.batch_size * p.world_size
+        )
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        try:
+            async with grpc.aio.insecure_channel(addresses[at % len(addresses)], options) as ch:
+                call = feeder_pb2_grpc.FeederStub(ch).StreamBatches(req)
+                async for msg in call:
+                    for b in msg.batches:
+                        s.starts += list(b.starts)
+                        s.times.append(time.monotonic())
+                    if s.served_by < 0:
+                        s.served_by = at % len(addresses)
+                    if progress is not None:
+                        progress[0] += len(msg.batches)
+                    if len(s.times) >= batches:
+                        call.cancel()
+                        break
+                    if pace:
+                        await asyncio.sleep(pace)  # the consumer's rate
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in RETRYABLE or s.resumed >= 10 * len(addresses):
+                s.failures += 1
+                s.error = f"{e.code().name}: {e.details()}"
+                return s
+            s.resumed += 1
+            at += 1
+            await asyncio.sleep(0.05 * min(s.resumed, 20))  # FeederClient's backoff, shorter
+    return s
+
+
+async def raw_stream(address: str, req: pb.StreamBatchesRequest, batches: int) -> None:
+    """Read `batches` batches of one request."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = feeder_pb2_grpc.FeederStub(ch).StreamBatches(req)
+        n = 0
+        async for msg in call:
+            n += len(msg.batches)
+            if n >= batches:
+                call.cancel()
+                return
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def first_batch_seconds(address: str, p: pb.SamplingParams) -> float:
+    t = time.monotonic()
+    run(stream([address], p, 0, 1))
+    return time.monotonic() - t
+
+
+def feeder_cpu_per_batch(
+    proc: FeederProcess, p: pb.SamplingParams, batches: int, epoch: int, rank: int = 0
+) -> float:
+    """The feeder's CPU seconds per batch of `rank`'s stream in steady state: after
+    `batches` batches that load the chunks the next `batches` read (at W = 1 a
+    shuffle block's chunks serve thousands of batches)."""
+    warm = run(stream([proc.address], p, rank, batches, epoch=epoch))
+    before = cpu_seconds(proc.proc.pid)
+    s = run(stream([proc.address], p, rank, batches, epoch=epoch, start=batches))
+    if s.failures or warm.failures:
+        raise RuntimeError(s.error or warm.error)
+    return (cpu_seconds(proc.proc.pid) - before) / batches
+
+
+def interleaved(cases: dict[str, Callable[[int], float]], repeats: int) -> dict[str, float]:
+    """The median of `repeats` runs of each case, the cases taking turns."""
+    got: dict[str, list[float]] = {k: [] for k in cases}
+    for r in range(repeats):
+        for k, f in cases.items():
+            got[k].append(f(r))
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+@contextmanager
+def feeder(root: Path, **flags: Any) -> Iterator[FeederProcess]:
+    proc = FeederProcess(root, **flags)
+    try:
+        yield proc
+    finally:
+        proc.stop()
