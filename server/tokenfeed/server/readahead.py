@@ -71,8 +71,9 @@ DEEP_GROUPS = 2
 # of the two groups it looks over, so the look is never late by much.
 DEEP_EVERY = 16
 # ... over at least DEEP_BATCHES batches, so the look reaches well past where the
-# stream will be at the next look (16 bursts of 4 messages of 16 batches), also when
-# its groups are small or unknown here (a mixture's sources have groups of their own).
+# stream will be at the next look (16 bursts; at the client's default of ~1 MiB a
+# message, a burst is one message of at most 64 batches), also when its groups are
+# small or unknown here (a mixture's sources have groups of their own).
 DEEP_BATCHES = 1024
 # ... and at most MAX_DEEP_BATCHES: the look's cost and the rounds it locates (held
 # until sent) grow with its batches, and a small job's shuffle group can be hundreds
