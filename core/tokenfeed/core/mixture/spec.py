@@ -23,7 +23,7 @@ Errors are InvalidArgument whose `field` names the request field at fault
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
@@ -104,28 +104,28 @@ def shortest_decimal(f: float) -> Fraction:
 def normalize(weights: Sequence[Fraction]) -> tuple[tuple[int, ...], int]:
     """Exact weights -> integers a_i and D with a_i / D = w_i / sum(w) in lowest common
     terms (D is the least common denominator of the shares; sum of a = D)."""
-    ws = [w if type(w) is Fraction else Fraction(w) for w in weights]  # made once
-    common = math.lcm(*(w.denominator for w in ws))
-    m = [w.numerator * (common // w.denominator) for w in ws]
-    total = sum(m)
-    if total == 0:
-        raise ValueError("all weights are 0")
-    g = math.gcd(total, *m)
-    return tuple(x // g for x in m), total // g
+    return _normalized(weights, lambda w: w if type(w) is Fraction else Fraction(w))
 
 
 def normalize_given(given: Sequence[float]) -> tuple[tuple[int, ...], int]:
-    """normalize() of the weights the floats `given` name (their shortest decimals),
-    computed per distinct value: a segment of 1,000 sources has a few."""
-    exact = {v: shortest_decimal(v) for v in set(given)}
-    common = math.lcm(*(w.denominator for w in exact.values()))
-    m = {v: w.numerator * (common // w.denominator) for v, w in exact.items()}
-    total = sum(map(m.__getitem__, given))
+    """normalize() of the weights the floats `given` name (their shortest decimals)."""
+    return _normalized(given, shortest_decimal)
+
+
+def _normalized(
+    values: Sequence[Any], exact: Callable[[Any], Fraction]
+) -> tuple[tuple[int, ...], int]:
+    """normalize() of `exact(v)` for each of `values`, computed once per distinct value:
+    a segment of 1,000 sources has a few."""
+    by_value = {v: exact(v) for v in set(values)}
+    common = math.lcm(*(w.denominator for w in by_value.values()))
+    m = {v: w.numerator * (common // w.denominator) for v, w in by_value.items()}
+    total = sum(map(m.__getitem__, values))
     if total == 0:
         raise ValueError("all weights are 0")
     g = math.gcd(total, *m.values())
     a = {v: x // g for v, x in m.items()}
-    return tuple(map(a.__getitem__, given)), total // g
+    return tuple(map(a.__getitem__, values)), total // g
 
 
 def parse(sources: Any, schedule: Any = ()) -> tuple[tuple[str, ...], tuple[Segment, ...]]:
