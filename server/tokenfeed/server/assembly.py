@@ -302,12 +302,11 @@ class MessageBuilder:
             finally:
                 pinned.release()
             return self._sent(burst, messages, cursor, chunks, t0, inline)
-        cold = None  # a first burst's files, read in place (see __init__)
         if pinned is None and self.files is not None:
             pinned = self.files.burst(order)
         elif pinned is None and self._first and self.ds.store.in_place:
-            cold = inplace.ChunkFiles(self.ds, self.pool, attach=False)
-            pinned = cold.burst(order)
+            # a first burst's files, read in place (see __init__)
+            pinned = inplace.ChunkFiles(self.ds, self.pool, attach=False).burst(order)
         try:
             burst = [self._message(spans, pinned) for spans in messages]
         finally:
