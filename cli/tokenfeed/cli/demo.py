@@ -344,10 +344,12 @@ def _worker(args: argparse.Namespace) -> int:
                 progress = _Progress(rank, len(loader), f"epoch {epoch}")
                 seen: set[int] = set()
                 t_epoch, waited_epoch = time.perf_counter(), 0.0
+                t0 = t_epoch  # the first batch's wait counts from iter(): the stream's start
                 it = iter(loader)
                 try:
                     for i in range(len(loader) + 1):
-                        t0 = time.perf_counter()
+                        if i:
+                            t0 = time.perf_counter()
                         batch = next(it, None)
                         wait = time.perf_counter() - t0
                         if i == 0:  # a stream's first batch: not a steady-state stall
@@ -426,11 +428,12 @@ def _stream_mixture(loader: Any, args: argparse.Namespace, rank: int) -> dict[st
     progress = _Progress(rank, total, "mixture")
     steps = rows = 0
     waited = first = 0.0
-    t_start = time.perf_counter()
+    t_start = t0 = time.perf_counter()  # the first wait counts from iter(): the stream's start
     it = iter(loader)
     try:
         while total is None or steps < total:
-            t0 = time.perf_counter()
+            if steps:
+                t0 = time.perf_counter()
             batch = next(it)
             wait = time.perf_counter() - t0
             if steps == 0:  # the stream's first batch: not a steady-state stall
