@@ -137,7 +137,7 @@ def test_a_turn_held_too_long_stops_blocking_the_others() -> None:
 
 def test_a_cancelled_waiter_gives_its_place_back() -> None:
     async def main() -> None:
-        shares = FairShares(1)
+        shares = FairShares(1, hold_seconds=3600)  # the holder is never reaped meanwhile
         acct = shares.account("a", 1)
         holder = await shares.enter(acct, 10)
         waiter = asyncio.ensure_future(shares.enter(acct, 10))
