@@ -76,6 +76,23 @@ def test_a_wrong_address_fails_within_connect_timeout_naming_every_address(
     assert "giving up" in warnings[-1]
 
 
+def test_a_last_attempt_cut_by_the_budget_still_names_why_the_others_failed() -> None:
+    """When the connect budget ends during an attempt, that attempt's error is a
+    deadline: the message also gives the failure before it (here, a refused connection)."""
+    from tokenfeed.client.connection import Connection
+    from tokenfeed.client.stream import Outage
+    from tokenfeed.client.transport import Channels
+
+    channels = Channels(Connection("127.0.0.1:1", backoff=Backoff(max_retries=1)))
+    outage = Outage(channels, "Info")
+    outage.failed("unavailable", "UNAVAILABLE: failed to connect: Connection refused")
+    with pytest.raises(FeederUnavailable) as info:
+        outage.failed("deadline_exceeded", "DEADLINE_EXCEEDED: Deadline Exceeded")
+    message = str(info.value)
+    assert "last error at 127.0.0.1:1: DEADLINE_EXCEEDED: Deadline Exceeded" in message
+    assert "before it: 127.0.0.1:1: UNAVAILABLE: failed to connect: Connection refused" in message
+
+
 def test_a_name_that_does_not_resolve_is_named_and_the_others_still_tried(
     feeder, caplog: pytest.LogCaptureFixture
 ) -> None:  # type: ignore[no-untyped-def]

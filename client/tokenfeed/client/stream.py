@@ -80,6 +80,7 @@ class Outage:
         self.first_attempt = time.monotonic()
         self.outage_start = self.first_attempt
         self.tried: dict[str, None] = {}  # addresses, in the order tried
+        self.cause = ""  # the last failure that was not a deadline (what a timeout hides)
         self._hints: dict[str, str | None] = {}  # address -> TLS diagnosis
 
     def succeeded(self) -> None:
@@ -110,6 +111,12 @@ class Outage:
             )
         hint = self._hints[address]
         reason_text = message + (f"; {hint}" if hint else "")
+        last = reason_text
+        if reason == "deadline_exceeded" and self.cause:
+            # An attempt cut short by the budget's end says nothing of why the ones before failed.
+            last += f"; before it: {self.cause}"
+        else:
+            self.cause = f"{address}: {reason_text}"
         elapsed = now - self.outage_start
         delay = self.backoff.delay(self.failures - 1, self.rng)
         self.internal = self.internal + 1 if reason == "internal" else 0
@@ -129,13 +136,13 @@ class Outage:
                 error = FeederUnavailable(
                     f"could not reach a feeder within connect_timeout={self.connect_timeout:g} s: "
                     f"gave up after {self.failures} attempts over {elapsed:.1f} s; tried "
-                    f"{', '.join(self.tried)}; last error at {address}: {reason_text}"
+                    f"{', '.join(self.tried)}; last error at {address}: {last}"
                 )
             delay = min(delay, max(left, 0.0))
         elif self.backoff.exhausted(self.failures, elapsed):
             error = FeederUnavailable(
                 f"{self.what}: gave up after {self.failures} attempts over {elapsed:.1f} s; "
-                f"last failure at {address}: {reason_text}"
+                f"last failure at {address}: {last}"
             )
         log.warning(
             "%s %s at %s: %s; attempt %d, %s",
