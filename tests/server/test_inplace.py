@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenfeed.core.errors import DataLoss
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.server import inplace
+from tokenfeed.server import assembly, inplace
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog
@@ -77,6 +77,53 @@ def test_bursts_read_in_place_on_the_event_loop_are_the_bytes_loaded_chunks_give
     assert in_place == whole
     if hasattr(os, "RWF_NOWAIT"):
         assert inline >= 0.5  # the bursts whose files the one before opened
+
+
+def test_a_stream_reading_in_place_grows_its_bursts_within_the_byte_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bursts of a stream reading in place: one message, then BURST_MESSAGES doubling to
+    IN_PLACE_BURST_MESSAGES, fewer where BURST_BYTES binds; a stream loading whole
+    chunks keeps BURST_MESSAGES. Either way every message is the same."""
+    make_positional_store(tmp_path / "s", 400_000, 10_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(
+        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
+    )
+    sampler = sampler_for(spec, ds)
+
+    def sizes(pipe: MessageBuilder) -> tuple[list[int], list[bytes]]:
+        got: list[int] = []
+        out: list[bytes] = []
+        try:
+            while burst := pipe.next_burst():
+                got.append(len(burst))
+                out += [data for data, _, _, _ in burst]
+        finally:
+            pipe.close()
+            pipe.cache.close()
+        return got, out
+
+    def pipe(per_message: int = 1) -> MessageBuilder:
+        return MessageBuilder(
+            ds,
+            sampler,
+            sampler.rounds(0, 5),
+            per_message,
+            ChunkCache(1 << 22),
+            ServerMetrics(CollectorRegistry()),
+        )
+
+    grown, in_place = sizes(pipe())
+    assert grown[:6] == [1, 4, 8, 16, 16, 16]
+    assert max(grown) == assembly.IN_PLACE_BURST_MESSAGES
+    # messages of 4 batches of 2 x 91 tokens, 1,456 bytes: BURST_BYTES allows 5 a burst
+    monkeypatch.setattr(assembly, "BURST_BYTES", 5 * 1_456)
+    assert sizes(pipe(per_message=4))[0][:4] == [1, 4, 5, 5]
+    monkeypatch.setattr(inplace, "IN_PLACE_WORLD_SIZE", 1 << 40)
+    kept, whole = sizes(pipe())
+    assert kept[:4] == [1, 4, 4, 4]
+    assert whole == in_place
 
 
 def test_a_mixture_counts_by_source_only_the_bursts_it_built(tmp_path: Path) -> None:

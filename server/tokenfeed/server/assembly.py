@@ -43,6 +43,13 @@ BURST_MESSAGES = 4  # messages per burst...
 # ...unless they reach this size first: large messages share the round trip already,
 # and a burst's messages are all held in memory until written.
 BURST_BYTES = 1 << 20
+# A stream reading in place (inplace.py) pays more per burst: its files taken from the
+# pool and given back, the try on the event loop, and the thread hop when that fails.
+# Its bursts grow (BURST_MESSAGES, then doubling) to this many messages, within
+# BURST_BYTES: a rank of a job of 1,024 built its batches with about half the CPU
+# (benchmarks/README.md, "scale.py"). Its first bursts stay small, so that streams
+# starting together get their first batches as soon as before.
+IN_PLACE_BURST_MESSAGES = 16
 
 # A stream reading in place opens the files of this many bursts ahead after a burst
 # built on a worker thread: a rank of a job of 1,024 crosses a shuffle group's chunks
@@ -217,8 +224,13 @@ class MessageBuilder:
         shares = sampler.world_size * max(1, sources)
         if shares >= inplace.IN_PLACE_WORLD_SIZE and ds.store.in_place:
             self.files = inplace.ChunkFiles(ds, self.pool)
+            self.burst_messages = max(
+                1, min(IN_PLACE_BURST_MESSAGES, BURST_BYTES // self.message_bytes)
+            )
         elif not ds.store.in_place:  # (else after the first burst: not to slow its reads)
             self.readahead.look_ahead()
+        # the next burst's messages after the first: BURST_MESSAGES, doubling to burst_messages
+        self._burst = min(BURST_MESSAGES, self.burst_messages)
 
     @property
     def finished(self) -> bool:
@@ -284,7 +296,7 @@ class MessageBuilder:
     def _next_burst(self, inline: bool, read_files: bool = True) -> list[Message]:
         t0 = time.perf_counter()
         self.settle()
-        messages, cursor, chunks = self._peek(1 if self._first else self.burst_messages)
+        messages, cursor, chunks = self._peek(1 if self._first else self._burst)
         if not messages:
             return []
         order = sorted(chunks)
@@ -326,6 +338,8 @@ class MessageBuilder:
         """A burst built: the stream moves past it, and its read-ahead looks on (reading in
         place off the event loop: the next burst's files are opened)."""
         first, self._first = self._first, False
+        if not first:
+            self._burst = min(2 * self._burst, self.burst_messages)
         if self.by_source is not None:  # counted by source when written (no numpy call here)
             self.by_source.extend(messages)
         moved = self.rounds.advance(cursor)
