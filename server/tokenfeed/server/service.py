@@ -160,6 +160,7 @@ class FeederService:
         self.shares = shares if shares is not None else FairShares(SHARE_SLOTS)
         self.streams = OpenStreams()  # the calls in progress (status page, audit)
         self.files = FilePool()  # the chunk files streams read in place, shared
+        self.source_counters: dict[str, Any] = {}  # a source's two counters, by its name
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler to register. Responses of StreamBatches are pre-serialized
@@ -486,7 +487,7 @@ class FeederService:
         batches_sent = self.metrics.batches_sent.labels(**labels)
         tokens_sent = self.metrics.tokens_sent.labels(**labels, source="")
         bytes_sent = self.metrics.bytes_sent.labels(**labels)
-        by_source = SourceCounters.of(self.metrics, pipe)
+        by_source = SourceCounters.of(self.metrics, pipe, self.source_counters)
         small = pipe.message_bytes <= INLINE_MAX_BYTES
         shares, per_job = self.shares, self.streams.per_job
         estimate = pipe.message_bytes * pipe.burst_messages  # a turn's bytes, until known

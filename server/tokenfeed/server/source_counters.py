@@ -22,7 +22,12 @@ class SourceCounters:
 
     FLUSH_SECONDS = 0.1
 
-    def __init__(self, metrics: ServerMetrics, pipe: MessageBuilder) -> None:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        pipe: MessageBuilder,
+        children: dict[str, tuple[Any, Any]] | None = None,
+    ) -> None:
         assert isinstance(pipe.ds, MixtureSpace)
         assert pipe.by_source is not None
         self.pipe = pipe
@@ -30,14 +35,21 @@ class SourceCounters:
         self.metrics = metrics
         self.names = [d.name for d in pipe.ds.sources]
         # each source's two counters, looked up at its first count: a stream of 1,000
-        # sources would look up 2,000 at its start, most of them for nothing yet
+        # sources would look up 2,000 at its start, most of them for nothing yet;
+        # `children` keeps them by source name for the feeder's later streams
         self._counters: dict[int, tuple[Any, Any]] = {}
+        self._children = children if children is not None else {}
         self._runs: list[list[Any]] = []  # [round, first batch, end batch], written, not counted
         self._due = time.monotonic() + self.FLUSH_SECONDS
 
     @classmethod
-    def of(cls, metrics: ServerMetrics, pipe: MessageBuilder) -> SourceCounters | None:
-        return cls(metrics, pipe) if pipe.by_source is not None else None
+    def of(
+        cls,
+        metrics: ServerMetrics,
+        pipe: MessageBuilder,
+        children: dict[str, tuple[Any, Any]] | None = None,
+    ) -> SourceCounters | None:
+        return cls(metrics, pipe, children) if pipe.by_source is not None else None
 
     def count(self, messages: int) -> None:
         """The next `messages` messages built are written: count them (soon)."""
@@ -68,8 +80,11 @@ class SourceCounters:
 
     def _lookup(self, i: int) -> tuple[Any, Any]:
         name = self.names[i]
-        found = self._counters[i] = (
-            self.metrics.tokens_sent.labels(dataset=name, split="train", source=name),
-            self.metrics.bytes_sent.labels(dataset=name, split="train"),
-        )
+        found = self._children.get(name)
+        if found is None:
+            found = self._children[name] = (
+                self.metrics.tokens_sent.labels(dataset=name, split="train", source=name),
+                self.metrics.bytes_sent.labels(dataset=name, split="train"),
+            )
+        self._counters[i] = found
         return found
