@@ -85,7 +85,7 @@ class OpenedMixtures:
     """The last KEEP mixtures a feeder opened, by their sources' names."""
 
     KEEP = 8  # source lists kept
-    SAMPLERS = 8  # specs kept per source list (seeds, world sizes, run-time weights, ...)
+    SAMPLERS = 4  # specs per source list (a job's ranks share one; seeds, weight changes)
 
     def __init__(
         self,
