@@ -80,30 +80,37 @@ def kept_space(feeder, names: tuple[str, ...]):
     return None if kept is None else kept.space
 
 
-def test_the_next_open_reuses_a_kept_mixture_and_serves_the_same_rows(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    write(root / "a", 6_000, 0)
-    write(root / "b", 3_000, 1_000_000)
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """Sources a (tokens from 0) and b (from 1,000,000)."""
+    write(tmp_path / "root" / "a", 6_000, 0)
+    write(tmp_path / "root" / "b", 3_000, 1_000_000)
+    return tmp_path / "root"
+
+
+def opened(feeder) -> pb.SamplingParams:
+    """A mixture of a and b streamed once (its rows checked): its params."""
+    params = mixture("a", "b")
+    rows_of(stream(feeder.address, params), [0, 1_000_000])
+    return params
+
+
+def test_the_next_open_reuses_a_kept_mixture_and_serves_the_same_rows(root: Path) -> None:
     with running_feeder(root) as feeder:
-        params = mixture("a", "b")
-        first = stream(feeder.address, params)
-        rows_of(first, [0, 1_000_000])
+        params = opened(feeder)
         space = kept_space(feeder, ("a", "b"))
         assert space is not None
+        first = stream(feeder.address, params)
         again = stream(feeder.address, params)
         assert kept_space(feeder, ("a", "b")) is space
         assert [b.SerializeToString() for b in again] == [b.SerializeToString() for b in first]
 
 
 def test_a_source_rewritten_under_a_running_feeder_is_served_from_its_new_store(
-    tmp_path: Path,
+    root: Path,
 ) -> None:
-    root = tmp_path / "root"
-    write(root / "a", 6_000, 0)
-    write(root / "b", 3_000, 1_000_000)
     with running_feeder(root) as feeder:
-        params = mixture("a", "b")
-        rows_of(stream(feeder.address, params), [0, 1_000_000])
+        params = opened(feeder)
         before = kept_space(feeder, ("a", "b"))
         # b replaced by a store of other tokens and size, as a writer replaces one
         shutil.rmtree(root / "b")
@@ -114,30 +121,21 @@ def test_a_source_rewritten_under_a_running_feeder_is_served_from_its_new_store(
         assert kept_space(feeder, ("a", "b")) is not before
 
 
-def test_a_source_whose_link_is_re_pointed_is_served_from_the_new_target(
-    tmp_path: Path,
-) -> None:
-    root = tmp_path / "root"
-    write(root / "a", 6_000, 0)
-    write(root / "b1", 3_000, 1_000_000)
-    write(root / "b2", 3_000, 2_000_000)
+def test_a_source_whose_link_is_re_pointed_is_served_from_the_new_target(root: Path) -> None:
+    (root / "b").rename(root / "b1")
     os.symlink("b1", root / "b")
+    write(root / "b2", 3_000, 2_000_000)
     with running_feeder(root) as feeder:
-        params = mixture("a", "b")
-        rows_of(stream(feeder.address, params), [0, 1_000_000])
+        params = opened(feeder)
         tmp_link = root / "b.new"
         os.symlink("b2", tmp_link)
         tmp_link.replace(root / "b")  # re-pointed in one rename
         rows_of(stream(feeder.address, params, batches=40), [0, 2_000_000])
 
 
-def test_a_source_removed_is_not_found_naming_it(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    write(root / "a", 6_000, 0)
-    write(root / "b", 3_000, 1_000_000)
+def test_a_source_removed_is_not_found_naming_it(root: Path) -> None:
     with running_feeder(root) as feeder:
-        params = mixture("a", "b")
-        rows_of(stream(feeder.address, params), [0, 1_000_000])
+        params = opened(feeder)
         shutil.rmtree(root / "b")
         with pytest.raises(grpc.RpcError) as e:
             stream(feeder.address, params)
@@ -227,3 +225,13 @@ def test_pass_orders_shared_by_threads_map_as_one_each() -> None:
         assert len(got[n]) == 20
         for g in got[n]:
             np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("bad", ["x\x00y", "../a", "/etc"])
+def test_a_bad_source_name_is_invalid_argument_naming_it(root: Path, bad: str) -> None:
+    with running_feeder(root) as feeder:
+        opened(feeder)
+        with pytest.raises(grpc.RpcError) as e:
+            stream(feeder.address, mixture("a", bad))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith(f"sources[{bad!r}]: ")

@@ -128,11 +128,11 @@ class OpenedMixtures:
         """The full way: the grant, each source located and opened, kept if it can be."""
         names = spec.source_names
         metas = [os.path.join(self.catalog.root_text, name, META_NAME) for name in names]
-        # signed before the sources are opened: a store rewritten meanwhile is kept with
-        # its old signature, so the next open finds it changed
-        signatures = [_signature(m) for m in metas]
         with self.catalog.names_once():  # each name located once, for the grant and to open
-            real = self.access.check(job, spec)
+            real = self.access.check(job, spec)  # (every name checked plain first)
+            # signed before the sources are opened: a store rewritten meanwhile is kept
+            # with its old signature, so the next open finds it changed
+            signatures = [_signature(m) for m in metas]
             sources = located(self.catalog, names)
         space = MixtureSpace.of(sources)  # the dtype check
         kept = _Kept(metas, signatures, real, space)
