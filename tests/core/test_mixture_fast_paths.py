@@ -7,6 +7,9 @@
   must agree for any weights, layout and position, including many sources (numpy
   searches there), sources with no window in a step (equal starts), B*W = 1 and B*W
   that is no power of two (values walk).
+* rank_steps lays out a round of steps with fewer slots than sources (B*W < k) by the
+  sources each step takes (steps.step_sources); the layout from the counts at every
+  step boundary for every source is the reference.
 * MixtureSampler.starts maps a few sources' items source by source, a source whose
   items lie in one pass by that pass's order directly; the general path (every item
   split into (pass, position), PassOrders.windows) is the reference, passes wrapping
@@ -23,7 +26,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfeed.core import keyed, native
-from tokenfeed.core.mixture import Mixture, sampler
+from tokenfeed.core.mixture import Mixture, sampler, steps
 from tokenfeed.core.mixture.steps import rank_steps, rounds
 from tokenfeed.core.request import SamplingSpec
 
@@ -33,9 +36,39 @@ compiled = pytest.mark.skipif(
 )
 
 
+WEIGHTS = st.lists(st.sampled_from([0, 1, 2, 3, 0.5, 0.001]), min_size=1, max_size=40)
+SEED_OFFSET = (st.integers(0, 2**64 - 1), st.integers(0, 10**7))
+
+
+def shuffled_steps(weights: list, B: int, W: int, seed: int, offset: int):
+    """A mixture of `weights` (one made positive if none is), a step's first position
+    at or below `offset`, and rank_steps' keywords for shuffled steps of B x W."""
+    if not any(weights):
+        weights[0] = 1
+    mix = Mixture([(f"s{i}", w) for i, w in enumerate(weights)], seq_len=5)
+    kw = dict(batch_size=B, world_size=W, seed=seed, shuffle=True)
+    return mix, offset // (B * W) * (B * W), kw
+
+
+@given(WEIGHTS, st.integers(1, 6), st.integers(1, 5), st.integers(1, 40), *SEED_OFFSET)
+def test_steps_laid_out_by_the_sources_they_take_equal_the_counts_layout(
+    weights, B, W, n, seed, offset
+):
+    mix, offset, kw = shuffled_steps(weights, B, W, seed, offset)
+    sparse = [rank_steps(mix, r, offset, n, **kw) for r in range(W)]
+    span, steps._SPARSE_SPAN = steps._SPARSE_SPAN, 0  # the counts at every boundary
+    try:
+        dense = [rank_steps(mix, r, offset, n, **kw) for r in range(W)]
+    finally:
+        steps._SPARSE_SPAN = span
+    for (src, item), (want_src, want_item) in zip(sparse, dense, strict=True):
+        assert np.array_equal(src, want_src)
+        assert np.array_equal(item, want_item)
+
+
 @compiled
 @given(
-    st.lists(st.sampled_from([0, 1, 2, 3, 0.5, 0.001]), min_size=1, max_size=40),
+    WEIGHTS,
     st.integers(1, 12),
     st.integers(1, 9),
     st.integers(1, 8),
@@ -43,11 +76,7 @@ compiled = pytest.mark.skipif(
     st.integers(0, 10**7),
 )
 def test_step_rows_in_c_equal_the_numpy_code(weights, B, W, steps, seed, offset):
-    if not any(weights):
-        weights[0] = 1
-    mix = Mixture([(f"s{i}", w) for i, w in enumerate(weights)], seq_len=5)
-    offset = offset // (B * W) * (B * W)
-    kw = dict(batch_size=B, world_size=W, seed=seed, shuffle=True)
+    mix, offset, kw = shuffled_steps(weights, B, W, seed, offset)
     with native.disabled():
         reference = [rank_steps(mix, r, offset, steps, **kw) for r in range(W)]
     for r, (src, item) in enumerate(reference):

@@ -375,13 +375,16 @@ def test_info_prints_the_plan_of_a_mixture(mix_root: Path, tmp_path: Path) -> No
     assert "sources['nope']" in bad.stderr
 
 
+@pytest.mark.parametrize("shift", [1, "auto"])
 @pytest.mark.parametrize("per_message", [1, 3, 7])
-def test_source_counters_count_exactly_the_tokens_of_each_source(mix_root: Path, per_message):
+def test_source_counters_count_exactly_the_tokens_of_each_source(
+    mix_root: Path, per_message, shift
+):
     """SourceCounters (source_counters.py) against the messages themselves: after the written
     messages are counted and flushed, each source's tokens_sent is the tokens of the
     rows carrying its index, also for messages spanning rounds (rounds start at one
     step and double, so 3 and 7 batches per message straddle them) and when not every
-    message built is counted yet."""
+    message built is counted yet; with `auto` shifts, batches of different widths."""
     from prometheus_client import CollectorRegistry
 
     from tokenfeed.server import service
@@ -397,7 +400,13 @@ def test_source_counters_count_exactly_the_tokens_of_each_source(mix_root: Path,
     catalog = Catalog(mix_root)
     sources = [catalog.get("a"), catalog.get("b")]
     spec = SamplingSpec(
-        "", sources=(("a", 0.7), ("b", 0.3)), seq_len=SEQ, batch_size=B, shuffle=True, seed=3
+        "",
+        sources=(("a", 0.7), ("b", 0.3)),
+        seq_len=SEQ,
+        batch_size=B,
+        shuffle=True,
+        seed=3,
+        shift=shift,
     )
     sampler = service.mixture_sampler_for(spec, sources)
     pipe = MessageBuilder(
@@ -411,16 +420,19 @@ def test_source_counters_count_exactly_the_tokens_of_each_source(mix_root: Path,
     counters = SourceCounters.of(metrics, pipe)
     assert counters is not None
     want = [0, 0]
+    widths = set()
     held = 0  # messages built, not yet counted: the last burst's
     for _ in range(12):
         counters.count(held)
         burst = pipe.next_burst()
         for data, _, _, _ in burst:
             for batch in pb.StreamBatchesResponse.FromString(data).batches:
+                widths.add(batch.cols)
                 for s in batch.sources:
                     want[s] += batch.cols
         held = len(burst)
     counters.flush()
+    assert (len(widths) > 1) == (shift == "auto")  # auto: batches of several widths
 
     def sent(name: str) -> float:
         labels = {"dataset": name, "split": "train", "source": name}

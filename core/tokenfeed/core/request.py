@@ -122,10 +122,11 @@ def _mixture(sources: Any, schedule: Any, runtime: bytes, seq_len: int) -> Mixtu
     return mix
 
 
-# Specs of large mixture requests by the digest of their params (from_proto).
+# Specs of large mixture requests (this many weights or more: sources x segments) by
+# the digest of their params (from_proto).
 _PARSED: dict[bytes, SamplingSpec] = {}
 _PARSED_LOCK = threading.Lock()
-_PARSED_KEYS, _PARSED_MIN_BYTES = 8, 1 << 16
+_PARSED_KEYS, _PARSED_MIN_WEIGHTS = 8, 1 << 12
 
 
 def _remember(cache_key: Any, mix: Mixture) -> None:
@@ -427,12 +428,13 @@ class SamplingSpec:
 
         A large mixture's spec is remembered under a digest of its params' bytes: every
         rank of a job opens its streams with the same params, and turning 1,000 sources
-        x 100 segments into a checked spec costs ~0.2 s of CPU, reading the bytes ~1 ms.
-        Run-time segments do not count towards "large": they are cheap to read, and a
-        request with one more than the last is new at every weight change."""
+        x 100 segments into a checked spec costs ~0.2 s of CPU, its digest ~10 ms (one
+        serialization: "large" is counted in weights, not in bytes, which would take
+        another). Run-time segments do not count towards "large": they are cheap to
+        read, and a request with one more than the last is new at every weight change."""
         if overrides or len(p.sources) == 0:
             return cls._from_proto(p, **overrides)
-        if p.ByteSize() - len(p.runtime_segments) < _PARSED_MIN_BYTES:
+        if len(p.sources) * (1 + len(p.schedule)) < _PARSED_MIN_WEIGHTS:
             return cls._from_proto(p)
         data = p.SerializeToString(deterministic=True)
         key = hashlib.blake2b(data, digest_size=32).digest()

@@ -77,6 +77,11 @@ class Access:
             return tuple(real)
         return self.real_names(job, spec.dataset)
 
+    @staticmethod
+    def grants_everything(job: Job) -> bool:
+        """Whether `job` may read every dataset (no real path can change that)."""
+        return job.patterns == _EVERYTHING
+
     def real_names(self, job: Job, name: str, field: str | None = None) -> tuple[str, ...]:
         """What `name` really is, once `job` may read it: PermissionDenied naming the
         dataset and the job, NotFound (within the grant) or InvalidArgument otherwise."""

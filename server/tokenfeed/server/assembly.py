@@ -197,7 +197,7 @@ class MessageBuilder:
         if isinstance(sampler, MixtureSampler):
             self.by_source = deque()
             sources = len(sampler.spec.sources)
-        self.rounds = RoundQueue(ds, rounds, sampler.seq_len, sources)
+        self.rounds = RoundQueue(ds, rounds, sampler.seq_len)
         # the last burst's chunks, their keys and count by dataset, as an array (_pin)
         self._pins: tuple[list[int], list[Hashable], dict[str, int], np.ndarray] | None = None
         self.readahead = ReadaheadPolicy(

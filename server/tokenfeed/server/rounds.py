@@ -38,9 +38,7 @@ class LocatedRound:
     wire.frames' heads and tails one after another).
     """
 
-    def __init__(
-        self, ds: Dataset, rnd: sampling.Round, seq_len: int, num_sources: int = 0
-    ) -> None:
+    def __init__(self, ds: Dataset, rnd: sampling.Round, seq_len: int) -> None:
         store, size = ds.store, ds.store.dtype.itemsize
         # the round's lists as arrays once (each conversion costs what the arithmetic does)
         rows = np.asarray(rnd.rows, dtype=np.int64)
@@ -55,15 +53,7 @@ class LocatedRound:
         sources = None if rnd.sources is None else rnd.sources.ravel()[:n]
         self.starts = ds.virtual(own, sources)  # where assembly finds the rows
         self.sources = sources  # a mixture's: each row's source index
-        # a mixture's tokens by source, summed over batches [0, i) in row i: a span's
-        # count is one subtraction (`num_sources` > 0 for a mixture)
-        self.source_tokens: np.ndarray | None = None
-        if sources is not None and num_sources:
-            batch = np.repeat(np.arange(len(rows), dtype=np.int64), rows)
-            per = np.bincount(batch * num_sources + sources, minlength=len(rows) * num_sources)
-            per = per.reshape(-1, num_sources) * cols[:, None]
-            self.source_tokens = np.zeros((len(rows) + 1, num_sources), dtype=np.int64)
-            np.cumsum(per, axis=0, out=self.source_tokens[1:])
+        self._cols = cols
         self.frames, self._sizes = wire.frames(
             rnd.epoch,
             rnd.step,
@@ -96,6 +86,18 @@ class LocatedRound:
     def frame_at(self) -> list[int]:
         """Frame k is frames[frame_at[k]:frame_at[k + 1]]."""
         return [0, *np.cumsum(self._sizes).tolist()]
+
+    def source_tokens(self, i: int, j: int, k: int) -> np.ndarray:
+        """A mixture's tokens of batches [i, j) by source, int64 [k]: one count of the
+        span's rows (a round's rows by source for every batch would be O(batches x k))."""
+        lo, hi = self._cut[i], self._cut[j]
+        assert self.sources is not None
+        rows = self.sources[lo:hi]
+        cols = self._cols[i:j]
+        if (cols == cols[0]).all():  # one shift: every row the same width
+            return np.bincount(rows, minlength=k) * cols[0]
+        per_row = np.repeat(cols, np.diff(self._cut[i : j + 1]))
+        return np.bincount(rows, weights=per_row, minlength=k).astype(np.int64)
 
     def row_pieces(self, i: int) -> np.ndarray:
         """Batch i's rows as pieces of chunks: its part of `program` but head and tail."""
@@ -139,11 +141,9 @@ class RoundQueue:
         ds: Dataset,
         rounds: Iterator[sampling.Round],
         seq_len: int,
-        num_sources: int = 0,
     ) -> None:
         self.ds = ds
         self.seq_len = seq_len
-        self.num_sources = num_sources  # a mixture's: LocatedRound.source_tokens
         self._source = rounds
         self._rounds: deque[LocatedRound] = deque()  # located, not yet (all) sent
         self._pos = 0  # the first batch not sent of the first round
@@ -169,7 +169,7 @@ class RoundQueue:
                 if rnd is None:
                     self.exhausted = True
                     break
-                self._rounds.append(LocatedRound(self.ds, rnd, self.seq_len, self.num_sources))
+                self._rounds.append(LocatedRound(self.ds, rnd, self.seq_len))
             lr = self._rounds[k]
             j = min(len(lr), pos + n)
             spans.append((lr, pos, j))

@@ -35,7 +35,6 @@ from tokenfeed.core.errors import (
     FeederError,
     FeederUnavailable,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
 )
 from tokenfeed.core.limits import MAX_PARAM, packed_batches
@@ -48,7 +47,7 @@ from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.inplace import FilePool
 from tokenfeed.server.metrics import ServerMetrics
-from tokenfeed.server.mixtures import MixtureSpace
+from tokenfeed.server.opened import OpenedMixtures
 from tokenfeed.server.shares import FairShares
 from tokenfeed.server.source_counters import SourceCounters
 from tokenfeed.server.status import feeder_status
@@ -160,6 +159,8 @@ class FeederService:
         self.shares = shares if shares is not None else FairShares(SHARE_SLOTS)
         self.streams = OpenStreams()  # the calls in progress (status page, audit)
         self.files = FilePool()  # the chunk files streams read in place, shared
+        self.mixtures = OpenedMixtures(catalog, self.access, mixture_sampler_for)
+        self.source_counters: dict[str, Any] = {}  # a source's two counters, by its name
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler to register. Responses of StreamBatches are pre-serialized
@@ -241,20 +242,6 @@ class FeederService:
             context, loop.run_in_executor(self.executor, self._info, request, job)
         )
 
-    def _sources(self, spec: SamplingSpec) -> list[Dataset]:
-        """A mixture's source datasets, in order (NotFound naming the unknown one)."""
-        found = []
-        for name in spec.source_names:
-            try:
-                found.append(self.catalog.get(name))
-            except NotFound as e:
-                field = f"sources[{name!r}]"
-                raise NotFound(f"{field}: {e.message}", field=field) from None
-            except InvalidArgument as e:
-                field = f"sources[{name!r}]"
-                raise InvalidArgument(f"{field}: {e.message}", field=field) from None
-        return found
-
     def _info(self, request: Any, job: Job) -> pb.InfoResponse:
         request = self._decoded(request)
         if request.HasField("params") and len(request.params.sources):
@@ -286,7 +273,7 @@ class FeederService:
         """Info of a mixture: each source's DatasetInfo (its splits for the params) and
         SourceInfo (train tokens and windows, and what `budget_tokens` draws)."""
         spec = SamplingSpec.from_proto(request.params)
-        self.access.check(job, spec)
+        opened = self.mixtures.open(spec, job)  # the grant, the sources, the dtype check
         if request.dataset and request.dataset not in spec.source_names:
             raise InvalidArgument(
                 f"dataset: {request.dataset!r} is not a source of the mixture in params",
@@ -296,9 +283,7 @@ class FeederService:
             raise InvalidArgument(
                 f"budget_tokens must be >= 0, got {request.budget_tokens}", field="budget_tokens"
             )
-        sources = self._sources(spec)
-        MixtureSpace.of(sources)  # the dtype check
-        sampler = mixture_sampler_for(spec, sources)
+        sources, sampler = opened.space.sources, opened.sampler
         budget = sampler.budget(request.budget_tokens)
         resp = pb.InfoResponse()
         # each source's splits under the params: one spec per split serves them all
@@ -345,14 +330,14 @@ class FeederService:
         request = self._decoded(request)
         spec = SamplingSpec.from_proto(request.params)
         assert entry.job is not None
-        entry.real = self.access.check(entry.job, spec)
         entry.world_size = spec.world_size
+        ds: Dataset
         sampler: sampling.DatasetSampler | MixtureSampler
-        if spec.is_mixture:
-            sources = self._sources(spec)
-            ds: Dataset = MixtureSpace.of(sources)
-            sampler = mixture_sampler_for(spec, sources)
+        if spec.is_mixture:  # kept from an open of the same mixture where it can be
+            opened = self.mixtures.open(spec, entry.job)
+            entry.real, ds, sampler = opened.real, opened.space, opened.sampler
         else:
+            entry.real = self.access.check(entry.job, spec)
             ds = self.catalog.get(spec.dataset)
             sampler = sampler_for(spec, ds)
         if not 0 <= request.batches_per_message <= MAX_BATCHES_PER_MESSAGE:
@@ -486,7 +471,7 @@ class FeederService:
         batches_sent = self.metrics.batches_sent.labels(**labels)
         tokens_sent = self.metrics.tokens_sent.labels(**labels, source="")
         bytes_sent = self.metrics.bytes_sent.labels(**labels)
-        by_source = SourceCounters.of(self.metrics, pipe)
+        by_source = SourceCounters.of(self.metrics, pipe, self.source_counters)
         small = pipe.message_bytes <= INLINE_MAX_BYTES
         shares, per_job = self.shares, self.streams.per_job
         estimate = pipe.message_bytes * pipe.burst_messages  # a turn's bytes, until known

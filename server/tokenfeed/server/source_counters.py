@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.mixtures import MixtureSpace
@@ -15,14 +17,21 @@ class SourceCounters:
     message's spans as it builds it (MessageBuilder.by_source); once a burst is
     written, its spans join the pending runs (consecutive batches of a round make one
     run), and every FLUSH_SECONDS, and when the stream ends, the runs' tokens by source
-    (LocatedRound.source_tokens: one subtraction a run) go to the counters. Counting
+    (LocatedRound.source_tokens: one count of its rows a run) go to the counters. Counting
     each message as built and each burst as written (numpy rows per message, two
     counter increments per source per burst) cost ~7 of a mixture's ~50 us per batch
     at one batch per message (in process, chunks cached)."""
 
-    FLUSH_SECONDS = 0.1
+    # A flush increments two counters per source sent since the last: for 1,000 sources,
+    # about all of them every time; Prometheus scrapes every few seconds at most.
+    FLUSH_SECONDS = 1.0
 
-    def __init__(self, metrics: ServerMetrics, pipe: MessageBuilder) -> None:
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        pipe: MessageBuilder,
+        children: dict[str, tuple[Any, Any]] | None = None,
+    ) -> None:
         assert isinstance(pipe.ds, MixtureSpace)
         assert pipe.by_source is not None
         self.pipe = pipe
@@ -30,14 +39,21 @@ class SourceCounters:
         self.metrics = metrics
         self.names = [d.name for d in pipe.ds.sources]
         # each source's two counters, looked up at its first count: a stream of 1,000
-        # sources would look up 2,000 at its start, most of them for nothing yet
+        # sources would look up 2,000 at its start, most of them for nothing yet;
+        # `children` keeps them by source name for the feeder's later streams
         self._counters: dict[int, tuple[Any, Any]] = {}
+        self._children = children if children is not None else {}
         self._runs: list[list[Any]] = []  # [round, first batch, end batch], written, not counted
         self._due = time.monotonic() + self.FLUSH_SECONDS
 
     @classmethod
-    def of(cls, metrics: ServerMetrics, pipe: MessageBuilder) -> SourceCounters | None:
-        return cls(metrics, pipe) if pipe.by_source is not None else None
+    def of(
+        cls,
+        metrics: ServerMetrics,
+        pipe: MessageBuilder,
+        children: dict[str, tuple[Any, Any]] | None = None,
+    ) -> SourceCounters | None:
+        return cls(metrics, pipe, children) if pipe.by_source is not None else None
 
     def count(self, messages: int) -> None:
         """The next `messages` messages built are written: count them (soon)."""
@@ -58,18 +74,22 @@ class SourceCounters:
         self._due = time.monotonic() + self.FLUSH_SECONDS
         if not self._runs:
             return
-        total = sum(lr.source_tokens[j] - lr.source_tokens[i] for lr, i, j in self._runs)
+        k = len(self.names)
+        total = sum(lr.source_tokens(i, j, k) for lr, i, j in self._runs)
         self._runs.clear()
-        for i, n in enumerate(total.tolist()):
-            if n:
-                tokens, nbytes = self._counters.get(i) or self._lookup(i)
-                tokens.inc(n)
-                nbytes.inc(n * self.itemsize)
+        sent = np.flatnonzero(total)
+        for i, n in zip(sent.tolist(), total[sent].tolist(), strict=True):
+            tokens, nbytes = self._counters.get(i) or self._lookup(i)
+            tokens.inc(n)
+            nbytes.inc(n * self.itemsize)
 
     def _lookup(self, i: int) -> tuple[Any, Any]:
         name = self.names[i]
-        found = self._counters[i] = (
-            self.metrics.tokens_sent.labels(dataset=name, split="train", source=name),
-            self.metrics.bytes_sent.labels(dataset=name, split="train"),
-        )
+        found = self._children.get(name)
+        if found is None:
+            found = self._children[name] = (
+                self.metrics.tokens_sent.labels(dataset=name, split="train", source=name),
+                self.metrics.bytes_sent.labels(dataset=name, split="train"),
+            )
+        self._counters[i] = found
         return found

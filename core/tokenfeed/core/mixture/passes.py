@@ -10,6 +10,7 @@ shuffle groups it touches, never on the store's size.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,7 +103,8 @@ class PassOrders:
     for the next calls, like EpochOrder's group cache. A call that touches only a few
     passes (a round of a few sources, most of them) maps each pass's elements with
     that pass's own EpochOrder (kept between calls too): scalar keys and sizes cost
-    less per element than the gathers of the vectorized path.
+    less per element than the gathers of the vectorized path. Safe to share between
+    threads: a call holds the lock of what it keeps.
     """
 
     _CACHE = 4096  # groups (and passes) remembered
@@ -140,12 +142,17 @@ class PassOrders:
         self._g_size = np.zeros(0, dtype=np.int64)  # windows in the group
         self._g_bits = np.zeros(0, dtype=np.int64)  # domain_bits of that
         self._g_short = np.zeros(0, dtype=np.int64)  # short block's index in it, or _FAR
+        self._lock = threading.Lock()  # the caches above, one call at a time
 
     def windows(self, src: np.ndarray, epoch: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Window indices (int64) of the elements (int64 arrays of one shape)."""
         pos = np.asarray(pos, dtype=np.int64)
         if not self.shuffle:
             return pos.copy()
+        with self._lock:
+            return self._windows(src, epoch, pos)
+
+    def _windows(self, src: np.ndarray, epoch: np.ndarray, pos: np.ndarray) -> np.ndarray:
         shape = pos.shape
         src, epoch, pos = src.ravel(), np.asarray(epoch, dtype=np.int64).ravel(), pos.ravel()
         if not len(pos):
@@ -182,7 +189,8 @@ class PassOrders:
         elements of one pass)."""
         if not self.shuffle:
             return np.asarray(pos, dtype=np.int64).copy()
-        return self._order(i, e).windows(pos)
+        with self._lock:
+            return self._order(i, e).windows(pos)
 
     def _order(self, i: int, e: int) -> EpochOrder:
         """Pass e of source i's epoch order, made once (a few are kept)."""

@@ -47,6 +47,10 @@ MIXTURE_ROUND_POSITIONS = 16384
 # the first batch little, and a stream re-opened often (run-time weight changes: every
 # change opens one) makes a few rounds instead of doubling up from one step.
 FIRST_ROUND_POSITIONS = 1024
+# A round of shuffled steps shorter than the mixture's sources (gb < k) is laid out by the
+# sources each step takes (step_sources: O(positions)) instead of c at every step
+# boundary for every source (O(steps x k)) while it spans at most this many positions.
+_SPARSE_SPAN = 1 << 17
 # step_rows_py finds a slot's source by counting (k - 1 compares per slot) up to this
 # many sources, by a binary search of every step's starts (~log2(steps * k) probes) above
 _COUNT_SOURCES = 32
@@ -120,12 +124,43 @@ def rank_steps(
     offs = offset + gb * np.arange(steps, dtype=np.int64)
     if not shuffle:
         return app.runs(offs + rank * B, B)
+    sk = stage_keys_by_stage(step_keys(seed, offs))
+    if gb < app.k and gb * steps <= _SPARSE_SPAN:  # the sources each step takes
+        ids, start, counts = step_sources(mix, offset, gb, steps)
+        col, item = step_rows(sk, gb, rank * B, B, start, counts)
+        return np.take_along_axis(ids, col, axis=1), item
     # counts at every step boundary: a step's windows from source i are items
     # c_i(o_s) .. c_i(o_{s+1}) - 1, laid out source-major, then permuted
     c = app.counts_every(offset, gb, steps)
     per = c[1:] - c[:-1]
     start = np.cumsum(per, axis=1) - per  # [steps, k] slot where source i begins
-    return step_rows(stage_keys_by_stage(step_keys(seed, offs)), gb, rank * B, B, start, c[:-1])
+    return step_rows(sk, gb, rank * B, B, start, c[:-1])
+
+
+def step_sources(
+    mix: Mixture, offset: int, gb: int, steps: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The source-major layout of `steps` steps of gb positions from `offset`, by the
+    sources each step takes (at most gb of the k), from its positions in due order:
+    (ids, start, counts), int64 [steps, m], m the most sources a step takes. Step s's
+    j-th source (ascending) is ids[s, j], its windows take slots start[s, j] ..
+    start[s, j + 1] - 1 and are its items from counts[s, j] = c_i(o_s) on; a row of
+    fewer sources ends in slots of gb (past every slot). `step_rows` reads it as the
+    [steps, k] layout: a source a step does not take has no slot to be found at."""
+    k, span = mix.k, gb * steps
+    src, item = mix.items(offset, offset + span)
+    cell = np.arange(span, dtype=np.int64) // gb * k + src  # (step, source), ascending
+    cells, first, per = np.unique(cell, return_index=True, return_counts=True)
+    step = cells // k
+    taken = np.bincount(step, minlength=steps)
+    col = np.arange(len(cells), dtype=np.int64) - np.repeat(np.cumsum(taken) - taken, taken)
+    shape = (steps, int(taken.max()))
+    ids, counts = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
+    start = np.full(shape, gb, dtype=np.int64)
+    ids[step, col] = cells % k
+    counts[step, col] = item[first]  # a source's first item in the step is c_i(o_s)
+    start[step, col] = np.cumsum(per) - per - step * gb  # each step's positions add to gb
+    return ids, start, counts
 
 
 def step_rows(
