@@ -12,7 +12,7 @@ import grpc
 
 from tokenfeed.server import datasets
 from tokenfeed.server.assembly import BURST_MESSAGES
-from tokenfeed.server.starts import Starts
+from tokenfeed.server.starts import GIVES_WAY_AFTER, Starts
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -124,9 +124,11 @@ def _reading(address: str, p: pb.SamplingParams) -> Iterator[list[int]]:
 def test_a_starting_stream_goes_before_the_bursts_of_one_already_sending(feeder) -> None:
     service = feeder.server.service
     long = params(seq_len=8, stride=1, batch_size=1)  # ~9,000 batches: it keeps sending
-    with _reading(feeder.address, long) as got:
-        wait_until(lambda: got[0] >= 2 * BURST_MESSAGES, GUARD, "the first stream sending")
+    with _reading(feeder.address, long):
+        wait_until(lambda: service.streams.entries, GUARD, "the first stream open")
         (sending,) = service.streams.entries.values()
+        ahead = 1 + (GIVES_WAY_AFTER - 1) * BURST_MESSAGES  # its bursts before it gives way
+        wait_until(lambda: sending.batches > ahead, GUARD, "the first stream sending")
         held = service.starts.preparing_one()  # as a preparation does, on the loop
 
         async def hold() -> int:
