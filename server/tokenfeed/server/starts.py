@@ -30,8 +30,10 @@ from collections.abc import Iterator
 # Bursts a stream sends before it gives way: its first batch (a burst of one message)
 # and one burst more, so a consumer that started early has a few batches to go on with.
 GIVES_WAY_AFTER = 2
-QUIET_SECONDS = 0.05
-STALL_SECONDS = 1.0
+# On a loaded machine a process waits tens of ms for a core: a shorter quiet moment or
+# stall bound let go of the hold in the middle of a storm (measured at load 15).
+QUIET_SECONDS = 0.1
+STALL_SECONDS = 5.0
 
 
 class Starts:
