@@ -131,6 +131,7 @@ class Catalog:
         self._below = os.path.join(self.root_text, "")
         self._open: dict[str, Dataset] = {}
         self._kinds: dict[Path, tuple[int, str]] = {}  # see _detect
+        self._detecting = threading.Lock()  # one listing at a time (a miss of _kinds)
         self._lock = threading.Lock()
         self._probing: dict[str, threading.Lock] = {}  # remote: one HEAD per name at a time
         # one open per name at a time: the streams of an epoch-start storm that ask for
@@ -228,10 +229,14 @@ class Catalog:
         known = self._kinds.get(path)
         if known is not None and known[0] == mtime:
             return known[1]
-        kind = detect(path)
-        if kind is not None:
-            self._kinds[path] = (mtime, kind)
-        return kind
+        with self._detecting:  # an epoch start's first requests list it once, not each
+            known = self._kinds.get(path)
+            if known is not None and known[0] == mtime:
+                return known[1]
+            kind = detect(path)
+            if kind is not None:
+                self._kinds[path] = (mtime, kind)
+            return kind
 
     def real_names(self, name: str) -> tuple[str, ...]:
         """What `name` really is, as names relative to the root: a local store's resolved

@@ -50,6 +50,7 @@ from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.opened import OpenedMixtures
 from tokenfeed.server.shares import FairShares
 from tokenfeed.server.source_counters import SourceCounters
+from tokenfeed.server.starts import GIVES_WAY_AFTER, Starts
 from tokenfeed.server.status import feeder_status
 from tokenfeed.server.streams import OpenStreams, StreamEntry
 from tokenfeed.server.tenants import Job, Tenants
@@ -153,7 +154,7 @@ class FeederService:
         self.max_streams = max_streams
         self.max_batch_bytes = max_batch_bytes
         self.active_streams = 0
-        self.preparing = 0  # streams being prepared on worker threads
+        self.starts = Starts()  # streams being prepared on worker threads, ahead of the rest
         self.draining = False
         self.access = Access(catalog, tenants)  # who a call is, what it may read
         self.shares = shares if shares is not None else FairShares(SHARE_SLOTS)
@@ -459,13 +460,10 @@ class FeederService:
         self, request: Any, context: grpc.aio.ServicerContext, entry: StreamEntry
     ) -> None:
         loop = asyncio.get_running_loop()
-        self.preparing += 1
-        try:
+        with self.starts.preparing_one():
             pipe, header = await loop.run_in_executor(
                 self.executor, self._prepare_stream, request, entry
             )
-        finally:
-            self.preparing -= 1
         self.streams.opened(entry)
         labels = {"dataset": pipe.ds.name, "split": pipe.sampler.split}
         batches_sent = self.metrics.batches_sent.labels(**labels)
@@ -489,6 +487,7 @@ class FeederService:
 
         burst: list[Message] = []
         written = 0  # messages of `burst` written and not yet counted
+        bursts = 0
         try:
             while True:
                 job = entry.job
@@ -506,7 +505,7 @@ class FeederService:
                         # prepared: a busy loop holds the GIL, which the preparations
                         # on worker threads wait for (an epoch-start storm's first batches)
                         burst = (
-                            pipe.next_burst(inline=True, read_files=not self.preparing)
+                            pipe.next_burst(inline=True, read_files=not self.starts.preparing)
                             if small
                             else []
                         )
@@ -530,6 +529,9 @@ class FeederService:
                 # counted once per burst, after it is written: fewer metric updates per message
                 count(burst)
                 written = 0
+                bursts += 1
+                if bursts >= GIVES_WAY_AFTER:  # streams starting go first (starts.py)
+                    await self.starts.give_way()
         finally:
             if building is not None:
                 building.cancel()  # a running build finishes its burst; the result is dropped
