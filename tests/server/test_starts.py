@@ -12,7 +12,7 @@ import grpc
 
 from tokenfeed.server import datasets
 from tokenfeed.server.assembly import BURST_MESSAGES
-from tokenfeed.server.starts import GIVES_WAY_AFTER, Starts
+from tokenfeed.server.starts import GIVES_WAY_AFTER, STORM_STARTS, Starts
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -31,7 +31,7 @@ async def _turns(n: int = 10) -> None:
 
 def test_nothing_waits_while_nothing_is_prepared() -> None:
     async def main() -> None:
-        starts = Starts(quiet_seconds=GUARD, stall_seconds=GUARD)
+        starts = Starts(quiet_seconds=GUARD, hold_seconds=GUARD)
         await asyncio.wait_for(starts.give_way(), GUARD)
         with starts.preparing_one():
             pass
@@ -41,9 +41,31 @@ def test_nothing_waits_while_nothing_is_prepared() -> None:
     asyncio.run(main())
 
 
+def test_a_few_starts_hold_nobody_a_storm_does() -> None:
+    """A next epoch opened ahead or a reconnect must not hold a stream read as fast as
+    it comes; the storm_starts-th start in a row does."""
+
+    async def main() -> None:
+        starts = Starts(quiet_seconds=GUARD, hold_seconds=GUARD, storm_starts=3)
+        with starts.preparing_one():
+            pass
+        with starts.preparing_one():
+            await asyncio.wait_for(starts.give_way(), GUARD)
+        await asyncio.wait_for(starts.give_way(), GUARD)
+        with starts.preparing_one():  # the third within a quiet moment: a storm
+            waiting = asyncio.ensure_future(starts.give_way())
+            await _turns()
+            assert not waiting.done()
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(main())
+
+
 def test_streams_sending_wait_until_the_preparations_are_done() -> None:
     async def main() -> None:
-        starts = Starts(quiet_seconds=0.01, stall_seconds=GUARD)
+        starts = Starts(quiet_seconds=0.01, hold_seconds=GUARD, storm_starts=1)
         first = starts.preparing_one()
         first.__enter__()
         waiting = asyncio.ensure_future(starts.give_way())
@@ -55,13 +77,14 @@ def test_streams_sending_wait_until_the_preparations_are_done() -> None:
             assert not waiting.done()
         await asyncio.wait_for(waiting, GUARD)  # a quiet moment after the last one
         await asyncio.wait_for(starts.give_way(), GUARD)  # and nobody waits any more
+        assert starts.begun == 0
 
     asyncio.run(main())
 
 
 def test_a_call_coming_in_within_the_quiet_moment_keeps_the_hold() -> None:
     async def main() -> None:
-        starts = Starts(quiet_seconds=GUARD, stall_seconds=GUARD)
+        starts = Starts(quiet_seconds=GUARD, hold_seconds=GUARD, storm_starts=1)
         with starts.preparing_one():
             pass
         waiting = asyncio.ensure_future(starts.give_way())
@@ -74,12 +97,12 @@ def test_a_call_coming_in_within_the_quiet_moment_keeps_the_hold() -> None:
     asyncio.run(main())
 
 
-def test_a_stalled_preparation_holds_nobody_for_long() -> None:
-    """A preparation that waits (object storage, a slow disk) lets the others go once
-    none ended for stall_seconds, and holds nobody again until all are done."""
+def test_a_hold_is_bounded_and_none_follows_until_the_starts_pause() -> None:
+    """A preparation that waits (object storage, a slow disk) or starts that never
+    pause hold the others hold_seconds at most, and nobody again until a quiet moment."""
 
     async def main() -> None:
-        starts = Starts(quiet_seconds=0.01, stall_seconds=0.05)
+        starts = Starts(quiet_seconds=0.01, hold_seconds=0.05, storm_starts=1)
         stuck = starts.preparing_one()
         stuck.__enter__()
         await asyncio.wait_for(starts.give_way(), GUARD)  # let go by the bound
@@ -87,7 +110,9 @@ def test_a_stalled_preparation_holds_nobody_for_long() -> None:
             await asyncio.wait_for(starts.give_way(), GUARD)
         stuck.__exit__(None, None, None)
         await asyncio.wait_for(starts.give_way(), GUARD)
-        with starts.preparing_one():  # all done, quiet: the next storm holds again
+        await asyncio.sleep(0.05)  # after the quiet moment's timer (timers fire in order)
+        assert starts.begun == 0  # the starts paused: the next storm holds again
+        with starts.preparing_one():
             waiting = asyncio.ensure_future(starts.give_way())
             await _turns()
             assert not waiting.done()
@@ -129,10 +154,13 @@ def test_a_starting_stream_goes_before_the_bursts_of_one_already_sending(feeder)
         (sending,) = service.streams.entries.values()
         ahead = 1 + (GIVES_WAY_AFTER - 1) * BURST_MESSAGES  # its bursts before it gives way
         wait_until(lambda: sending.batches > ahead, GUARD, "the first stream sending")
-        held = service.starts.preparing_one()  # as a preparation does, on the loop
+        # a storm's preparations, as they are counted on the loop
+        held = [service.starts.preparing_one() for _ in range(STORM_STARTS)]
 
         async def hold() -> int:
-            held.__enter__()
+            for h in held:
+                h.__enter__()
+            assert service.starts.holding
             return sending.batches
 
         at_hold = feeder.call(hold())
@@ -145,7 +173,8 @@ def test_a_starting_stream_goes_before_the_bursts_of_one_already_sending(feeder)
         assert sending.batches - at_hold <= BURST_MESSAGES
 
         async def release() -> None:
-            held.__exit__(None, None, None)
+            for h in held:
+                h.__exit__(None, None, None)
 
         feeder.call(release())
         wait_until(lambda: sending.batches > at_hold + 4 * BURST_MESSAGES, GUARD, "it going on")

@@ -10,13 +10,16 @@ a busy loop took a few calls a second (gRPC cancels a call not taken within 30 s
 GIL was not free for the preparations on worker threads, and the last ranks' first
 batches came tens of seconds late.
 
-So while streams are being prepared, a stream that has sent its first two bursts (its
-first batch alone, then up to 4 messages) waits before building its next one: until no
-stream has been prepared for `quiet_seconds` (the next call of a storm comes in within
-that), or until no preparation ended for `stall_seconds` (one waiting on object
-storage, say); a hold let go that way begins again only once all are done. In a
-data-parallel job no rank takes its second step before every rank has its first batch,
-so the wait costs the job nothing.
+So when streams start in numbers (STORM_STARTS, each begun within `quiet_seconds` of
+the one before: the ranks of a job starting together), a stream that has sent its
+first two bursts (its first batch alone, then up to 4 messages) waits before building
+its next one, until no stream has been prepared for `quiet_seconds` (the next call of
+a storm comes in within that). A start or a few (the next epoch opened ahead, a
+reconnect) hold nobody: a consumer that reads as fast as batches come would wait for
+each. A hold lasts at most `hold_seconds` (a trickle of starts that never pauses, a
+preparation waiting on object storage): after that none waits until the starts pause.
+In a data-parallel job no rank takes its second step before every rank has its first
+batch, so the wait costs the job nothing.
 
 Pure asyncio, on the server's event loop (one thread uses it).
 """
@@ -30,55 +33,78 @@ from collections.abc import Iterator
 # Bursts a stream sends before it gives way: its first batch (a burst of one message)
 # and one burst more, so a consumer that started early has a few batches to go on with.
 GIVES_WAY_AFTER = 2
+# Starts in a row, each within QUIET_SECONDS of the one before, that make a storm.
+STORM_STARTS = 16
 # On a loaded machine a process waits tens of ms for a core: a shorter quiet moment or
-# stall bound let go of the hold in the middle of a storm (measured at load 15).
+# bound let go of the hold in the middle of a storm (measured at load 15).
 QUIET_SECONDS = 0.1
-STALL_SECONDS = 5.0
+HOLD_SECONDS = 10.0
 
 
 class Starts:
     """The streams being prepared, and the wait of the streams already sending."""
 
     def __init__(
-        self, quiet_seconds: float = QUIET_SECONDS, stall_seconds: float = STALL_SECONDS
+        self,
+        quiet_seconds: float = QUIET_SECONDS,
+        hold_seconds: float = HOLD_SECONDS,
+        storm_starts: int = STORM_STARTS,
     ) -> None:
         self.quiet_seconds = quiet_seconds
-        self.stall_seconds = stall_seconds
+        self.hold_seconds = hold_seconds
+        self.storm_starts = storm_starts
         self.preparing = 0
-        self._go: asyncio.Event | None = None  # set when the streams sending may go on
-        self._timer: asyncio.TimerHandle | None = None
+        self.begun = 0  # starts since the last quiet moment
+        self._go: asyncio.Event | None = None  # clear while the streams sending wait
+        self._quiet: asyncio.TimerHandle | None = None
+        self._bound: asyncio.TimerHandle | None = None
+        self._spent = False  # a hold ended by its bound: none until a quiet moment
 
     @contextlib.contextmanager
     def preparing_one(self) -> Iterator[None]:
         """Count a stream as being prepared for the duration of the block (on the loop)."""
         self.preparing += 1
-        if self.preparing == 1:  # the first of a storm (or of one call)
+        self.begun += 1
+        if self._quiet is not None:  # the starts go on
+            self._quiet.cancel()
+            self._quiet = None
+        if self.begun >= self.storm_starts and not self._spent and not self.holding:
             self._hold()
         try:
             yield
         finally:
             self.preparing -= 1
-            # let go once none came in for a moment, or none ended for stall_seconds (a
-            # hold let go while some are prepared begins again only with the next first)
-            self._arm(self.stall_seconds if self.preparing else self.quiet_seconds)
+            if not self.preparing:
+                self._quiet = asyncio.get_running_loop().call_later(self.quiet_seconds, self._pause)
+
+    @property
+    def holding(self) -> bool:
+        return self._go is not None and not self._go.is_set()
 
     async def give_way(self) -> None:
-        """Return once no stream is being prepared (or the preparations stall)."""
-        if self._go is not None and not self._go.is_set():
-            await self._go.wait()
+        """Return once no storm of starts is being prepared (or its hold is over)."""
+        if self.holding:
+            await self._go.wait()  # type: ignore[union-attr]
 
     def _hold(self) -> None:
         if self._go is None:  # made on the loop's thread
             self._go = asyncio.Event()
         self._go.clear()
-        self._arm(self.stall_seconds)
+        self._bound = asyncio.get_running_loop().call_later(self.hold_seconds, self._expire)
 
-    def _arm(self, seconds: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(seconds, self._release)
+    def _expire(self) -> None:
+        """The hold's bound: the streams sending go on, and no hold until a quiet moment."""
+        self._bound, self._spent = None, True
+        self._let_go()
 
-    def _release(self) -> None:
-        self._timer = None
+    def _pause(self) -> None:
+        """No stream prepared for quiet_seconds: the storm is over."""
+        self._quiet, self.begun, self._spent = None, 0, False
+        if self._bound is not None:
+            self._bound.cancel()
+            self._bound = None
+        self._let_go()
+
+    def _let_go(self) -> None:
         if self._go is not None:
             self._go.set()
