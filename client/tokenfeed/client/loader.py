@@ -29,6 +29,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from tokenfeed.client import allocator
 from tokenfeed.client.buffers import NumpyStager
 from tokenfeed.client.connection import (
     Backoff,
@@ -213,6 +214,7 @@ class FeederClient:
         self.documents = options.documents
         self.mask_cross_document_labels = options.mask_cross_document_labels
 
+        allocator.tune()  # the process's malloc, for its streams' messages
         self._channels = Channels(self.connection, start=self.rank)
         self.metrics = ClientMetrics(self.rank, options.registry)
         if options.metrics_port is not None:
