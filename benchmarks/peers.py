@@ -14,6 +14,9 @@ prints JSON:
   litdata     LitData: `optimize` with TokensLoader, StreamingDataset and its loader
   grain       Grain: a memmap data source, MapDataset shuffled and batched; 0 and 2
               workers (mp_prefetch)
+  floor       not a loader: one batch handed out again and again, what the loop's
+              `next()` costs with nothing behind it (the stall's floor on this
+              machine); the one-dataset run only, never a column's best
 
 Windows of 1,024 + 1 tokens, batches of 16, shuffled. For each, in a fresh process per
 round and the rounds interleaved (the order rotates every round): the time to the first
@@ -59,12 +62,15 @@ MIXTURE = (("mix-a", 0.5), ("mix-b", 0.3), ("mix-c", 0.2))
 @dataclass(frozen=True)
 class PeerKind:
     """A loader: its adapter, the venv it runs in (None: this interpreter's), its
-    variants, and whether it reads the flat file as it is (no format to write)."""
+    variants, whether it reads the flat file as it is (no format to write), and
+    whether it is a reference for the harness rather than a loader (run on one
+    dataset only, never compared with)."""
 
     name: str
     venv: str | None
     variants: tuple[str, ...]
     flat: bool = False
+    reference: bool = False
 
     @property
     def adapter(self) -> Path:
@@ -80,7 +86,9 @@ PEERS = (
     PeerKind("streaming", "streaming", ("w0", "w2")),
     PeerKind("litdata", "litdata", ("w0", "w2")),
     PeerKind("grain", "grain", ("w0", "w2"), flat=True),
+    PeerKind("floor", None, ("ready",), flat=True, reference=True),
 )
+REFERENCES = tuple(k.name for k in PEERS if k.reference)
 
 
 # ----------------------------------------------------------------- pure helpers
@@ -157,7 +165,11 @@ def ratios(rows: dict[str, dict[str, float | None]], ours: str) -> dict[str, tup
     out = {}
     lower = {col: low for col, (_, low, _) in COLUMNS.items()} | {"max dev rows": True}
     for col, low in lower.items():
-        others = {k: v.get(col) for k, v in rows.items() if not k.startswith("tokenfeed")}
+        others = {
+            k: v.get(col)
+            for k, v in rows.items()
+            if not k.startswith("tokenfeed") and k.split("/")[0] not in REFERENCES
+        }
         b = best(others, low)
         mine = rows.get(ours, {}).get(col)
         if b is not None and mine is not None and b[1]:
@@ -329,7 +341,8 @@ class Bench:
     def run_part(self, part: str) -> None:
         mixture = part == "mixture"
         names = [n for n, _ in MIXTURE] if mixture else ["main"]
-        runs = [(k, v) for k in self.kinds for v in self.variants(k)]
+        kinds = [k for k in self.kinds if not (mixture and k.reference)]
+        runs = [(k, v) for k in kinds for v in self.variants(k)]
         for r, (kind, variant) in interleaved(runs, self.args.rounds):
             argv = ["--seconds", str(self.args.seconds), "--step-ms", str(self.args.step_ms)]
             if mixture:
@@ -344,7 +357,7 @@ class Bench:
                 )
 
     def resume(self) -> None:
-        for kind in self.kinds:
+        for kind in [k for k in self.kinds if not k.reference]:
             argv = ["--elastic-world-size", "2"]
             variant = self.variants(kind)[0]
             result = self.one(kind, variant, "resume", ["main"], argv, "resume", 0)

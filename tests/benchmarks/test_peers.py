@@ -104,9 +104,10 @@ def test_table_takes_medians_and_ratios_compare_with_the_best_other_loader() -> 
         run("tokenfeed/numpy", 100e6, 6.0, 2),
         run("grain/w0", 40e6, 20.0, 0),
         run("litdata/w0", 50e6, 10.0, 0),
+        run("floor/ready", 900e6, 1.0, 0),  # the harness's floor: never a column's best
     ]
     rows = peers.table(results, "run")
-    assert list(rows) == ["tokenfeed/numpy", "litdata/w0", "grain/w0"]  # the PEERS order
+    assert list(rows) == ["tokenfeed/numpy", "litdata/w0", "grain/w0", "floor/ready"]  # PEERS
     assert rows["tokenfeed/numpy"]["Mtok/s"] == pytest.approx(100)
     assert rows["tokenfeed/numpy"]["stall %"] is None  # not measured: no figure, no ratio
     ratios = peers.ratios(rows, "tokenfeed/numpy")
@@ -140,13 +141,13 @@ def test_a_small_run_of_tokenfeed_and_the_dataloader(tmp_path: Path) -> None:
             sys.executable,
             str(BENCHMARKS / "peers.py"),
             "--peers",
-            "tokenfeed,dataloader",
+            "tokenfeed,dataloader,floor",
             "--variants",
             "tokenfeed/numpy,dataloader/w0",
             "--mixture-batches",
             "200",
             "--parts",
-            "write,mixture,resume",
+            "write,run,mixture,resume",
             "--tokens",
             "2e6",
             "--mixture-tokens",
@@ -171,6 +172,12 @@ def test_a_small_run_of_tokenfeed_and_the_dataloader(tmp_path: Path) -> None:
         assert (e["lost"], e["repeated"], e["foreign"]) == (0, 0, 0), name
         assert e["rows"] == e["rows_left"] > 0
         assert 0 <= e["short_last_step"] < 2 * 16  # only what no longer fills a step of 2 ranks
+    assert set(resumed) == {"tokenfeed/numpy", "dataloader/w0"}  # the floor is no loader
+    ran = {r["name"]: r for r in results if r["part"] == "run"}
+    assert set(ran) == {"tokenfeed/numpy", "dataloader/w0", "floor/ready"}
+    for r in ran.values():
+        assert r["empty"]["tokens_per_s"] > 0
+        assert 0 <= r["step"]["stall_fraction"] < 1
     mixed = {r["name"]: r for r in results if r["part"] == "mixture"}
     assert set(mixed) == {"tokenfeed/numpy", "dataloader/w0"}
     for r in mixed.values():
