@@ -38,10 +38,9 @@ class SourceCounters:
         self.itemsize = pipe.ds.store.dtype.itemsize
         self.metrics = metrics
         self.names = [d.name for d in pipe.ds.sources]
-        # each source's two counters, looked up at its first count: a stream of 1,000
-        # sources would look up 2,000 at its start, most of them for nothing yet;
-        # `children` keeps them by source name for the feeder's later streams
-        self._counters: dict[int, tuple[Any, Any]] = {}
+        # each source's two counters by its name, looked up at its first count: a stream
+        # of 1,000 sources would look up 2,000 at its start, most of them for nothing
+        # yet; `children` is the feeder's, shared by its later streams
         self._children = children if children is not None else {}
         self._runs: list[list[Any]] = []  # [round, first batch, end batch], written, not counted
         self._due = time.monotonic() + self.FLUSH_SECONDS
@@ -79,17 +78,14 @@ class SourceCounters:
         self._runs.clear()
         sent = np.flatnonzero(total)
         for i, n in zip(sent.tolist(), total[sent].tolist(), strict=True):
-            tokens, nbytes = self._counters.get(i) or self._lookup(i)
+            name = self.names[i]
+            tokens, nbytes = self._children.get(name) or self._lookup(name)
             tokens.inc(n)
             nbytes.inc(n * self.itemsize)
 
-    def _lookup(self, i: int) -> tuple[Any, Any]:
-        name = self.names[i]
-        found = self._children.get(name)
-        if found is None:
-            found = self._children[name] = (
-                self.metrics.tokens_sent.labels(dataset=name, split="train", source=name),
-                self.metrics.bytes_sent.labels(dataset=name, split="train"),
-            )
-        self._counters[i] = found
+    def _lookup(self, name: str) -> tuple[Any, Any]:
+        self._children[name] = found = (
+            self.metrics.tokens_sent.labels(dataset=name, split="train", source=name),
+            self.metrics.bytes_sent.labels(dataset=name, split="train"),
+        )
         return found
