@@ -145,12 +145,14 @@ def test_after_first_contact_an_outage_is_bounded_by_backoff_not_connect_timeout
     feeder_root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="tokenfeed.client")
-    patient = Backoff(initial=0.2, maximum=0.2, jitter=0, max_retries=3, deadline=None)
+    # the first contact gets 1 s (a loaded machine's first Info), the outage 4 attempts
+    # 0.5 s apart: 1.5 s, past what connect_timeout would allow
+    patient = Backoff(initial=0.5, maximum=0.5, jitter=0, max_retries=3, deadline=None)
     with running_feeder(feeder_root) as f:
-        c = FeederClient(f.address, backoff=patient, connect_timeout=0.1, **KW)
+        c = FeederClient(f.address, backoff=patient, connect_timeout=1.0, **KW)
         assert len(c) > 0  # the feeder answered: from now on failures are outages
     with c, pytest.raises(FeederUnavailable, match="gave up after 4 attempts") as info:
-        next(iter(c))  # the feeder is gone: 4 attempts 0.2 s apart, not 0.1 s
+        next(iter(c))  # the feeder is gone: 4 attempts 0.5 s apart, not within 1 s
     assert "connect_timeout" not in str(info.value)
     warnings = _warnings(caplog)
     assert len(warnings) == 4
