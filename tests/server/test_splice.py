@@ -185,9 +185,12 @@ def test_splice_files_without_waiting_stops_at_a_cut_file(loops, tmp_path) -> No
 
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="Linux's RWF_NOWAIT")
 def test_splice_files_without_waiting_is_none_where_the_disk_would_be_read(loops, tmp_path) -> None:
-    """`nowait` on bytes the page cache dropped: None where the kernel says a read
-    would wait, the bytes where it does not (a file system that keeps every file in
-    memory); the same as a read with RWF_NOWAIT of the file itself."""
+    """`nowait` on bytes the page cache dropped: None where the read would wait, the
+    bytes where the kernel has them (a file system that keeps every file in memory, or
+    a miss it served at once), never other bytes; a read that may wait gets them.
+    Which of the two the kernel answers is its own timing (a RWF_NOWAIT miss starts a
+    read that a fast device may finish within the call): a probe of another page does
+    not predict it. None for certain: a cut file (the test above)."""
     data = os.urandom(1 << 20)
     (tmp_path / "c").write_bytes(data)
     fd = os.open(tmp_path / "c", os.O_RDONLY)
@@ -195,15 +198,10 @@ def test_splice_files_without_waiting_is_none_where_the_disk_would_be_read(loops
         os.fsync(fd)  # clean pages, which DONTNEED drops
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a miss loads its own pages only
-        try:  # the kernel's answer, far from the bytes spliced (a miss may load its pages)
-            os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
-            cached = True
-        except BlockingIOError:
-            cached = False
         parts = [(np.array([(5, 1 << 19, 4096)], dtype=np.int64), b"")]
         args = [np.asarray(a, dtype=np.int64) for a in ([5], [fd], [0], [len(data)])]
         got = splice.splice_files(parts, *args, True)
-        assert got == (data[1 << 19 : (1 << 19) + 4096] if cached else None)
+        assert got in (None, data[1 << 19 : (1 << 19) + 4096])
         assert splice.splice_files(parts, *args) == data[1 << 19 : (1 << 19) + 4096]
         assert splice.splice_files(parts, *args, True) == data[1 << 19 : (1 << 19) + 4096]
     finally:
