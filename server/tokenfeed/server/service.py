@@ -45,7 +45,7 @@ from tokenfeed.server.access import Access
 from tokenfeed.server.assembly import Message, MessageBuilder, fit_client_limit
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
-from tokenfeed.server.inplace import FilePool
+from tokenfeed.server.inplace import KEEP_SECONDS, FilePool
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.opened import Opened, OpenedMixtures
 from tokenfeed.server.shares import FairShares
@@ -171,7 +171,9 @@ class FeederService:
         self.access = Access(catalog, tenants)  # who a call is, what it may read
         self.shares = shares if shares is not None else FairShares(SHARE_SLOTS)
         self.streams = OpenStreams()  # the calls in progress (status page, audit)
-        self.files = FilePool()  # the chunk files streams read in place, shared
+        # the chunk files streams read in place, shared, kept a while after the last
+        self.files = FilePool(KEEP_SECONDS)
+        self._expiry: asyncio.TimerHandle | None = None  # when the kept ones may close
         self.mixtures = OpenedMixtures(catalog, self.access, mixture_sampler_for)
         self.source_counters: dict[str, Any] = {}  # a source's two counters, by its name
 
@@ -566,8 +568,18 @@ class FeederService:
             if written:  # the stream ended mid-burst: what went on the wire still counts
                 count(burst[:written])
             pipe.close()
+            if pipe.files is not None and self._expiry is None:
+                self._expiry = loop.call_later(self.files.keep_seconds, self._expire_files)
             if by_source is not None:
                 by_source.flush()  # what was written and not yet counted
+
+    def _expire_files(self) -> None:
+        """Close the chunk files kept for no stream once their time is up; if streams
+        read in place meanwhile, the last of them to end asks again."""
+        left = self.files.expire()
+        self._expiry = None
+        if left is not None:
+            self._expiry = asyncio.get_running_loop().call_later(left, self._expire_files)
 
     # -------------------------------------------------------- reloads, status
 
