@@ -247,9 +247,7 @@ class FeederService:
 
     # ------------------------------------------------------------------ Info
 
-    async def Info(
-        self, request: Received | _Undecodable, context: grpc.aio.ServicerContext
-    ) -> pb.InfoResponse | None:
+    async def Info(self, request: Any, context: grpc.aio.ServicerContext) -> pb.InfoResponse | None:
         loop = asyncio.get_running_loop()
         try:
             job = self.access.job(context.invocation_metadata())
@@ -341,16 +339,14 @@ class FeederService:
     # --------------------------------------------------------- StreamBatches
 
     def _prepare_stream(
-        self, request: Received | _Undecodable, entry: StreamEntry
+        self, request: Any, entry: StreamEntry
     ) -> tuple[MessageBuilder, bytes | None]:
         """The stream's message builder, and what the first response tells the client
         beside its batches (`describe`, `message_bytes`), if it asked."""
         with self.catalog.names_once():  # the grant's check and the opening share lookups
             return self._prepare(request, entry)
 
-    def _prepare(
-        self, received: Received | _Undecodable, entry: StreamEntry
-    ) -> tuple[MessageBuilder, bytes | None]:
+    def _prepare(self, received: Any, entry: StreamEntry) -> tuple[MessageBuilder, bytes | None]:
         received = self._decoded(received)
         request = received.message
         spec = SamplingSpec.from_proto(request.params, wire=received.params)
@@ -436,8 +432,7 @@ class FeederService:
         if request.describe or request.message_bytes:  # what the client did not know
             header = pb.StreamBatchesResponse(batches_per_message=per_message)
             if request.describe and opened is not None:
-                info = self._mixture_info(spec, opened, request.rank, "", 0)
-                header.info.CopyFrom(info)
+                header.info.CopyFrom(self._mixture_info(spec, opened, request.rank, "", 0))
             elif request.describe:  # what Info says, the access checked above
                 self._dataset_info(header.info, ds, spec, request.rank)
         return pipe, None if header is None else header.SerializeToString()
@@ -453,9 +448,7 @@ class FeederService:
             )
         self.streams.check_limit(entry)
 
-    async def StreamBatches(
-        self, request: Received | _Undecodable, context: grpc.aio.ServicerContext
-    ) -> None:
+    async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         entry = StreamEntry.of(
             None if isinstance(request, _Undecodable) else request.message, context.peer()
         )
@@ -484,10 +477,7 @@ class FeederService:
             self.streams.remove(entry)
 
     async def _stream(
-        self,
-        request: Received | _Undecodable,
-        context: grpc.aio.ServicerContext,
-        entry: StreamEntry,
+        self, request: Any, context: grpc.aio.ServicerContext, entry: StreamEntry
     ) -> None:
         loop = asyncio.get_running_loop()
         with self.starts.preparing_one():
