@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from itertools import islice
 from pathlib import Path
 
 import grpc
@@ -132,15 +133,12 @@ def _write(root: Path, names: list[str]) -> list[int]:
 
 
 def _raw_stream(channel: grpc.Channel, data: bytes, batches: int) -> list[pb.Batch]:
-    """The first `batches` batches of a stream whose request is the bytes `data`."""
+    """The first `batches` batches of a stream whose request is the bytes `data` (a
+    message holds one batch at least)."""
     call = channel.unary_stream(STREAM, response_deserializer=pb.StreamBatchesResponse.FromString)
-    got: list[pb.Batch] = []
-    it = call(data)
-    for message in it:
-        got += message.batches
-        if len(got) >= batches:
-            it.cancel()
-            break
+    responses = call(data)
+    got = [b for message in islice(responses, batches) for b in message.batches]
+    responses.cancel()
     return got[:batches]
 
 
