@@ -79,7 +79,7 @@ def test_field_bytes_are_the_params_as_sent_in_any_field_order(drawn, twice: boo
         message.step = step
         message.describe = bool(step % 2)
     else:
-        message.budget_tokens = abs(step)
+        message.budget_tokens = step % 2**63
         message.dataset = "a/b"
     if sources or seed:
         message.params.CopyFrom(_mixture([f"s{i}" for i in range(sources)], segments, seed))
