@@ -14,6 +14,9 @@ the only source of the wire format.
 The per-batch loop, a mixture's `sources` included, runs in C (_native.c's `frames`,
 given the tags) where the extension is built; `frames_py` is its reference, run when
 the compiled loops are off (tokenfeed.core.native).
+
+The other way, `field_bytes` finds a request's params as the bytes the client sent
+(what a large mixture's spec is remembered by).
 """
 
 from __future__ import annotations
