@@ -16,7 +16,7 @@ import pytest
 
 from tokenfeed.client import FeederClient
 from tokenfeed.core.limits import packed_batches
-from tokenfeed.server.service import FeederService
+from tokenfeed.server.service import FeederService, Received
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
 
@@ -45,9 +45,9 @@ def predating(monkeypatch: pytest.MonkeyPatch) -> None:
     real = FeederService._prepare_stream
 
     def old(self, request, entry):  # type: ignore[no-untyped-def]
-        if isinstance(request, pb.StreamBatchesRequest):
-            request.ClearField("describe")
-            request.ClearField("message_bytes")
+        if isinstance(request, Received):
+            request.message.ClearField("describe")
+            request.message.ClearField("message_bytes")
         return real(self, request, entry)
 
     monkeypatch.setattr(FeederService, "_prepare_stream", old)

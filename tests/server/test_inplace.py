@@ -6,21 +6,28 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from itertools import islice
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.core.errors import DataLoss
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.server import assembly, inplace
+from tokenfeed.server import assembly, inplace, service
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.mixtures import MixtureSpace
 from tokenfeed.server.service import mixture_sampler_for, sampler_for
+from tokenfeed.v1 import feeder_pb2 as pb
+from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
+from support import wait_until
+from support.feeders import running_feeder
 from support.stores import make_positional_store
 
 
@@ -188,7 +195,10 @@ def _open_counter(tmp_path: Path, n: int) -> tuple[list[Path], Callable[[list[Pa
         path = tmp_path / f"f{i}"
         path.write_bytes(bytes([i]) * 10)
         paths.append(path)
-    return paths, lambda keys: lambda i: (os.open(paths[keys[i]], os.O_RDONLY), 0, 10)
+    return (
+        paths,
+        lambda keys: lambda i: (os.open(paths[keys[i]], os.O_RDONLY), 0, 10, str(paths[keys[i]])),
+    )
 
 
 def test_the_pool_keeps_its_bound_and_closes_least_recently_taken_first(
@@ -313,3 +323,139 @@ def test_a_pooled_file_cut_is_data_loss_naming_it_for_the_next_stream(tmp_path: 
         first.close()
         second.close()
         cache.close()
+
+
+def test_the_last_stream_leaves_pool_files_open_for_keep_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With keep_seconds, the last stream's end keeps POOL_FILES files: a stream within
+    that time takes them without opening any (each checked to be the same file first,
+    so never on the event loop's try), and once it has passed they are closed."""
+    monkeypatch.setattr(inplace, "POOL_FILES", 4)
+    monkeypatch.setattr(inplace, "KEEP_FILES", 3)
+    _, opener = _open_counter(tmp_path, 8)
+    opens: list[int] = []
+
+    def counted(keys: list[int]) -> Callable[[int], tuple[int, int, int, str]]:
+        def open_file(i: int) -> tuple[int, int, int, str]:
+            opens.append(keys[i])
+            return opener(keys)(i)  # type: ignore[operator,no-any-return]
+
+        return open_file
+
+    now = [0.0]
+    before = _fds()
+    pool = inplace.FilePool(keep_seconds=30, clock=lambda: now[0])
+    assert pool.expire() is None
+    pool.attach()
+    pool.attach()
+    pool.open(list(range(6)), counted(list(range(6))))
+    assert len(pool) == 6
+    pool.detach()
+    assert len(pool) == 4  # the floor for one stream
+    pool.detach()
+    assert len(pool) == 4  # the floor still, kept for no stream
+    now[0] = 10.0
+    assert pool.expire() == 20.0
+    assert len(pool) == 4
+    pool.attach()
+    assert pool.take([4, 5], None) is None  # kept for no stream: checked off the loop only
+    opens.clear()
+    table = pool.take([4, 5], counted([4, 5]))
+    assert table is not None
+    assert opens == []
+    assert [os.pread(int(fd), 1, 0) for fd in table[:, 0]] == [b"\x04", b"\x05"]
+    assert pool.take([4, 5], None) is not None  # checked while a stream reads: as it is
+    pool.give_back([4, 5])
+    pool.give_back([4, 5])
+    pool.detach()
+    assert pool.expire() == 30.0  # the time starts again at the last stream's end
+    now[0] = 40.0
+    assert pool.expire() is None
+    assert len(pool) == 0
+    assert _fds() == before
+
+
+def _replace(path: Path, data: bytes) -> None:
+    new = path.with_name(path.name + ".new")
+    new.write_bytes(data)
+    os.replace(new, path)
+
+
+@pytest.mark.parametrize("change", ["replaced", "cut", "removed"])
+def test_a_file_changed_while_kept_for_no_stream_is_what_an_open_finds(
+    tmp_path: Path, change: str
+) -> None:
+    """A chunk file replaced, cut or removed while the feeder's pool keeps it open for
+    no stream: the next stream reads the new file (the rows a fresh pool reads), or
+    ends with DATA_LOSS naming the chunk, as if the pool had closed it."""
+    store = make_positional_store(tmp_path / "s", 20_000, 20_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(dataset="s", seq_len=90, batch_size=2, world_size=16, split_rate=1.0)
+    sampler = sampler_for(spec, ds)
+    before = _fds()
+    pool = inplace.FilePool(keep_seconds=30)
+    cache = ChunkCache(1 << 22)
+
+    def stream() -> list[bytes]:
+        metrics = ServerMetrics(CollectorRegistry())
+        pipe = MessageBuilder(ds, sampler, sampler.rounds(0, 0), 1, cache, metrics, files=pool)
+        try:
+            return drive(pipe, 20)[0]
+        finally:
+            pipe.close()
+
+    try:
+        first = stream()
+        assert len(pool) == 1  # chunk 0's file, kept for no stream
+        path = store.chunk_path(0)
+        if change == "replaced":  # the same size, other tokens
+            tokens = np.frombuffer(path.read_bytes(), "<u2") + 7
+            _replace(path, tokens.astype("<u2").tobytes())
+            second = stream()
+            assert second != first
+            assert second == build(ds, sampler, limit=20)[0]  # what opening it reads
+        else:
+            if change == "cut":
+                os.truncate(path, 1_000)
+            else:
+                path.unlink()
+            with pytest.raises(DataLoss, match=r"chunk(_000000\.bin| 0)"):
+                stream()
+    finally:
+        pool.close()
+        cache.close()
+    assert _fds() == before
+
+
+def test_a_feeder_keeps_a_mixtures_files_between_streams_then_closes_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a real feeder: a mixture of 20 sources read in place leaves its files open
+    when its stream ends; the next stream (another rank) reads them, opening none; the
+    feeder closes them once no stream has read in place for KEEP_SECONDS."""
+    monkeypatch.setattr(service, "KEEP_SECONDS", 0.5)
+    names = [f"s{i}" for i in range(20)]
+    for name in names:
+        make_positional_store(tmp_path / name, 3_000, 1_000, dtype="uint16")
+    params = pb.SamplingParams(dataset="", seq_len=16, stride=16, batch_size=4, world_size=2)
+    for name in names:
+        params.sources.add(name=name, weight=1.0)
+    with running_feeder(tmp_path) as f, grpc.insecure_channel(f.address) as channel:
+        stub = pb_grpc.FeederStub(channel)
+        pool = f.server.service.files
+        before = _fds()
+
+        def stream(rank: int) -> int:
+            request = pb.StreamBatchesRequest(params=params, rank=rank)
+            return sum(len(m.batches) for m in islice(stub.StreamBatches(request), 30))
+
+        assert stream(0) == 30
+        wait_until(lambda: f.server.service.active_streams == 0, 10, "the stream's end")
+        kept = len(pool)
+        assert kept >= 20  # a file of each source at least
+        assert len(_fds() - before) >= kept
+        rows = dict(pool._files)  # a file closed and opened again would be a new row
+        assert stream(1) == 30
+        assert all(pool._files.get(key) is row for key, row in rows.items())
+        wait_until(lambda: len(pool) == 0, 10, "the kept files closed")

@@ -139,7 +139,10 @@ def test_a_thousand_vanishing_clients_leak_nothing(big_root: Path) -> None:
                 f"no active stream, the {idle_tasks} tasks of an idle server, a quiet proxy",
             )
             gc.collect()
-            return threading.active_count(), _fds(), active()
+            # the chunk files the feeder keeps open for the streams that follow
+            # (inplace.KEEP_SECONDS) are not a leak: bounded, and closed in time
+            kept = len(f.server.service.files)
+            return threading.active_count(), _fds() - kept, active()
 
         vanish(proxy, 100)  # warm up: the thread pool, caches and grpc internals reach steady state
         threads0, fds0, active0 = settled()

@@ -289,6 +289,7 @@ class FeederServer:
             self._http.server_close()
             self._http = None
         self.executor.shutdown(wait=True, cancel_futures=True)
+        self.service.files.close()
         self.cache.close()
 
     async def wait_for_termination(self) -> None:

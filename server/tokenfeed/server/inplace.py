@@ -17,8 +17,9 @@ the threshold is on W x k, the shares each chunk's windows go to.
 
 The feeder's streams share its open chunk files (`FilePool`): a shuffle group's chunks
 serve a stream's next bursts and the other ranks of its job, a mixture's sources serve
-every batch. Each file is advised random access, so a row missing from the page cache
-reads its own pages, not the kernel's 128 KiB read-ahead.
+every batch, and the streams that follow the last one for a while (KEEP_SECONDS). Each
+file is advised random access, so a row missing from the page cache reads its own pages,
+not the kernel's 128 KiB read-ahead.
 
 Where a burst is read: a burst whose files are all open is tried on the event loop,
 its reads taking only what the page cache holds (`kept`: RWF_NOWAIT, never waiting
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from itertools import islice
@@ -68,10 +70,18 @@ IN_PLACE_WORLD_SIZE = 16
 # in place, so that one stream of a mixture of 1,000 sources (a chunk file each, or
 # more) finds its sources' files open instead of opening 8 files per batch. Beyond
 # that, the files bursts are reading (tens at most per burst, while a worker thread
-# builds it); none once no stream reads in place (docs/serving.md, "Limits").
+# builds it) (docs/serving.md, "Limits").
 KEEP_FILES = 8
 POOL_FILES = 1024
 FILES_PER_STREAM = 1 + KEEP_FILES  # its connection, and its share of the pool
+# After the last stream reading in place ends, the feeder's pool keeps up to POOL_FILES
+# files (what it may hold while one stream reads) this long: a job's ranks reconnect,
+# resume, fail over and open a stream per epoch, and a mixture of 1,000 sources would
+# open its 1,000 files again each time. A file kept through such a time is checked
+# before it is read again (`_same`), so one replaced or cut meanwhile is opened anew.
+KEEP_SECONDS = 30.0
+
+Opened = tuple[int, int, int, str]  # an opened chunk file: fd, base, size, path
 
 
 class FilePool:
@@ -80,48 +90,93 @@ class FilePool:
 
     A file is held (`take`) while a burst reads it and closed only when no burst holds
     it: least recently taken first, once the pool holds more than its capacity
-    (KEEP_FILES per attached stream, at least POOL_FILES; none without a stream).
-    Files are opened outside the lock (a cold disk would hold every stream up).
+    (KEEP_FILES per attached stream, at least POOL_FILES; POOL_FILES for `keep_seconds`
+    after the last stream ends, then none). Files are opened outside the lock (a cold
+    disk would hold every stream up).
+
+    A file that stayed in the pool while no stream was attached is not read again
+    before its path is found to be the same file of the same size (`_same`): a file
+    replaced or cut meanwhile is closed and opened anew, its DataLoss raised as at any
+    open. Files kept while streams read are used as they are (a file cut under them is
+    found by the read that comes back short).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic):
+        self.keep_seconds = keep_seconds
+        self._clock = clock
         self._lock = threading.Lock()
-        # key -> [fd, base, size, holds], least recently taken first
-        self._files: OrderedDict[Any, list[int]] = OrderedDict()
+        # key -> [fd, base, size, holds, mark, path, device, inode, file size], least
+        # recently taken first; mark: the idle time it was last known good before
+        # (`_idles`), -1 if only while no stream was attached
+        self._files: OrderedDict[Any, list[Any]] = OrderedDict()
         self._streams = 0
+        self._idles = 0  # times the last stream ended
+        self._idle_since: float | None = None  # while the pool keeps files for none
 
     def __len__(self) -> int:
         return len(self._files)
 
     @property
     def capacity(self) -> int:
-        return max(KEEP_FILES * self._streams, POOL_FILES) if self._streams else 0
+        if self._streams:
+            return max(KEEP_FILES * self._streams, POOL_FILES)
+        return POOL_FILES if self._idle_since is not None else 0
 
     def attach(self) -> None:
         """A stream reads in place: the pool may keep KEEP_FILES more files."""
         with self._lock:
             self._streams += 1
+            self._idle_since = None
 
     def detach(self) -> None:
-        """A stream ended: the files beyond the pool's capacity now are closed."""
+        """A stream ended: the files beyond the pool's capacity now are closed (with
+        `keep_seconds`, the last stream's end keeps POOL_FILES until `expire`)."""
         with self._lock:
             self._streams -= 1
+            if not self._streams:
+                self._idles += 1
+                self._idle_since = self._clock() if self.keep_seconds > 0 else None
             self._trim()
 
-    def take(
-        self, keys: list[Any], open_file: Callable[[int], tuple[int, int, int]] | None
-    ) -> np.ndarray | None:
+    def expire(self) -> float | None:
+        """Close the files kept for no stream once `keep_seconds` have passed since the
+        last one ended; the seconds left if not yet, None if nothing is waiting."""
+        with self._lock:
+            if self._idle_since is None:
+                return None
+            left = self._idle_since + self.keep_seconds - self._clock()
+            if left > 0:
+                return left
+            self._idle_since = None
+            self._trim()
+        return None
+
+    def close(self) -> None:
+        """The feeder stops: close every file no burst holds (those when given back)."""
+        with self._lock:
+            self._idle_since = None
+            self._trim()
+
+    def take(self, keys: list[Any], open_file: Callable[[int], Opened] | None) -> np.ndarray | None:
         """(fd, base, size) of each key's file, held until `give_back(keys)`; a file not
         open is opened by `open_file(i)` (keys[i]'s; its DataLoss raised, nothing held),
-        or without `open_file`, None (nothing held)."""
-        rows: list[list[int]] = []
+        or without `open_file`, None (nothing held). A file kept while no stream was
+        attached is checked first (`_same`), so only where `open_file` is given."""
+        rows: list[list[Any]] = []
         try:
             for i, key in enumerate(keys):
                 with self._lock:
                     row = self._files.get(key)
-                    if row is not None:
+                    if row is not None and (row[3] or row[4] == self._idles):
                         row[3] += 1
                         self._files.move_to_end(key)
+                        kept = None
+                    else:
+                        kept, row = row, None
+                if kept is not None:
+                    if open_file is None:
+                        break
+                    row = self._checked(key, kept)
                 if row is None:
                     if open_file is None:
                         break
@@ -135,13 +190,16 @@ class FilePool:
             return None
         return np.array([r[:3] for r in rows], dtype=np.int64).reshape(-1, 3)
 
-    def open(self, keys: list[Any], open_file: Callable[[int], tuple[int, int, int]]) -> None:
+    def open(self, keys: list[Any], open_file: Callable[[int], Opened]) -> None:
         """Open the files of `keys` not open yet, held by no burst (read-ahead of opens);
         stops quietly at one that fails (the burst that needs it says why)."""
         for i, key in enumerate(keys):
             with self._lock:
-                if key in self._files:
+                row = self._files.get(key)
+                if row is not None and (row[3] or row[4] == self._idles):
                     continue
+            if row is not None and self._checked(key, row, hold=0) is not None:
+                continue
             try:
                 opened = open_file(i)
             except (DataLoss, OSError):
@@ -150,16 +208,52 @@ class FilePool:
         with self._lock:
             self._trim()
 
-    def _add(self, key: Any, opened: tuple[int, int, int], holds: int) -> list[int]:
+    def _mark(self) -> int:
+        return self._idles if self._streams else -1
+
+    def _add(self, key: Any, opened: Opened, holds: int) -> list[Any]:
+        try:
+            st = os.fstat(opened[0])
+        except BaseException:
+            os.close(opened[0])
+            raise
         with self._lock:
             row = self._files.get(key)
             if row is None:
-                row = self._files[key] = [*opened, holds]
+                row = [
+                    *opened[:3],
+                    holds,
+                    self._mark(),
+                    opened[3],
+                    st.st_dev,
+                    st.st_ino,
+                    st.st_size,
+                ]
+                self._files[key] = row
                 return row
             row[3] += holds
             self._files.move_to_end(key)
         os.close(opened[0])  # opened meanwhile by another stream
         return row
+
+    def _checked(self, key: Any, row: list[Any], hold: int = 1) -> list[Any] | None:
+        """`row`, kept while no stream was attached, held `hold` more times if its path
+        is still the same file of the same size; else None, and closed unless held (the
+        caller opens the path anew, as if it had never been kept)."""
+        same = _same(row[5], row[6:9])
+        with self._lock:
+            if self._files.get(key) is not row:
+                return None  # closed or replaced meanwhile: open it anew
+            if same:
+                row[3] += hold
+                if row[4] != self._idles:
+                    row[4] = self._mark()
+                self._files.move_to_end(key)
+                return row
+            if not row[3]:
+                del self._files[key]
+                os.close(row[0])
+        return None
 
     def give_back(self, keys: list[Any]) -> None:
         with self._lock:
@@ -176,6 +270,15 @@ class FilePool:
         idle = list(islice((k for k, row in self._files.items() if not row[3]), over))
         for key in idle:
             os.close(self._files.pop(key)[0])
+
+
+def _same(path: str, kept: list[Any]) -> bool:
+    """Whether `path` is still the file kept open, (device, inode, size)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return [st.st_dev, st.st_ino, st.st_size] == kept
 
 
 class ChunkFiles:
@@ -221,8 +324,8 @@ class ChunkFiles:
         assert table is not None
         return InPlace(self, keys, np.asarray(chunks, dtype=np.int64), table)
 
-    def _open(self, chunk: int) -> tuple[int, int, int]:
-        """Chunk `chunk`'s file opened and checked: (fd, base, size)."""
+    def _open(self, chunk: int) -> Opened:
+        """Chunk `chunk`'s file opened and checked: (fd, base, size, path)."""
         path, base = self.store.chunk_file(chunk)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -237,7 +340,7 @@ class ChunkFiles:
         except BaseException:
             os.close(fd)
             raise
-        return fd, base, self.store.chunk_nbytes(chunk)
+        return fd, base, self.store.chunk_nbytes(chunk), str(path)
 
     def close(self) -> None:
         """The stream ended (once; the files stay in the pool, within its capacity)."""

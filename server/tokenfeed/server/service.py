@@ -40,14 +40,14 @@ from tokenfeed.core.errors import (
 from tokenfeed.core.limits import MAX_PARAM, packed_batches
 from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.core.request import SPLITS, SamplingSpec
-from tokenfeed.server import documents
+from tokenfeed.server import documents, wire
 from tokenfeed.server.access import Access
 from tokenfeed.server.assembly import Message, MessageBuilder, fit_client_limit
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
-from tokenfeed.server.inplace import FilePool
+from tokenfeed.server.inplace import KEEP_SECONDS, FilePool
 from tokenfeed.server.metrics import ServerMetrics
-from tokenfeed.server.opened import OpenedMixtures
+from tokenfeed.server.opened import Opened, OpenedMixtures
 from tokenfeed.server.shares import FairShares
 from tokenfeed.server.source_counters import SourceCounters
 from tokenfeed.server.starts import GIVES_WAY_AFTER, Starts
@@ -123,12 +123,24 @@ class _Undecodable:
     error: str
 
 
-def _safe_parse(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    def parse_or_mark(data: bytes) -> Any:
+@dataclass(frozen=True)
+class Received:
+    """A decoded request, and its params' bytes as the client sent them (what a large
+    mixture's spec is remembered by: SamplingSpec.from_proto), None if not sent once."""
+
+    message: Any
+    params: memoryview | None
+
+
+def _safe_parse(message_type: Any) -> Callable[[bytes], Received | _Undecodable]:
+    params = message_type.DESCRIPTOR.fields_by_name["params"].number
+
+    def parse_or_mark(data: bytes) -> Received | _Undecodable:
         try:
-            return parse(data)
+            message = message_type.FromString(data)
         except Exception as e:  # reported as INVALID_ARGUMENT
             return _Undecodable(f"{type(e).__name__}: {e}")
+        return Received(message, wire.field_bytes(data, params))
 
     return parse_or_mark
 
@@ -159,7 +171,9 @@ class FeederService:
         self.access = Access(catalog, tenants)  # who a call is, what it may read
         self.shares = shares if shares is not None else FairShares(SHARE_SLOTS)
         self.streams = OpenStreams()  # the calls in progress (status page, audit)
-        self.files = FilePool()  # the chunk files streams read in place, shared
+        # the chunk files streams read in place, shared, kept a while after the last
+        self.files = FilePool(KEEP_SECONDS)
+        self._expiry: asyncio.TimerHandle | None = None  # when the kept ones may close
         self.mixtures = OpenedMixtures(catalog, self.access, mixture_sampler_for)
         self.source_counters: dict[str, Any] = {}  # a source's two counters, by its name
 
@@ -171,12 +185,12 @@ class FeederService:
             {
                 "Info": grpc.unary_unary_rpc_method_handler(
                     self.Info,
-                    request_deserializer=_safe_parse(pb.InfoRequest.FromString),
+                    request_deserializer=_safe_parse(pb.InfoRequest),
                     response_serializer=pb.InfoResponse.SerializeToString,
                 ),
                 "StreamBatches": grpc.unary_stream_rpc_method_handler(
                     self.StreamBatches,
-                    request_deserializer=_safe_parse(pb.StreamBatchesRequest.FromString),
+                    request_deserializer=_safe_parse(pb.StreamBatchesRequest),
                     response_serializer=bytes,
                 ),
             },
@@ -224,7 +238,7 @@ class FeederService:
             await self._abort(context, "INTERNAL", f"internal error ({type(e).__name__})", entry)
 
     @staticmethod
-    def _decoded(request: Any) -> Any:
+    def _decoded(request: Received | _Undecodable) -> Received:
         if isinstance(request, _Undecodable):
             raise InvalidArgument(
                 f"the request could not be decoded (strings must be valid UTF-8): {request.error}"
@@ -243,11 +257,16 @@ class FeederService:
             context, loop.run_in_executor(self.executor, self._info, request, job)
         )
 
-    def _info(self, request: Any, job: Job) -> pb.InfoResponse:
-        request = self._decoded(request)
+    def _info(self, received: Received | _Undecodable, job: Job) -> pb.InfoResponse:
+        received = self._decoded(received)
+        request = received.message
         if request.HasField("params") and len(request.params.sources):
+            mix = SamplingSpec.from_proto(request.params, wire=received.params)
             with self.catalog.names_once():
-                return self._mixture_info(request, job)
+                opened = self.mixtures.open(mix, job)  # the grant, the sources, the dtypes
+                return self._mixture_info(
+                    mix, opened, request.rank, request.dataset, request.budget_tokens
+                )
         if request.dataset:
             self.access.real_names(job, request.dataset)
             found = [self.catalog.get(request.dataset)]
@@ -270,22 +289,22 @@ class FeederService:
             for split in SPLITS:
                 info.splits.append(self._split_info(spec.with_(split=split), ds, rank))
 
-    def _mixture_info(self, request: Any, job: Job) -> pb.InfoResponse:
+    def _mixture_info(
+        self, spec: SamplingSpec, opened: Opened, rank: int, dataset: str, budget_tokens: int
+    ) -> pb.InfoResponse:
         """Info of a mixture: each source's DatasetInfo (its splits for the params) and
         SourceInfo (train tokens and windows, and what `budget_tokens` draws)."""
-        spec = SamplingSpec.from_proto(request.params)
-        opened = self.mixtures.open(spec, job)  # the grant, the sources, the dtype check
-        if request.dataset and request.dataset not in spec.source_names:
+        if dataset and dataset not in spec.source_names:
             raise InvalidArgument(
-                f"dataset: {request.dataset!r} is not a source of the mixture in params",
+                f"dataset: {dataset!r} is not a source of the mixture in params",
                 field="dataset",
             )
-        if request.budget_tokens < 0:
+        if budget_tokens < 0:
             raise InvalidArgument(
-                f"budget_tokens must be >= 0, got {request.budget_tokens}", field="budget_tokens"
+                f"budget_tokens must be >= 0, got {budget_tokens}", field="budget_tokens"
             )
         sources, sampler = opened.space.sources, opened.sampler
-        budget = sampler.budget(request.budget_tokens)
+        budget = sampler.budget(budget_tokens)
         resp = pb.InfoResponse()
         # each source's splits under the params: one spec per split serves them all
         one = spec.with_(sources=(), schedule=(), runtime=b"", dataset=sources[0].name)
@@ -293,7 +312,7 @@ class FeederService:
         for ds, b, tokens in zip(sources, budget.sources, sampler.train_tokens, strict=True):
             info = _describe(resp, ds)
             for split_spec in splits:
-                info.splits.append(self._split_info(split_spec, ds, request.rank))
+                info.splits.append(self._split_info(split_spec, ds, rank))
             resp.sources.add(
                 name=ds.name,
                 tokens=tokens,
@@ -327,13 +346,15 @@ class FeederService:
         with self.catalog.names_once():  # the grant's check and the opening share lookups
             return self._prepare(request, entry)
 
-    def _prepare(self, request: Any, entry: StreamEntry) -> tuple[MessageBuilder, bytes | None]:
-        request = self._decoded(request)
-        spec = SamplingSpec.from_proto(request.params)
+    def _prepare(self, received: Any, entry: StreamEntry) -> tuple[MessageBuilder, bytes | None]:
+        received = self._decoded(received)
+        request = received.message
+        spec = SamplingSpec.from_proto(request.params, wire=received.params)
         assert entry.job is not None
         entry.world_size = spec.world_size
         ds: Dataset
         sampler: sampling.DatasetSampler | MixtureSampler
+        opened: Opened | None = None
         if spec.is_mixture:  # kept from an open of the same mixture where it can be
             opened = self.mixtures.open(spec, entry.job)
             entry.real, ds, sampler = opened.real, opened.space, opened.sampler
@@ -410,9 +431,8 @@ class FeederService:
         header = None
         if request.describe or request.message_bytes:  # what the client did not know
             header = pb.StreamBatchesResponse(batches_per_message=per_message)
-            if request.describe and isinstance(sampler, MixtureSampler):
-                about = pb.InfoRequest(params=request.params, rank=request.rank)
-                header.info.CopyFrom(self._mixture_info(about, entry.job))
+            if request.describe and opened is not None:
+                header.info.CopyFrom(self._mixture_info(spec, opened, request.rank, "", 0))
             elif request.describe:  # what Info says, the access checked above
                 self._dataset_info(header.info, ds, spec, request.rank)
         return pipe, None if header is None else header.SerializeToString()
@@ -430,7 +450,7 @@ class FeederService:
 
     async def StreamBatches(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         entry = StreamEntry.of(
-            None if isinstance(request, _Undecodable) else request, context.peer()
+            None if isinstance(request, _Undecodable) else request.message, context.peer()
         )
         try:
             entry.job = self.access.job(context.invocation_metadata())
@@ -538,8 +558,18 @@ class FeederService:
             if written:  # the stream ended mid-burst: what went on the wire still counts
                 count(burst[:written])
             pipe.close()
+            if pipe.files is not None and self._expiry is None:
+                self._expiry = loop.call_later(self.files.keep_seconds, self._expire_files)
             if by_source is not None:
                 by_source.flush()  # what was written and not yet counted
+
+    def _expire_files(self) -> None:
+        """Close the chunk files kept for no stream once their time is up; if streams
+        read in place meanwhile, the last of them to end asks again."""
+        left = self.files.expire()
+        self._expiry = None
+        if left is not None:
+            self._expiry = asyncio.get_running_loop().call_later(left, self._expire_files)
 
     # -------------------------------------------------------- reloads, status
 

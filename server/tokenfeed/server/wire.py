@@ -14,6 +14,9 @@ the only source of the wire format.
 The per-batch loop, a mixture's `sources` included, runs in C (_native.c's `frames`,
 given the tags) where the extension is built; `frames_py` is its reference, run when
 the compiled loops are off (tokenfeed.core.native).
+
+The other way, `field_bytes` finds a request's params as the bytes the client sent
+(what a large mixture's spec is remembered by).
 """
 
 from __future__ import annotations
@@ -201,3 +204,47 @@ def _packed(tag: bytes, values: list[int]) -> bytes:
     two's complement); nothing for no values (proto3 leaves out an empty field)."""
     packed = b"".join(varint(v & _MASK64) for v in values)
     return tag + varint(len(packed)) + packed if packed else b""
+
+
+def field_bytes(data: bytes, number: int) -> memoryview | None:
+    """The bytes of a message's length-delimited field `number` as they are in `data`
+    (a serialized message, top level only), or None if it is not there exactly once:
+    a field sent twice is merged by a parser, so its bytes alone do not say its value.
+    Used for a request's params, so that what identifies them is the bytes the client
+    sent, not a serialization of the parsed message (SamplingSpec.from_proto)."""
+    view, at, end, found = memoryview(data), 0, len(data), None
+    try:
+        while at < end:
+            key, at = _read_varint(data, at)
+            wire_type = key & 7
+            if wire_type == _VARINT:
+                _, at = _read_varint(data, at)
+            elif wire_type == 1:  # fixed64
+                at += 8
+            elif wire_type == 5:  # fixed32
+                at += 4
+            elif wire_type == _LEN:
+                size, at = _read_varint(data, at)
+                if key >> 3 == number:
+                    if found is not None:
+                        return None
+                    found = view[at : at + size]
+                at += size
+            else:  # groups: not in our messages
+                return None
+    except ValueError:
+        return None
+    return found if at == end else None
+
+
+def _read_varint(data: bytes, at: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise ValueError("a truncated or overlong varint")
+        b = data[at]
+        at += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, at
+        shift += 7
