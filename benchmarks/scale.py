@@ -66,6 +66,7 @@ from scale_parts import (
     threads_and_fds,
 )
 
+from tokenfeed.core.request import DEFAULT_SHUFFLE_BLOCKS
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
 
@@ -213,20 +214,38 @@ def mixture(tmp: Path, sources: int, segments: int, batches: int, repeats: int) 
 # ----------------------------------------------------------------------------- 4. world size
 
 
-def world_size(root: Path, batches: int, repeats: int, baseline_client: Path | None = None) -> None:
+# Each world size is measured over one shuffle group's batches at W = 1 (8 blocks of a
+# chunk's windows: 8,192 batches), so that each pays for reading its rows in proportion:
+# W = 1 loads a group's 8 chunks whole once for those 8,192 batches, W = 1,024 reads
+# each batch's rows. A window of a few hundred batches at W = 1 falls inside the chunks
+# its warm-up loaded and counts no read at all (benchmarks/README.md, "scale.py").
+GROUP_BATCHES = DEFAULT_SHUFFLE_BLOCKS * CHUNK // SEQ // B
+
+
+def world_size(
+    root: Path,
+    warm: int,
+    batches: int,
+    repeats: int,
+    rounds: int,
+    baseline_client: Path | None = None,
+) -> None:
+    """Item 4: `rounds` rounds of the three world sizes in turns, `batches` each after
+    `warm`; then the idle clients, `repeats` times."""
     print(f"4. the world size ({load()})", flush=True)
     with feeder(root) as proc:
 
         def case(w: int, r: int) -> float:
-            return feeder_cpu_per_batch(proc, params("ds", world=w), batches, r, rank=w // 2)
+            p = params("ds", world=w)
+            return feeder_cpu_per_batch(proc, p, batches, r, rank=w // 2, warm=warm)
 
-        cpu = interleaved({str(w): partial(case, w) for w in (1, 64, 1024)}, repeats)
+        cpu = interleaved({str(w): partial(case, w) for w in (1, 64, 1024)}, rounds)
         MEASURED["cpu_per_batch"] = cpu["1024"]
         spread = max(cpu.values()) / min(cpu.values())
         shown = ", ".join(f"W={w}: {v * 1e3:.3f} ms" for w, v in cpu.items())
         row(
             "4 world size",
-            "CPU/batch within 1.2x at W = 1, 64, 1024",
+            f"CPU/batch within 1.2x at W = 1, 64, 1024 ({batches:,} batches)",
             f"{shown} ({spread:.2f}x)",
             spread <= 1.2,
         )
@@ -508,7 +527,11 @@ def main() -> int:
         if 2 in items:
             megatron(tmp, 10**6 if q else 10**8, 100 if q else 400, repeats)
         if 4 in items:
-            world_size(tmp / "big", 100 if q else 400, repeats, args.baseline_client)
+            # --quick: an eighth of a group, whose W = 1 figure counts a load or none
+            group = GROUP_BATCHES // 8 if q else GROUP_BATCHES
+            world_size(
+                tmp / "big", 100 if q else 400, group, repeats, 1 if q else 3, args.baseline_client
+            )
         if 3 in items:
             mixture(tmp, 1_000, 100, 100 if q else 400, repeats)
         if items & {5, 6}:

@@ -246,16 +246,21 @@ def first_batch_seconds(address: str, p: pb.SamplingParams) -> float:
 
 
 def feeder_cpu_per_batch(
-    proc: FeederProcess, p: pb.SamplingParams, batches: int, epoch: int, rank: int = 0
+    proc: FeederProcess,
+    p: pb.SamplingParams,
+    batches: int,
+    epoch: int,
+    rank: int = 0,
+    warm: int | None = None,
 ) -> float:
-    """The feeder's CPU seconds per batch of `rank`'s stream in steady state: after
-    `batches` batches that load the chunks the next `batches` read (at W = 1 a
-    shuffle block's chunks serve thousands of batches)."""
-    warm = run(stream([proc.address], p, rank, batches, epoch=epoch))
+    """The feeder's CPU seconds per batch of `rank`'s stream over `batches` batches,
+    after `warm` batches (default `batches`) that load the chunks they start with."""
+    warm = batches if warm is None else warm
+    first = run(stream([proc.address], p, rank, warm, epoch=epoch))
     before = cpu_seconds(proc.proc.pid)
-    s = run(stream([proc.address], p, rank, batches, epoch=epoch, start=batches))
-    if s.failures or warm.failures:
-        raise RuntimeError(s.error or warm.error)
+    s = run(stream([proc.address], p, rank, batches, epoch=epoch, start=warm))
+    if s.failures or first.failures:
+        raise RuntimeError(s.error or first.error)
     return (cpu_seconds(proc.proc.pid) - before) / batches
 
 

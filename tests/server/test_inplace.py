@@ -27,7 +27,7 @@ from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 from support import wait_until
-from support.feeders import running_feeder
+from support.feeders import feeder_params, running_feeder
 from support.stores import make_positional_store
 
 
@@ -131,6 +131,55 @@ def test_a_stream_reading_in_place_grows_its_bursts_within_the_byte_bound(
     kept, whole = sizes(pipe())
     assert kept[:4] == [1, 4, 4, 4]
     assert whole == in_place
+
+
+def test_a_paced_stream_reading_in_place_goes_back_to_small_bursts(tmp_path: Path) -> None:
+    """A burst that waited to be written (`paced`): the next is BURST_MESSAGES, and the
+    bursts grow again from there while none waits."""
+    make_positional_store(tmp_path / "s", 400_000, 10_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(
+        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
+    )
+    sampler = sampler_for(spec, ds)
+    cache = ChunkCache(1 << 22)
+    metrics = ServerMetrics(CollectorRegistry())
+    pipe = MessageBuilder(ds, sampler, sampler.rounds(0, 5), 1, cache, metrics)
+    sizes: list[int] = []
+    try:
+        while len(sizes) < 8 and (burst := pipe.next_burst()):
+            sizes.append(len(burst))
+            if len(sizes) in (4, 5):  # the 4th and the 5th waited for their reader
+                pipe.paced()
+    finally:
+        pipe.close()
+        cache.close()
+    assert sizes == [1, 4, 8, 16, 4, 4, 8, 16]
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_the_feeder_keeps_the_bursts_of_a_stream_whose_writes_wait_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, waits: bool
+) -> None:
+    """On a feeder, a stream reading in place whose bursts take PACED_SECONDS or more to
+    write (its client reads slower than they come) sends bursts of BURST_MESSAGES; one
+    whose writes never take that long grows them. (PACED_SECONDS 0 stands for a client
+    whose every burst waits, a huge one for a client that never makes one wait.) The
+    feeder times each burst it builds: the count of its build-time histogram."""
+    make_positional_store(tmp_path / "s", 400_000, 10_000, dtype="uint16")
+    monkeypatch.setattr(service, "PACED_SECONDS", 0.0 if waits else 1e9)
+    p = feeder_params(
+        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
+    )
+    with running_feeder(tmp_path) as f, grpc.insecure_channel(f.address) as ch:
+        call = pb_grpc.FeederStub(ch).StreamBatches(pb.StreamBatchesRequest(params=p, rank=5))
+        batches = sum(len(m.batches) for m in call)  # the rank's whole epoch
+        bursts = f.registry.get_sample_value("tokenfeed_batch_build_seconds_count")
+    assert batches > 100
+    if waits:  # 1, then 4 at a time
+        assert bursts >= 1 + (batches - 1) / assembly.BURST_MESSAGES
+    else:  # 1, 4, 8, then 16 at a time
+        assert bursts < batches / 8
 
 
 def test_a_mixture_counts_by_source_only_the_bursts_it_built(tmp_path: Path) -> None:

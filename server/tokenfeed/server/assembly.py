@@ -48,7 +48,10 @@ BURST_BYTES = 1 << 20
 # Its bursts grow (BURST_MESSAGES, then doubling) to this many messages, within
 # BURST_BYTES: a rank of a job of 1,024 built its batches with about half the CPU
 # (benchmarks/README.md, "scale.py"). Its first bursts stay small, so that streams
-# starting together get their first batches as soon as before.
+# starting together get their first batches as soon as before. A stream whose client
+# reads slower than its bursts come (`paced`) does not grow them: a burst's messages
+# wait in memory until written, and for 1,024 paced streams bursts of 16 held 3-4
+# times the memory of bursts of 4.
 IN_PLACE_BURST_MESSAGES = 16
 
 # A stream reading in place opens the files of this many bursts ahead after a burst
@@ -285,6 +288,12 @@ class MessageBuilder:
                 closed = self._closed
             if closed and self.files is not None:
                 self.files.close()
+
+    def paced(self) -> None:
+        """The stream's last burst waited to be written (its client reads slower than
+        the bursts come): its next bursts are BURST_MESSAGES again, growing only once a
+        burst is written without waiting."""
+        self._burst = min(BURST_MESSAGES, self.burst_messages)
 
     def settle(self) -> None:
         """Make the read-ahead the first burst left for later (the next burst makes it

@@ -71,6 +71,9 @@ MAX_BATCHES_PER_MESSAGE = 1024  # docs/serving.md, "Limits"
 # Bursts being built and written at once, between which fair shares are kept
 # (shares.py); enough to keep the event loop busy while some wait for gRPC.
 SHARE_SLOTS = 4
+# A burst whose writes took this long in all waited for its client to read (a paced
+# consumer): the stream's bursts stop growing (MessageBuilder.paced).
+PACED_SECONDS = 0.1
 
 
 # ----------------------------------------------------------------- requests -> samplers
@@ -538,11 +541,14 @@ class FeederService:
                         return
                     if not small:  # double buffering: build the next burst while writing
                         building = loop.run_in_executor(self.executor, pipe.next_burst)
+                    began = loop.time()
                     for data, _, _, _ in burst:
                         if header is not None:  # one message: the fields merge (protobuf)
                             data, header = header + data, None
                         await context.write(data)  # waits for HTTP/2 flow control
                         written += 1
+                    if loop.time() - began >= PACED_SECONDS:
+                        pipe.paced()
                 finally:
                     if turn is not None:
                         shares.leave(turn, sum(g[3] for g in burst[:written]))
