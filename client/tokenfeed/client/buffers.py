@@ -50,6 +50,8 @@ def batch_array(batch: AnyBatch) -> np.ndarray:
             f"batch step {batch.step}: {len(data)} bytes for {batch.rows} x {batch.cols} "
             f"{batch.dtype} tokens"
         )
+    if isinstance(data, np.ndarray):  # a decoded batch's (responses.Batch): its bytes
+        return data.view(dtype).reshape(batch.rows, batch.cols)
     return np.frombuffer(data, dtype=dtype).reshape(batch.rows, batch.cols)
 
 

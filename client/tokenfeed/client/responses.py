@@ -35,9 +35,9 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
 class Batch(NamedTuple):
-    """One Batch of a response, with protobuf's names: `tokens` and `document_ends` are
-    views of the message's bytes, `starts` and `sources` int64 arrays (`sources` empty
-    for a single dataset)."""
+    """One Batch of a response, with protobuf's names: `tokens` (a uint8 array) and
+    `document_ends` are views of the message's bytes, `starts` and `sources` int64
+    arrays (`sources` empty for a single dataset)."""
 
     epoch: int
     step: int
@@ -46,7 +46,7 @@ class Batch(NamedTuple):
     rows: int
     cols: int  # seq_len + shift
     dtype: str  # of the tokens: the store's
-    tokens: memoryview  # rows x cols tokens, in the message's bytes
+    tokens: np.ndarray  # rows x cols tokens' bytes (uint8), in the message's bytes
     starts: np.ndarray
     sources: np.ndarray
     document_ends: memoryview  # little-endian uint32 flat indices, in the message's bytes
@@ -84,6 +84,7 @@ def decode(data: bytes) -> Response:
         return from_protobuf(data)
     rows, values, per_message, info_span = scanned
     view = memoryview(data)
+    octets = np.frombuffer(data, dtype=np.uint8)  # numpy views a slice of it fastest
     ints = np.frombuffer(values, dtype=np.int64)
     new = tuple.__new__  # Batch(...) through NamedTuple's __new__ costs twice as much
     batches = [
@@ -97,7 +98,7 @@ def decode(data: bytes) -> Response:
                 r,
                 c,
                 dt,
-                view[ta : ta + tl],
+                octets[ta : ta + tl],
                 ints[a:b],
                 ints[p:q] if q > p else _NO_INTS,
                 view[ea : ea + el] if el else _NO_BYTES,
@@ -124,7 +125,7 @@ def from_protobuf(data: bytes) -> Response:
             b.rows,
             b.cols,
             b.dtype,
-            memoryview(b.tokens),
+            np.frombuffer(b.tokens, dtype=np.uint8),
             np.array(b.starts, dtype=np.int64),
             np.array(b.sources, dtype=np.int64),
             memoryview(b.document_ends),
