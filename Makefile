@@ -14,7 +14,7 @@ GRPC_JS := tests/grpc_js/node_modules/.installed
 .PHONY: install demo test test-slow test-all protos lint deploy-check compose-check bench clean
 
 $(STAMP): pyproject.toml hatch_build.py server/tokenfeed/server/_native.c core/tokenfeed/core/_keyed.c \
-		core/tokenfeed/core/_documents.c
+		core/tokenfeed/core/_documents.c client/tokenfeed/client/_responses.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)

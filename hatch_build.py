@@ -1,11 +1,13 @@
-"""Build hook: compile the package's three C extensions, six loops in all.
+"""Build hook: compile the package's four C extensions, seven loops in all.
 
 * tokenfeed.server._native: the server's three loops over rows and batches: splice and
   program (splice.py), frames (wire.py);
 * tokenfeed.core._keyed: the sampling's two: the keyed bijection (keyed.permute) and a
   mixture step's rows (mixture/steps.py step_rows);
 * tokenfeed.core._documents: a batch's recorded document ends, searched in a store's
-  index in place (documents.indexed_ends).
+  index in place (documents.indexed_ends);
+* tokenfeed.client._responses: where a stream response's fields lie in its bytes
+  (responses.scan).
 
 Hatchling builds the package; this hook compiles each with setuptools' build_ext (the
 compiler and flags Python itself was built with) into the source tree, where both an
@@ -33,6 +35,7 @@ EXTENSIONS = {  # module -> its source
     "tokenfeed.server._native": Path("server/tokenfeed/server/_native.c"),
     "tokenfeed.core._keyed": Path("core/tokenfeed/core/_keyed.c"),
     "tokenfeed.core._documents": Path("core/tokenfeed/core/_documents.c"),
+    "tokenfeed.client._responses": Path("client/tokenfeed/client/_responses.c"),
 }
 
 

@@ -1,7 +1,7 @@
 """glibc's malloc, set once per process for a stream of ~1 MiB messages.
 
-A stream's messages (~1 MiB each) and protobuf's parse of them are allocated and freed
-by the reader's and gRPC's threads many times a second. With glibc's defaults the
+A stream's messages (~1 MiB each, joined by gRPC from its slices) are allocated and
+freed by the reader's and gRPC's threads many times a second. With glibc's defaults the
 memory freed at the top of a thread's heap goes back to the kernel (its trim
 threshold is twice an adaptive mmap threshold, a few MiB at most here) and the next
 message faults it back in, zeroed: ~5 page faults per batch, about half of the

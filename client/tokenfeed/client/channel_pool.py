@@ -26,24 +26,36 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tokenfeed.client import responses
 from tokenfeed.client.connection import Security
-from tokenfeed.v1 import feeder_pb2_grpc
+from tokenfeed.v1 import feeder_pb2, feeder_pb2_grpc
 
 Options = tuple[tuple[str, int | str], ...]
 Key = tuple[int, str, Options, Security]
 
 
+_STREAM_BATCHES = feeder_pb2.DESCRIPTOR.services_by_name["Feeder"].methods_by_name["StreamBatches"]
+
+
 @dataclass(eq=False)
 class SharedChannel:
-    """A pooled channel, its stub, and how many hold it."""
+    """A pooled channel, its stub, and how many hold it. `stream_batches` is the stub's
+    StreamBatches with the client's own response decoding (`responses.decode`)."""
 
     key: Key
     channel: grpc.Channel
     stub: feeder_pb2_grpc.FeederStub = field(init=False)
+    stream_batches: grpc.UnaryStreamMultiCallable = field(init=False)
     holders: int = 0
 
     def __post_init__(self) -> None:
         self.stub = feeder_pb2_grpc.FeederStub(self.channel)
+        self.stream_batches = self.channel.unary_stream(
+            f"/{_STREAM_BATCHES.containing_service.full_name}/{_STREAM_BATCHES.name}",
+            request_serializer=feeder_pb2.StreamBatchesRequest.SerializeToString,
+            response_deserializer=responses.decode,
+            _registered_method=True,
+        )
 
     @property
     def target(self) -> str:

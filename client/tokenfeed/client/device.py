@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenfeed.client.buffers import document_arrays, widened
+from tokenfeed.client.buffers import AnyBatch, document_arrays, widened
 from tokenfeed.client.pinned import PinnedStager
-from tokenfeed.v1 import feeder_pb2
 
 
 def resolve_device(
@@ -172,9 +171,7 @@ class HostStager:
         self.outputs, self.mask_labels = outputs, mask_labels
         self._to = None if device.type == "cpu" else device
 
-    def stage(
-        self, msg: feeder_pb2.Batch, arr: np.ndarray
-    ) -> tuple[Any, Any, dict[str, Any] | None, None]:
+    def stage(self, msg: AnyBatch, arr: np.ndarray) -> tuple[Any, Any, dict[str, Any] | None, None]:
         """(input_ids, labels, document outputs or None, None: nothing to wait for)."""
         docs = (
             document_arrays(msg, arr, self.seq_len, self.outputs, self.mask_labels, self.layout)

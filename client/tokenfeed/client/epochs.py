@@ -25,19 +25,17 @@ from functools import partial
 from time import perf_counter
 from typing import Any
 
-import numpy as np
-
-from tokenfeed.client.buffers import batch_array, batch_starts
+from tokenfeed.client.buffers import batch_array
 from tokenfeed.client.handoff import Handoff
 from tokenfeed.client.info import KnownInfo
 from tokenfeed.client.metrics import ClientMetrics
 from tokenfeed.client.options import MESSAGE_TARGET_BYTES, Options
 from tokenfeed.client.position import Position
+from tokenfeed.client.responses import Batch, Response
 from tokenfeed.client.stream import END, EpochSizes, Failure, StreamReader, StreamRequest
 from tokenfeed.client.transport import Channels
 from tokenfeed.core.limits import MAX_TOKENS
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.v1 import feeder_pb2
 
 # Lookahead opens the next epoch's stream this many steps before the epoch's last
 # batch reaches the loop, so its first batch (a new stream: the feeder plans the epoch
@@ -189,11 +187,11 @@ class Epochs:
         # buffer (<= ~1 MiB), so the reader takes a message at a time, not a batch.
         q = Handoff(max(self.prefetch, per_message or 1))
 
-        def learn(first: feeder_pb2.StreamBatchesResponse | None) -> EpochSizes:
+        def learn(first: Response | None) -> EpochSizes:
             """The epoch's sizes from the stream's first response (or, from a feeder
             that does not answer `describe`, an Info call)."""
             n = windows
-            if n is None and first is not None and first.HasField("info"):
+            if n is None and first is not None and first.info is not None:
                 n = self._info.told(first.info).windows
             elif n is None:
                 n = self._info.get().windows
@@ -228,7 +226,7 @@ class Epochs:
         return step + max(0, left - 1 - LOOKAHEAD_STEPS)
 
     def _stage(
-        self, num_windows: int, ahead_step: int, msgs: Sequence[feeder_pb2.Batch]
+        self, num_windows: int, ahead_step: int, msgs: Sequence[Batch]
     ) -> list[tuple[dict[str, Any], int, int, Any, bool]]:
         """Reader thread: a message's Batches -> what the loop takes from the queue, one
         item each: (the batch dict, the loop's offset and step after it, the device
@@ -254,10 +252,10 @@ class Epochs:
                 "epoch": msg.epoch,
                 "step": step,
                 "offset": msg.offset,
-                "starts": batch_starts(msg),
+                "starts": msg.starts,
             }
             if sources:
-                batch["sources"] = np.array(msg.sources, dtype=np.int64)
+                batch["sources"] = msg.sources
             if docs is not None:
                 batch.update(docs)
             offset = min(batch["offset"] + global_batch, num_windows)

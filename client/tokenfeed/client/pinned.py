@@ -37,9 +37,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tokenfeed.client.buffers import HostRing, Slot, batch_sequences
+from tokenfeed.client.buffers import AnyBatch, HostRing, Slot, batch_sequences
 from tokenfeed.core import documents
-from tokenfeed.v1 import feeder_pb2
 
 # Slots at most: two readers (an epoch's and the next one's opened ahead), each filling
 # one while the copy out of its previous one finishes. A copy takes microseconds, so
@@ -110,7 +109,7 @@ class PinnedStager:
 
     # ------------------------------------------------------------ reader thread
     def stage(
-        self, msg: feeder_pb2.Batch, arr: np.ndarray
+        self, msg: AnyBatch, arr: np.ndarray
     ) -> tuple[Any, Any, dict[str, Any] | None, tuple[list[Any], Any]]:
         """(input_ids, labels, document outputs or None, what the loop waits for)."""
         if not getattr(self._entered, "done", False):

@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 
 from tokenfeed.client.handoff import Handoff
+from tokenfeed.client.responses import Batch, Response
 from tokenfeed.client.transport import (
     MAX_RECEIVE_BYTES,
     Channels,
@@ -189,7 +190,7 @@ class EpochSizes:
 
     num_windows: int  # of the epoch order: the offset never passes it
     remaining: Callable[[int], int]  # steps this rank still has from an offset
-    stage: Callable[[Sequence[feeder_pb2.Batch]], list[Any]]  # a message's Batches -> items
+    stage: Callable[[Sequence[Batch]], list[Any]]  # a message's batches -> items
 
 
 class StreamReader(threading.Thread):
@@ -208,7 +209,7 @@ class StreamReader(threading.Thread):
         step: int,
         out: Handoff,
         sizes: EpochSizes | None,
-        learn: Callable[[feeder_pb2.StreamBatchesResponse | None], EpochSizes],
+        learn: Callable[[Response | None], EpochSizes],
         on_reconnect: Callable[[str], None],
     ) -> None:
         super().__init__(name=f"tokenfeed-reader-rank{request.rank}", daemon=True)
@@ -260,7 +261,7 @@ class StreamReader(threading.Thread):
     def _invoke(self) -> Any:
         """The stream's call from the reader's position."""
         req = self.request
-        return self.channels.stub().StreamBatches(
+        return self.channels.stream_batches()(
             feeder_pb2.StreamBatchesRequest(
                 params=req.params,
                 epoch=req.epoch,

@@ -275,6 +275,14 @@ class Channels:
 
     def stub(self) -> feeder_pb2_grpc.FeederStub:
         """The stub of the current endpoint's channel, acquiring it if needed."""
+        return self._acquired().stub
+
+    def stream_batches(self) -> grpc.UnaryStreamMultiCallable:
+        """StreamBatches on the current endpoint's channel, its responses decoded by
+        `responses.decode` (acquiring the channel if needed)."""
+        return self._acquired().stream_batches
+
+    def _acquired(self) -> SharedChannel:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the client is closed")
@@ -284,7 +292,7 @@ class Channels:
                 ep = self._endpoint()
                 opts = tuple(channel_options(self.connection.timeouts, ep, self.security))
                 self._shared = POOL.acquire(ep.target, opts, self.security)
-            return self._shared.stub
+            return self._shared
 
     def _resolve(self) -> None:
         """(Re)resolve every address; names are looked up again each round, so

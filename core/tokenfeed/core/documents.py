@@ -236,7 +236,7 @@ def ends_to_bytes(ends: np.ndarray) -> bytes:
     return np.asarray(ends).astype(ENDS_DTYPE).tobytes()
 
 
-def ends_from_bytes(data: bytes) -> np.ndarray:
+def ends_from_bytes(data: bytes | memoryview) -> np.ndarray:
     """The wire's little-endian uint32 bytes as flat end indices (a read-only view)."""
     if len(data) % ENDS_DTYPE.itemsize:
         raise ValueError(f"document ends of {len(data)} bytes: not a whole number of uint32")
