@@ -287,6 +287,42 @@ def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> 
     np.testing.assert_array_equal(order.windows(np.array(positions)), ascending[positions])
 
 
+@given(
+    st.integers(1, 3000),
+    st.integers(1, 20),
+    st.integers(1, 3),
+    st.integers(0, 99),
+    st.randoms(use_true_random=False),
+)
+def test_an_order_kept_maps_as_a_fresh_one(n, wpb, shuffle_blocks, seed, rnd) -> None:
+    """A sampler keeps its epoch orders, shared by the ranks of a job, and an order keeps
+    its groups' permutations: asked in any order, over more groups than it keeps and
+    after other epochs, it maps every position as a fresh order does."""
+    sampler = make_sampler(
+        total_tokens=n + 4,
+        seq_len=4,
+        stride=1,
+        batch_size=1,
+        block_tokens=wpb,
+        shuffle_blocks=shuffle_blocks,
+        seed=seed,
+        shuffle=True,
+        split_rate=1.0,
+    )
+    kept = sampler.order(1)
+    assert sampler.order(1) is kept
+    for epoch in (0, 2):  # more epochs than it keeps: epoch 1's order is made again
+        sampler.order(epoch)
+    fresh = EpochOrder(
+        sampler.num_windows, sampler.windows_per_block, shuffle_blocks, seed, 1, True
+    )
+    for _ in range(rnd.randrange(1, 6)):
+        lo = rnd.randrange(sampler.num_windows)
+        positions = np.arange(lo, min(sampler.num_windows, lo + rnd.randrange(1, 400)))
+        for order in (kept, sampler.order(1)):
+            np.testing.assert_array_equal(order.windows(positions), fresh.windows(positions))
+
+
 @given(samplers(), st.integers(0, 2**32))
 def test_rounds_are_the_batches_in_bulk(sampler: DatasetSampler, pick: int) -> None:
     """Rounds (what the server assembles) are consecutive steps, full but for the

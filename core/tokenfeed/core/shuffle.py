@@ -23,6 +23,11 @@ import numpy as np
 
 from tokenfeed.core.keyed import Permutation, Tag, key
 
+# Shuffle groups whose permutations an order keeps. The ranks of a job share one order
+# (their sampler is kept by the feeder) and look a few hundred steps ahead at most: at
+# W = 1,024 a group lasts ~8 steps, so 8 groups kept were made again by every rank.
+GROUPS_KEPT = 64
+
 
 class EpochOrder:
     """Position in the epoch order -> window index, for one (seed, epoch)."""
@@ -102,7 +107,7 @@ class EpochOrder:
         what permuting thousands of positions does (numpy's cost is per call)."""
         made = self._groups.get(group)
         if made is None:
-            if len(self._groups) >= 8:
+            if len(self._groups) >= GROUPS_KEPT:
                 self._groups.clear()
             made = self._groups[group] = (
                 Permutation(size, key(self.seed, self.epoch, Tag.GROUP, group)),
