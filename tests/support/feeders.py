@@ -51,7 +51,6 @@ class InProcessFeeder:
         from prometheus_client import CollectorRegistry
 
         from tokenfeed.core.store import TokenStore
-
         from tokenfeed.server.app import create_server, new_event_loop
         from tokenfeed.server.config import ServerConfig
 
