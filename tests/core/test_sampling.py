@@ -323,6 +323,25 @@ def test_an_order_kept_maps_as_a_fresh_one(n, wpb, shuffle_blocks, seed, rnd) ->
             np.testing.assert_array_equal(order.windows(positions), fresh.windows(positions))
 
 
+@given(
+    st.integers(1, 3000),
+    st.integers(1, 200),
+    st.integers(1, 10),
+    st.integers(0, 99),
+    st.integers(0, 2**32),
+    st.integers(1, 300),
+)
+def test_a_run_of_positions_maps_as_the_whole_epoch(n, wpb, shuffle_blocks, seed, at, size):
+    """A run of ascending positions (a round: within one group it takes a shorter path)
+    maps as the same positions of the whole epoch do."""
+    order = EpochOrder(n, wpb, shuffle_blocks, seed, epoch=4, shuffle=True)
+    whole = order.windows(np.arange(n))
+    lo = at % n
+    run = np.arange(lo, min(n, lo + size))
+    np.testing.assert_array_equal(order.windows(run), whole[run])
+    np.testing.assert_array_equal(order.windows(run[::-1]), whole[run[::-1]])
+
+
 @given(samplers(), st.integers(0, 2**32))
 def test_rounds_are_the_batches_in_bulk(sampler: DatasetSampler, pick: int) -> None:
     """Rounds (what the server assembles) are consecutive steps, full but for the
