@@ -287,6 +287,45 @@ def test_positions_in_any_order_map_alike(n, wpb, shuffle_blocks, seed, rnd) -> 
     np.testing.assert_array_equal(order.windows(np.array(positions)), ascending[positions])
 
 
+# an epoch order's windows, windows per block, blocks per group and seed
+order_args = st.tuples(
+    st.integers(1, 3000), st.integers(1, 200), st.integers(1, 10), st.integers(0, 99)
+)
+
+
+@given(order_args, st.randoms(use_true_random=False))
+def test_an_order_kept_maps_as_a_fresh_one(args, rnd) -> None:
+    """A sampler keeps its epoch orders, shared by the ranks of a job, and an order keeps
+    its groups' permutations: asked in any order, over more groups than it keeps and
+    after other epochs, it maps every position as a fresh order does."""
+    n, wpb, blocks, seed = args
+    spec = dict(seq_len=4, stride=1, batch_size=1, shuffle=True, split_rate=1.0)
+    sampler = make_sampler(n + 4, wpb, shuffle_blocks=blocks, seed=seed, **spec)
+    kept = sampler.order(1)
+    assert sampler.order(1) is kept
+    for epoch in (0, 2):  # more epochs than it keeps: epoch 1's order is made again
+        sampler.order(epoch)
+    fresh = EpochOrder(sampler.num_windows, sampler.windows_per_block, blocks, seed, 1, True)
+    for _ in range(rnd.randrange(1, 6)):
+        lo = rnd.randrange(sampler.num_windows)
+        positions = np.arange(lo, min(sampler.num_windows, lo + rnd.randrange(1, 400)))
+        for order in (kept, sampler.order(1)):
+            np.testing.assert_array_equal(order.windows(positions), fresh.windows(positions))
+
+
+@given(order_args, st.integers(0, 2**32), st.integers(1, 300))
+def test_a_run_of_positions_maps_as_the_whole_epoch(args, at, size) -> None:
+    """A run of ascending positions (a round: within one group it takes a shorter path)
+    maps as the same positions of the whole epoch do."""
+    n, wpb, blocks, seed = args
+    order = EpochOrder(n, wpb, blocks, seed, epoch=4, shuffle=True)
+    whole = order.windows(np.arange(n))
+    lo = at % n
+    run = np.arange(lo, min(n, lo + size))
+    np.testing.assert_array_equal(order.windows(run), whole[run])
+    np.testing.assert_array_equal(order.windows(run[::-1]), whole[run[::-1]])
+
+
 @given(samplers(), st.integers(0, 2**32))
 def test_rounds_are_the_batches_in_bulk(sampler: DatasetSampler, pick: int) -> None:
     """Rounds (what the server assembles) are consecutive steps, full but for the

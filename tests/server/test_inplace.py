@@ -182,6 +182,32 @@ def test_the_feeder_keeps_the_bursts_of_a_stream_whose_writes_wait_small(
         assert bursts < batches / 8
 
 
+def test_a_streams_first_burst_opens_only_its_own_files(tmp_path: Path) -> None:
+    """A stream's first batch waits for its own rows only: the files of the bursts
+    ahead are opened after its next burst built on a worker thread, not before the
+    first batch goes out (a storm of starts would open them for every rank first)."""
+    make_positional_store(tmp_path / "s", 400_000, 10_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(
+        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
+    )
+    sampler = sampler_for(spec, ds)
+    pool = inplace.FilePool()
+    cache = ChunkCache(1 << 22)
+    pipe = MessageBuilder(
+        ds, sampler, sampler.rounds(0, 5), 1, cache, ServerMetrics(CollectorRegistry()), files=pool
+    )
+    try:
+        assert len(pipe.next_burst()) == 1
+        own = len(pool)
+        assert 1 <= own <= 2 * spec.batch_size  # a row crossing chunks reads two files
+        assert len(pipe.next_burst()) == assembly.BURST_MESSAGES
+        assert len(pool) > 2 * own  # the next bursts' files, opened ahead
+    finally:
+        pipe.close()
+        cache.close()
+
+
 def test_a_mixture_counts_by_source_only_the_bursts_it_built(tmp_path: Path) -> None:
     """A burst tried on the event loop and left to a worker thread is counted once: the
     stream's by-source record holds one entry per message built (2 sources x 8 ranks:

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from tokenfeed.core import native, sampling
 from tokenfeed.core.errors import NotFound
 from tokenfeed.core.request import SamplingSpec
+from tokenfeed.core.store import TokenStore
 from tokenfeed.server import assembly, readahead, rounds, service, wire
 from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.service import sampler_for
@@ -88,6 +89,31 @@ def test_batch_threads_are_started_before_the_first_request(feeder_root: Path) -
     before = batch_threads()
     with running_feeder(feeder_root, assembly_threads=3):
         assert batch_threads() - before == 3
+
+
+def test_a_feeder_opens_its_stores_as_it_starts(feeder_root: Path) -> None:
+    """A feeder opens its local stores as it starts, on a thread of its own: the first
+    stream finds its store open, a store that does not open is left to the requests
+    (which get its error as before), and the status page lists only stores asked for."""
+    broken = feeder_root / "broken"
+    make_positional_store(broken, 2_000, 1_000)
+    (broken / "meta.json").write_text("{not json")
+    opened: list[str] = []
+
+    def open_store(path: Path) -> TokenStore:
+        store = TokenStore.open(path)
+        opened.append(path.name)
+        return store
+
+    with running_feeder(feeder_root, open_store=open_store) as f:
+        wait_until(lambda: opened == [FEEDER_DATASET], 30, "the store opened ahead")
+        assert f.server.catalog.opened() == []
+        assert len(stream(f.address, params())) > 1
+        assert opened == [FEEDER_DATASET]  # the stream's request did not open it again
+        assert [ds.name for ds in f.server.catalog.opened()] == [FEEDER_DATASET]
+        err = call_error(f.address, pb.InfoRequest(dataset="broken"), "Info")
+        assert err.code() == grpc.StatusCode.DATA_LOSS
+        assert "unreadable meta.json" in err.details()
 
 
 # ----------------------------------------------------------------------------- Info

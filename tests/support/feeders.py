@@ -44,12 +44,13 @@ def feeder_params(**changes: object):  # -> pb.SamplingParams
 class InProcessFeeder:
     """A FeederServer on its own event loop thread; `.address` is "127.0.0.1:<port>"."""
 
-    def __init__(self, data_root: Path, registry=None, **config) -> None:
+    def __init__(self, data_root: Path, registry=None, open_store=None, **config) -> None:
         import asyncio
         import threading
 
         from prometheus_client import CollectorRegistry
 
+        from tokenfeed.core.store import TokenStore
         from tokenfeed.server.app import create_server, new_event_loop
         from tokenfeed.server.config import ServerConfig
 
@@ -57,7 +58,7 @@ class InProcessFeeder:
         self.data_root = data_root if str(data_root).startswith("s3://") else Path(data_root)
         self.registry = registry if registry is not None else CollectorRegistry()
         cfg = ServerConfig(data_root=self.data_root, **{"port": 0, "grace_seconds": 1.0, **config})
-        self.server = create_server(cfg, self.registry)
+        self.server = create_server(cfg, self.registry, open_store=open_store or TokenStore.open)
         self.loop = new_event_loop()
         started = threading.Event()
         self._error: BaseException | None = None

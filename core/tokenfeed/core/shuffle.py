@@ -23,6 +23,11 @@ import numpy as np
 
 from tokenfeed.core.keyed import Permutation, Tag, key
 
+# Shuffle groups whose permutations an order keeps. The ranks of a job share one order
+# (their sampler is kept by the feeder) and look a few hundred steps ahead at most: at
+# W = 1,024 a group lasts ~8 steps, so 8 groups kept were made again by every rank.
+GROUPS_KEPT = 64
+
 
 class EpochOrder:
     """Position in the epoch order -> window index, for one (seed, epoch)."""
@@ -55,11 +60,29 @@ class EpochOrder:
         short_group = self._short_at // self.blocks_per_group
         return g * self.group_windows - self.deficit * (g > short_group)
 
+    def _group_of(self, position: int) -> int:
+        """The group of one position (`windows`' first two lines, on an int)."""
+        g = position // self.group_windows
+        return g + (position >= int(self._group_start(np.int64(g + 1))))
+
+    def _one_group(self, p: np.ndarray) -> int | None:
+        """The group of positions `p` if they ascend within one (a round of a few steps:
+        its first and last tell), else None."""
+        if p.ndim != 1 or not len(p):
+            return None
+        g = self._group_of(int(p[0]))
+        if g != self._group_of(int(p[-1])) or (len(p) > 2 and not bool((p[1:] >= p[:-1]).all())):
+            return None
+        return g
+
     def windows(self, positions: np.ndarray) -> np.ndarray:
         """Window indices at `positions` (int64 array, each in [0, num_windows))."""
         p = np.asarray(positions, dtype=np.int64)
         if not self.shuffle:
             return p.copy()
+        one = self._one_group(p)
+        if one is not None:  # without the search for runs of groups below: fewer numpy calls
+            return self._group_windows(one, p - int(self._group_start(np.int64(one))))
         g = p // self.group_windows
         g = g + (p >= self._group_start(g + 1))
         within = p - self._group_start(g)
@@ -102,7 +125,7 @@ class EpochOrder:
         what permuting thousands of positions does (numpy's cost is per call)."""
         made = self._groups.get(group)
         if made is None:
-            if len(self._groups) >= 8:
+            if len(self._groups) >= GROUPS_KEPT:
                 self._groups.clear()
             made = self._groups[group] = (
                 Permutation(size, key(self.seed, self.epoch, Tag.GROUP, group)),

@@ -243,6 +243,8 @@ class FeederServer:
             self._watching = asyncio.get_running_loop().create_task(self.watcher.run())
         if cfg.port_file is not None:
             write_atomic(Path(cfg.port_file), f"{port}\n".encode())
+        # the stores, opened while the first calls are on their way, not by them
+        threading.Thread(target=self.catalog.open_ahead, name="tokenfeed-open", daemon=True).start()
         return port
 
     def _certificate(self) -> grpc.ServerCertificateConfiguration | None:

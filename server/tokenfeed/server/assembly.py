@@ -357,8 +357,9 @@ class MessageBuilder:
             self._later = (moved, chunks)
         elif self.files is None:  # a stream reading in place never loads a chunk whole
             self.readahead.look_ahead(moved, chunks)
-        elif not inline:  # the next bursts' files, so that they can be read on the loop
-            ahead = OPEN_AHEAD * self.burst_messages * self.per_message
+        elif not inline and not first:  # the next bursts' files, to be read on the loop
+            # (not after a first burst: its batch waits for this; the next burst opens them)
+            ahead = OPEN_AHEAD * self._burst * self.per_message
             self.files.ahead(sorted(spans_chunks(self.rounds.spans(ahead, self.rounds.start)[0])))
         batches = sum(g[1] for g in burst)
         self.metrics.batch_build_seconds.observe((time.perf_counter() - t0) / batches)

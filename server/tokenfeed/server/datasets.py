@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 PROBE_SECONDS = 1.0  # how long an s3:// dataset's generation is taken as current
 
 MAX_NAME_LEN = 1024
+# Local stores a feeder opens as it starts (`Catalog.open_ahead`), the first by name: a
+# data root of thousands of stores (each source of a large mixture its own) is not
+# opened whole.
+OPEN_AHEAD_STORES = 64
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ class Catalog:
         # what a path inside the root begins with
         self._below = os.path.join(self.root_text, "")
         self._open: dict[str, Dataset] = {}
+        self._asked: set[str] = set()  # the names requests asked for (`opened`)
         self._kinds: dict[Path, tuple[int, str]] = {}  # see _detect
         self._detecting = threading.Lock()  # one listing at a time (a miss of _kinds)
         self._lock = threading.Lock()
@@ -254,9 +259,29 @@ class Catalog:
         return tuple(dict.fromkeys(real))
 
     def opened(self) -> list[Dataset]:
-        """The datasets opened since start (their latest generation each)."""
+        """The datasets asked for since start (their latest generation each); a store
+        opened ahead (`open_ahead`) is not one until a request asks for it."""
         with self._lock:
-            return list(self._open.values())
+            return [ds for name, ds in self._open.items() if name in self._asked]
+
+    def open_ahead(self, limit: int = OPEN_AHEAD_STORES) -> None:
+        """Open the first `limit` local stores under the root, by name, as a request
+        would (a feeder's start, on a thread of its own): the ranks of a job starting
+        together then find their store open instead of waiting for its meta.json (tens
+        of MB for a 10^12-token store) to be read. A store that does not open is left
+        as it is: the requests for it get its error as before."""
+        if self.objects is not None:  # object storage: a GET per store, left to requests
+            return
+        try:
+            names = self.names()[:limit]
+        except OSError as e:
+            log.debug("stores not opened ahead: %s", e)
+            return
+        for name in names:
+            try:
+                self._get(name)
+            except (FeederError, OSError) as e:
+                log.debug("store %r not opened ahead: %s", name, e)
 
     def resolve(self, name: str) -> Path:
         """The local store of `name` (directory or Megatron prefix); NotFound if none."""
@@ -298,8 +323,11 @@ class Catalog:
         return f"no dataset {name!r} under the data root; available: {shown or 'none'}"
 
     def get(self, name: str) -> Dataset:
-        if self.objects is None:
-            return self._get(name)
+        ds = self._get(name) if self.objects is None else self._get_remote(name)
+        self._asked.add(name)  # once it opened: a name from the network is kept only then
+        return ds
+
+    def _get_remote(self, name: str) -> Dataset:
         with self._lock:
             probing = self._probing.setdefault(name, threading.Lock())
         with probing:

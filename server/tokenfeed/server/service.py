@@ -22,6 +22,7 @@ drops them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
@@ -74,6 +75,9 @@ SHARE_SLOTS = 4
 # A burst whose writes took this long in all waited for its client to read (a paced
 # consumer): the stream's bursts stop growing (MessageBuilder.paced).
 PACED_SECONDS = 0.1
+# Dataset samplers kept for the streams that ask the same (service.sampler_for): the
+# jobs a feeder serves at once, each with its train and validation requests.
+SAMPLERS_KEPT = 64
 
 
 # ----------------------------------------------------------------- requests -> samplers
@@ -88,7 +92,17 @@ def block_tokens(ds: Dataset) -> int:
 
 def sampler_for(spec: SamplingSpec, ds: Dataset) -> sampling.DatasetSampler:
     """The spec's sampler over a dataset (FailedPrecondition if its split is too short)."""
-    return sampling.DatasetSampler(spec, ds.store.total_tokens, block_tokens=block_tokens(ds))
+    return _dataset_sampler(spec, ds.store.total_tokens, block_tokens(ds))
+
+
+@functools.lru_cache(maxsize=SAMPLERS_KEPT)
+def _dataset_sampler(
+    spec: SamplingSpec, total_tokens: int, block_tokens: int
+) -> sampling.DatasetSampler:
+    """One sampler per request (the rank aside) and store size: the ranks of a job
+    share it, and with it its epoch orders (a rank's start no longer keys every shuffle
+    group it reads again)."""
+    return sampling.DatasetSampler(spec, total_tokens, block_tokens=block_tokens)
 
 
 def mixture_sampler_for(spec: SamplingSpec, sources: list[Dataset]) -> MixtureSampler:
