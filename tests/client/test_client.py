@@ -588,7 +588,9 @@ def _client_threads() -> set[threading.Thread]:
     return {
         t
         for t in threading.enumerate()
-        if not t.name.startswith(("tokenfeed-batch", "tokenfeed-readahead", "feeder-loop"))
+        if not t.name.startswith(
+            ("tokenfeed-batch", "tokenfeed-readahead", "feeder-loop", "tokenfeed-open")
+        )
     }
 
 
