@@ -127,7 +127,7 @@ def big_store(tmp: Path, big_tokens: int, batches: int, repeats: int) -> None:
 # ----------------------------------------------------------------------------- 3. 1,000 sources
 
 
-def mixture(tmp: Path, sources: int, segments: int, batches: int, repeats: int) -> None:
+def mixture(tmp: Path, sources: int, segments: int, batches: int, group: int, repeats: int) -> None:
     from tokenfeed.client import FeederClient
     from tokenfeed.core.request import SamplingSpec
 
@@ -179,10 +179,15 @@ def mixture(tmp: Path, sources: int, segments: int, batches: int, repeats: int) 
             q.seed = 100 + r  # fresh windows every repeat, as in a run
             return q
 
+        # One dataset over a shuffle group's batches, as item 4's W = 1, so its chunk
+        # loads count; the mixture reads in place and opens a stream every `batches`,
+        # each open counted (a job re-opens at reconnects, resumes, epochs).
         cpu = interleaved(
             {
                 "mixture": lambda r: feeder_cpu_per_batch(proc, seeded(mix, r), batches, epoch=0),
-                "one": lambda r: feeder_cpu_per_batch(proc, seeded(params("one"), r), batches, 0),
+                "one": lambda r: feeder_cpu_per_batch(
+                    proc, seeded(params("one"), r), group, 0, warm=batches
+                ),
             },
             repeats,
         )
@@ -533,7 +538,8 @@ def main() -> int:
                 tmp / "big", 100 if q else 400, group, repeats, 1 if q else 3, args.baseline_client
             )
         if 3 in items:
-            mixture(tmp, 1_000, 100, 100 if q else 400, repeats)
+            group = GROUP_BATCHES // 8 if q else GROUP_BATCHES
+            mixture(tmp, 1_000, 100, 100 if q else 400, group, repeats)
         if items & {5, 6}:
             one_node(tmp / "big", 128 if q else 1_024, 4 if q else 20)
         if 6 in items:
