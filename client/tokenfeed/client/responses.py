@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tokenfeed.core import native
+from tokenfeed.core.protowire import LEN, VARINT, Unreadable, key, skip, span, varint
 from tokenfeed.v1 import feeder_pb2 as pb
 
 _scan_c: Callable[[Any], Any] | None
@@ -30,8 +31,6 @@ try:
     from tokenfeed.client._responses import scan as _scan_c
 except ImportError:  # built without the extensions (TOKENFEED_PURE_PYTHON=1 at install)
     _scan_c = None
-
-_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 
 
 class Batch(NamedTuple):
@@ -176,29 +175,29 @@ def scan_py(data: bytes) -> Scanned | None:
     try:
         pos, end = 0, len(mv)
         while pos < end:
-            field, wire, pos = _key(mv, pos, end)
+            field, wire, pos = key(mv, pos, end)
             if field == 1:
-                _expect(wire, _LEN)
-                at, n, pos = _span(mv, pos, end)
+                _expect(wire, LEN)
+                at, n, pos = span(mv, pos, end)
                 batches.append(_batch(mv, at, at + n, values))
             elif field == 2:
-                _expect(wire, _VARINT)
-                u, pos = _varint(mv, pos, end)
+                _expect(wire, VARINT)
+                u, pos = varint(mv, pos, end)
                 per_message = _int64(u)
             elif field == 3:
-                _expect(wire, _LEN)
+                _expect(wire, LEN)
                 if info is not None:
                     raise _NotPlain
-                at, n, pos = _span(mv, pos, end)
+                at, n, pos = span(mv, pos, end)
                 info = (at, n)
             else:
-                pos = _skip(mv, pos, end, wire)
-    except _NotPlain:
+                pos = skip(mv, pos, end, wire)
+    except Unreadable:
         return None
     return batches, bytearray(np.array(values, dtype=np.int64).tobytes()), per_message, info
 
 
-class _NotPlain(Exception):
+class _NotPlain(Unreadable):
     """Not the plain shape: protobuf's to parse."""
 
 
@@ -208,14 +207,14 @@ def _batch(mv: memoryview, pos: int, end: int, values: list[int]) -> tuple[Any, 
     runs: dict[int, tuple[int, int]] = {}
     none = (len(values), len(values))  # an absent run: empty, where the batch's begin
     while pos < end:
-        field, wire, pos = _key(mv, pos, end)
+        field, wire, pos = key(mv, pos, end)
         if 1 <= field <= 6:
-            _expect(wire, _VARINT)
-            u, pos = _varint(mv, pos, end)
+            _expect(wire, VARINT)
+            u, pos = varint(mv, pos, end)
             ints[field] = _int64(u)
         elif field in (7, 8, 11):
-            _expect(wire, _LEN)
-            at, n, pos = _span(mv, pos, end)
+            _expect(wire, LEN)
+            at, n, pos = span(mv, pos, end)
             if field == 7:
                 dtype = (at, n)
             elif field == 8:
@@ -223,18 +222,18 @@ def _batch(mv: memoryview, pos: int, end: int, values: list[int]) -> tuple[Any, 
             else:
                 ends = (at, n)
         elif field in (9, 10):
-            _expect(wire, _LEN)
+            _expect(wire, LEN)
             if field in runs:
                 raise _NotPlain
-            at, n, pos = _span(mv, pos, end)
+            at, n, pos = span(mv, pos, end)
             first = len(values)
             i = at
             while i < at + n:
-                u, i = _varint(mv, i, at + n)
+                u, i = varint(mv, i, at + n)
                 values.append(_int32(u) if field == 10 else _int64(u))
             runs[field] = (first, len(values))
         else:
-            pos = _skip(mv, pos, end, wire)
+            pos = skip(mv, pos, end, wire)
     try:
         name = bytes(mv[dtype[0] : dtype[0] + dtype[1]]).decode()
     except UnicodeDecodeError:
@@ -247,48 +246,6 @@ def _batch(mv: memoryview, pos: int, end: int, values: list[int]) -> tuple[Any, 
         *runs.get(10, none),
         *ends,
     )
-
-
-def _varint(mv: memoryview, pos: int, end: int) -> tuple[int, int]:
-    v = 0
-    for i in range(10):
-        if pos >= end:
-            break
-        b = mv[pos]
-        pos += 1
-        if i == 9 and b > 1:
-            break
-        v |= (b & 0x7F) << (7 * i)
-        if not b & 0x80:
-            return v, pos
-    raise _NotPlain
-
-
-def _key(mv: memoryview, pos: int, end: int) -> tuple[int, int, int]:
-    k, pos = _varint(mv, pos, end)
-    if k > 0xFFFFFFFF or k >> 3 == 0:
-        raise _NotPlain
-    return k >> 3, k & 7, pos
-
-
-def _span(mv: memoryview, pos: int, end: int) -> tuple[int, int, int]:
-    n, pos = _varint(mv, pos, end)
-    if n > end - pos:
-        raise _NotPlain
-    return pos, n, pos + n
-
-
-def _skip(mv: memoryview, pos: int, end: int, wire: int) -> int:
-    if wire == _VARINT:
-        return _varint(mv, pos, end)[1]
-    if wire in (_I64, _I32):
-        size = 8 if wire == _I64 else 4
-        if end - pos < size:
-            raise _NotPlain
-        return pos + size
-    if wire == _LEN:
-        return _span(mv, pos, end)[2]
-    raise _NotPlain  # groups, invalid wire types
 
 
 def _expect(wire: int, wanted: int) -> None:

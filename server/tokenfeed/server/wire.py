@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from tokenfeed.core import native
+from tokenfeed.core import native, protowire
 from tokenfeed.v1 import feeder_pb2 as pb
 
-_VARINT, _LEN = 0, 2  # wire types
+_VARINT, _LEN = protowire.VARINT, protowire.LEN  # wire types
 _MASK64 = (1 << 64) - 1
 
 
@@ -212,39 +212,17 @@ def field_bytes(data: bytes, number: int) -> memoryview | None:
     a field sent twice is merged by a parser, so its bytes alone do not say its value.
     Used for a request's params, so that what identifies them is the bytes the client
     sent, not a serialization of the parsed message (SamplingSpec.from_proto)."""
-    view, at, end, found = memoryview(data), 0, len(data), None
+    mv, pos, found = memoryview(data).cast("B"), 0, None
     try:
-        while at < end:
-            key, at = _read_varint(data, at)
-            wire_type = key & 7
-            if wire_type == _VARINT:
-                _, at = _read_varint(data, at)
-            elif wire_type == 1:  # fixed64
-                at += 8
-            elif wire_type == 5:  # fixed32
-                at += 4
-            elif wire_type == _LEN:
-                size, at = _read_varint(data, at)
-                if key >> 3 == number:
-                    if found is not None:
-                        return None
-                    found = view[at : at + size]
-                at += size
-            else:  # groups: not in our messages
+        while pos < len(mv):
+            field, wire_type, pos = protowire.key(mv, pos, len(mv))
+            if wire_type != protowire.LEN or field != number:
+                pos = protowire.skip(mv, pos, len(mv), wire_type)
+            elif found is not None:
                 return None
-    except ValueError:
+            else:
+                at, size, pos = protowire.span(mv, pos, len(mv))
+                found = mv[at : at + size]
+    except protowire.Unreadable:
         return None
-    return found if at == end else None
-
-
-def _read_varint(data: bytes, at: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        if at >= len(data) or shift > 63:
-            raise ValueError("a truncated or overlong varint")
-        b = data[at]
-        at += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, at
-        shift += 7
+    return found
