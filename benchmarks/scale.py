@@ -522,6 +522,9 @@ def main() -> int:
     q = args.quick
     big_tokens = (2_000 if q else 59_605) * CHUNK
     repeats = 3 if q else 5
+    # W = 1's batches of a shuffle group, the window of items 3 and 4; --quick: an eighth
+    # of one, whose W = 1 figure counts a load or none
+    group = GROUP_BATCHES // 8 if q else GROUP_BATCHES
     print(f"tokenfeed scale ({'quick' if q else 'full'}), {os.cpu_count()} cores, {load()}")
     with tempfile.TemporaryDirectory(prefix="tokenfeed-scale-") as d:
         tmp = Path(d)
@@ -532,13 +535,10 @@ def main() -> int:
         if 2 in items:
             megatron(tmp, 10**6 if q else 10**8, 100 if q else 400, repeats)
         if 4 in items:
-            # --quick: an eighth of a group, whose W = 1 figure counts a load or none
-            group = GROUP_BATCHES // 8 if q else GROUP_BATCHES
             world_size(
                 tmp / "big", 100 if q else 400, group, repeats, 1 if q else 3, args.baseline_client
             )
         if 3 in items:
-            group = GROUP_BATCHES // 8 if q else GROUP_BATCHES
             mixture(tmp, 1_000, 100, 100 if q else 400, group, repeats)
         if items & {5, 6}:
             one_node(tmp / "big", 128 if q else 1_024, 4 if q else 20)
