@@ -48,6 +48,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -84,6 +85,24 @@ KEEP_SECONDS = 30.0
 Opened = tuple[int, int, int, str]  # an opened chunk file: fd, base, size, path
 
 
+@dataclass(slots=True)
+class _Kept:
+    """A file in the pool: its (fd, base, size), the bursts holding it, and what says
+    whether it may be read again without a look at its path (`trusted`)."""
+
+    fd: int
+    base: int
+    size: int
+    holds: int
+    mark: int  # the idle time it was last known good before (`_idles`), -1: only while none
+    path: str
+    identity: tuple[int, int, int]  # (device, inode, size) when opened: `_same`
+
+    def trusted(self, idles: int) -> bool:
+        """Held, or known good since the last stream ended (`idles` times so far)."""
+        return bool(self.holds) or self.mark == idles
+
+
 class FilePool:
     """A feeder's open chunk files, by chunk cache key (a store's generation is in the
     key: a rewritten store's files are opened anew), shared by its streams.
@@ -105,10 +124,7 @@ class FilePool:
         self.keep_seconds = keep_seconds
         self._clock = clock
         self._lock = threading.Lock()
-        # key -> [fd, base, size, holds, mark, path, device, inode, file size], least
-        # recently taken first; mark: the idle time it was last known good before
-        # (`_idles`), -1 if only while no stream was attached
-        self._files: OrderedDict[Any, list[Any]] = OrderedDict()
+        self._files: OrderedDict[Any, _Kept] = OrderedDict()  # least recently taken first
         self._streams = 0
         self._idles = 0  # times the last stream ended
         self._idle_since: float | None = None  # while the pool keeps files for none
@@ -162,13 +178,13 @@ class FilePool:
         open is opened by `open_file(i)` (keys[i]'s; its DataLoss raised, nothing held),
         or without `open_file`, None (nothing held). A file kept while no stream was
         attached is checked first (`_same`), so only where `open_file` is given."""
-        rows: list[list[Any]] = []
+        rows: list[_Kept] = []
         try:
             for i, key in enumerate(keys):
                 with self._lock:
                     row = self._files.get(key)
-                    if row is not None and (row[3] or row[4] == self._idles):
-                        row[3] += 1
+                    if row is not None and row.trusted(self._idles):
+                        row.holds += 1
                         self._files.move_to_end(key)
                         kept = None
                     else:
@@ -188,7 +204,7 @@ class FilePool:
         if len(rows) < len(keys):
             self.give_back(keys[: len(rows)])
             return None
-        return np.array([r[:3] for r in rows], dtype=np.int64).reshape(-1, 3)
+        return np.array([(r.fd, r.base, r.size) for r in rows], dtype=np.int64).reshape(-1, 3)
 
     def open(self, keys: list[Any], open_file: Callable[[int], Opened]) -> None:
         """Open the files of `keys` not open yet, held by no burst (read-ahead of opens);
@@ -196,7 +212,7 @@ class FilePool:
         for i, key in enumerate(keys):
             with self._lock:
                 row = self._files.get(key)
-                if row is not None and (row[3] or row[4] == self._idles):
+                if row is not None and row.trusted(self._idles):
                     continue
             if row is not None and self._checked(key, row, hold=0) is not None:
                 continue
@@ -211,7 +227,7 @@ class FilePool:
     def _mark(self) -> int:
         return self._idles if self._streams else -1
 
-    def _add(self, key: Any, opened: Opened, holds: int) -> list[Any]:
+    def _add(self, key: Any, opened: Opened, holds: int) -> _Kept:
         try:
             st = os.fstat(opened[0])
         except BaseException:
@@ -220,45 +236,39 @@ class FilePool:
         with self._lock:
             row = self._files.get(key)
             if row is None:
-                row = [
-                    *opened[:3],
-                    holds,
-                    self._mark(),
-                    opened[3],
-                    st.st_dev,
-                    st.st_ino,
-                    st.st_size,
-                ]
+                fd, base, size, path = opened
+                identity = (st.st_dev, st.st_ino, st.st_size)
+                row = _Kept(fd, base, size, holds, self._mark(), path, identity)
                 self._files[key] = row
                 return row
-            row[3] += holds
+            row.holds += holds
             self._files.move_to_end(key)
         os.close(opened[0])  # opened meanwhile by another stream
         return row
 
-    def _checked(self, key: Any, row: list[Any], hold: int = 1) -> list[Any] | None:
+    def _checked(self, key: Any, row: _Kept, hold: int = 1) -> _Kept | None:
         """`row`, kept while no stream was attached, held `hold` more times if its path
         is still the same file of the same size; else None, and closed unless held (the
         caller opens the path anew, as if it had never been kept)."""
-        same = _same(row[5], row[6:9])
+        same = _same(row.path, row.identity)
         with self._lock:
             if self._files.get(key) is not row:
                 return None  # closed or replaced meanwhile: open it anew
             if same:
-                row[3] += hold
-                if row[4] != self._idles:
-                    row[4] = self._mark()
+                row.holds += hold
+                if row.mark != self._idles:
+                    row.mark = self._mark()
                 self._files.move_to_end(key)
                 return row
-            if not row[3]:
+            if not row.holds:
                 del self._files[key]
-                os.close(row[0])
+                os.close(row.fd)
         return None
 
     def give_back(self, keys: list[Any]) -> None:
         with self._lock:
             for key in keys:
-                self._files[key][3] -= 1
+                self._files[key].holds -= 1
             self._trim()
 
     def _trim(self) -> None:
@@ -267,18 +277,18 @@ class FilePool:
         over = len(self._files) - self.capacity
         if over <= 0:
             return
-        idle = list(islice((k for k, row in self._files.items() if not row[3]), over))
+        idle = list(islice((k for k, row in self._files.items() if not row.holds), over))
         for key in idle:
-            os.close(self._files.pop(key)[0])
+            os.close(self._files.pop(key).fd)
 
 
-def _same(path: str, kept: list[Any]) -> bool:
+def _same(path: str, identity: tuple[int, int, int]) -> bool:
     """Whether `path` is still the file kept open, (device, inode, size)."""
     try:
         st = os.stat(path)
     except OSError:
         return False
-    return [st.st_dev, st.st_ino, st.st_size] == kept
+    return (st.st_dev, st.st_ino, st.st_size) == identity
 
 
 class ChunkFiles:
