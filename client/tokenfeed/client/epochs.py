@@ -281,8 +281,8 @@ class Epochs:
         reader, q, position = self._reader, self._queue, self._position
         t0 = perf_counter()
         try:
-            item = q.get_nowait()  # type: ignore[union-attr]
-        except queue.Empty:
+            item = q.pop()  # type: ignore[union-attr]
+        except IndexError:  # the ring is empty: get() wakes the reader and waits
             item = self._wait(q, reader, None if first else t0)  # type: ignore[arg-type]
         t1 = perf_counter()
         if type(item) is tuple:
