@@ -1,16 +1,22 @@
-"""The reader -> loop handoff: FIFO, bounded, and wakes whoever waits."""
+"""The reader -> loop handoff: FIFO, bounded, wakes whoever waits, and costs the
+loop's next() no Python call when a batch is ready."""
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
+from types import FrameType
+from typing import Any
 
 import pytest
 
+from tokenfeed.client import FeederClient
 from tokenfeed.client.handoff import Handoff
 
 from support import wait_until
+from support.feeders import FEEDER_DATASET
 
 
 def test_fifo_bounded_and_queue_compatible() -> None:
@@ -159,3 +165,41 @@ def test_a_message_larger_than_the_ring_wakes_the_loop_before_waiting_for_room()
     assert h.put_all([0, 1, 2, 3, 4], timeout=20) == 5
     t.join(30)
     assert got == [0, 1, 2, 3, 4]
+
+
+def test_pop_is_the_loops_fast_path_and_an_empty_ring_goes_to_get() -> None:
+    h = Handoff(2)
+    h.put_all([1, 2], timeout=1)
+    assert [h.pop(), h.pop()] == [1, 2]
+    with pytest.raises(IndexError):
+        h.pop()
+    assert not h._room.is_set()  # pop wakes nobody: the loop's get() does, below
+    with pytest.raises(queue.Empty):
+        h.get(timeout=0.001)
+    assert h._room.is_set()
+
+
+def test_a_next_that_finds_a_batch_is_one_python_frame(feeder) -> None:
+    """After a training step's sleep every Python frame on next()'s path costs
+    microseconds of stall: with a batch in the ring, next() runs the iterator's
+    __next__ and no other Python function (the ring's pop is C)."""
+    kw = {"seq_len": 16, "batch_size": 4, "rank": 0, "world_size": 1, "shuffle": True}
+    with FeederClient(feeder.address, dataset=FEEDER_DATASET, **kw) as c:
+        it = iter(c)
+        next(it)  # the first batch: the stream's start, not the fast path
+        ring = c._epochs._queue
+        assert ring is not None
+        wait_until(lambda: ring.qsize() >= 2, 30, "the reader to queue batches")
+        calls: list[str] = []
+
+        def profile(frame: FrameType, event: str, arg: Any) -> None:
+            if event == "call":
+                calls.append(frame.f_code.co_qualname)
+
+        sys.setprofile(profile)
+        try:
+            batch = next(it)
+        finally:
+            sys.setprofile(None)
+        assert batch["step"] == 1
+        assert calls == ["_Epoch.__next__"]

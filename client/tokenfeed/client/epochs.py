@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence, Sized
 from functools import partial
 from time import perf_counter
-from typing import Any
+from typing import Any, NoReturn
 
 from tokenfeed.client.buffers import batch_array
 from tokenfeed.client.handoff import Handoff
@@ -85,11 +85,11 @@ class Epochs:
         # The running iteration (the _Epoch holds it): its stream may be replaced.
         self._iteration: object | None = None
         self._closed = False
-        # Streams of the next epoch opened at the end of this one (see next).
+        # Streams of the next epoch opened at the end of this one (see _Epoch.__next__).
         self._ahead: tuple[StreamReader, Handoff] | None = None
         self._adopted: tuple[StreamReader, Handoff] | None = None
         self._lock = threading.Lock()
-        # The loop's last batch and the ones before it, freed by the reader (see next).
+        # The loop's last batch and the ones before it, freed by the reader (see _Epoch.__next__).
         self._held: dict[str, Any] | None = None
         self._spent: deque[dict[str, Any] | None] = deque(maxlen=64)
 
@@ -232,7 +232,7 @@ class Epochs:
         item each: (the batch dict, the loop's offset and step after it, the device
         copy to wait for or None, whether to open the next epoch's stream now)."""
         spent = self._spent
-        while len(spent) > 1:  # not the newest: the loop may still hold it (see next)
+        while len(spent) > 1:  # not the newest: the loop may still hold it (_Epoch.__next__)
             spent.popleft()
         stage, seq_len, sources = self._stager.stage, self.seq_len, self.sources
         global_batch = self.batch_size * self.world_size
@@ -263,50 +263,21 @@ class Epochs:
         self.metrics.received(tokens, nbytes, len(items))
         return items
 
-    def next(self, iteration: object, first: bool = False) -> dict[str, Any]:
-        """The training loop's next(): the only place the loop can wait.
+    def stale(self) -> NoReturn:
+        """next() of an iteration that a newer one ended (or that ran to its end)."""
+        if self._position.ended or self._closed:
+            raise StopIteration
+        raise RuntimeError(
+            "this iteration was ended by a newer one (iter, set_epoch, load_state_dict or close)"
+        )
 
-        Kept short: the reader thread prepared everything (`_stage`), and the metrics
-        are one append (`ClientMetrics.waited`). `first`: the iteration's
-        first next(), whose wait is the stream's time to first batch, counted apart.
-        """
-        if iteration is not self._iteration:
-            if self._position.ended or self._closed:
-                raise StopIteration
-            raise RuntimeError(
-                "this iteration was ended by a newer one (iter, set_epoch, "
-                "load_state_dict or close)"
-            )
-        # the iteration's stream: set with it (set_weights may have replaced it)
-        reader, q, position = self._reader, self._queue, self._position
-        t0 = perf_counter()
-        try:
-            item = q.get_nowait()  # type: ignore[union-attr]
-        except queue.Empty:
-            item = self._wait(q, reader, None if first else t0)  # type: ignore[arg-type]
-        t1 = perf_counter()
-        if type(item) is tuple:
-            batch, position.offset, position.step, pending, ahead = item  # received
-            if first:
-                self.metrics.first_batch_waited(t1 - t0, t1)
-            else:
-                self.metrics.waits.append(t1 - t0)  # folded in by the reader thread
-            if pending is not None:
-                self._stager.ready(*pending)
-            if ahead:
-                self._open_ahead(reader)  # type: ignore[arg-type]
-            # The previous batch: the loop drops it when it rebinds its variable to this
-            # one, and freeing it (tensors, views, the dict) costs up to tens of us after
-            # a step's sleep. One more reference, in `_spent`, makes the reader thread
-            # (`_stage`) free it instead.
-            self._spent.append(self._held)
-            self._held = batch
-            return batch
-        self.metrics.waited(t1 - t0)
+    def ended(self, item: Any, reader: StreamReader, waited: float) -> NoReturn:
+        """next() took the stream's last item: `END` (StopIteration, the next epoch's
+        stream opened if it is not yet) or a `Failure` (its error, the reader stopped)."""
+        self.metrics.waited(waited)
         with self._lock:
             if item is END:
-                assert reader is not None
-                position.end()
+                self._position.end()
                 self._reader, self._queue, self._iteration = None, None, None
                 reader.stop()
                 self._open_ahead(reader, locked=True)  # if not open yet
@@ -390,15 +361,51 @@ class _Epoch:
         return self
 
     def __next__(self) -> dict[str, Any]:
+        """The training loop's next(): the only place the loop can wait.
+
+        One Python frame when a batch is ready (after a training step's sleep each
+        frame costs the loop microseconds): the reader thread prepared everything
+        (`Epochs._stage`), the ring's pop is C and the metrics are one append
+        (`ClientMetrics.waited`). The iteration's first next() waits for the stream's
+        first batch, counted apart from stalls.
+        """
         if self._finished:
             raise StopIteration
+        epochs = self._epochs
         try:
-            batch = self._epochs.next(self._iteration, self._first)
+            if self._iteration is not epochs._iteration:
+                epochs.stale()
+            # the iteration's stream: set with it (set_weights may have replaced it)
+            reader, q, position = epochs._reader, epochs._queue, epochs._position
+            first = self._first
+            t0 = perf_counter()
+            try:
+                item = q.pop()  # type: ignore[union-attr]
+            except IndexError:  # the ring is empty: get() wakes the reader and waits
+                item = epochs._wait(q, reader, None if first else t0)  # type: ignore[arg-type]
+            t1 = perf_counter()
+            if type(item) is not tuple:
+                epochs.ended(item, reader, t1 - t0)  # type: ignore[arg-type]
+            batch, position.offset, position.step, pending, ahead = item  # received
+            if first:
+                self._first = False
+                epochs.metrics.first_batch_waited(t1 - t0, t1)
+            else:
+                epochs.metrics.waits.append(t1 - t0)  # folded in by the reader thread
+            if pending is not None:
+                epochs._stager.ready(*pending)
+            if ahead:
+                epochs._open_ahead(reader)  # type: ignore[arg-type]
+            # The previous batch: the loop drops it when it rebinds its variable to this
+            # one, and freeing it (tensors, views, the dict) costs up to tens of us after
+            # a step's sleep. One more reference, in `_spent`, makes the reader thread
+            # (`_stage`) free it instead.
+            epochs._spent.append(epochs._held)
+            epochs._held = batch
+            return batch
         except BaseException:
             self._finished = True
             raise
-        self._first = False
-        return batch
 
     def __len__(self) -> int:
         return len(self._sized)

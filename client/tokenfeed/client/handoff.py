@@ -11,15 +11,19 @@ POLL_MAX: while the loop trains, a refill within about twice the time the slot w
 free (the ring stays full), and a reader whose trainer is away wakes about once a
 second (benchmarks/scale.py measures 64 idle clients; waking the reader from the
 loop at a low mark instead put a futex wake and a burst of refills into `next()`).
-The loop sets that Event only when it finds the ring empty, and the reader wakes a
-waiting loop at once (a token on a SimpleQueue), so an empty ring is refilled with no
-delay.
+These polls cost the reader ~0.25 ms of CPU per 5 ms step, and they are worth it: a
+reader that waited for half the ring to drain (a few wake-ups per refill) used a sixth
+of that, but the loop's `next()` then resumed on a colder core, ~6 us slower, and the
+stall at 5 ms steps grew (benchmarks/README.md, peers.py). The loop sets that Event
+only when it finds the ring empty, and the reader wakes a waiting loop at once (a
+token on a SimpleQueue), so an empty ring is refilled with no delay.
 
 A reader hands over a message's batches together (`put_all`): an idle loop wakes once
 per message, not once per batch.
 
 Same subset of the `queue.Queue` interface the client uses: put(item, timeout),
-get(timeout), get_nowait(), qsize(), empty(); `queue.Full` / `queue.Empty` as there.
+get(timeout), get_nowait(), qsize(), empty(); `queue.Full` / `queue.Empty` as there;
+and `pop()`, the loop's fast path.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ class Handoff:
         self._waiting = False
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._room = threading.Event()  # the loop -> a reader waiting for room (ring empty)
+        # The loop's fast path: the deque's own popleft, a C call with no Python frame
+        # around it (after a training step's sleep each frame costs microseconds);
+        # IndexError when the ring is empty, and then the loop calls get(), which wakes
+        # a reader waiting for room.
+        self.pop = self._items.popleft
 
     def put(self, item: Any, timeout: float) -> None:
         """Append `item`, waiting up to `timeout` s for room (queue.Full after that)."""
