@@ -9,7 +9,9 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -20,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from tokenfeed.cli.process import wait_for_port
 from tokenfeed.client.transport import RETRYABLE
 from tokenfeed.core.store.meta import Chunk, StoreMeta, chunk_name
 from tokenfeed.v1 import feeder_pb2 as pb
@@ -113,6 +116,18 @@ def cpu_seconds(pid: int) -> float:
         with contextlib.suppress(OSError):  # it ended
             total += time.clock_gettime(-(p + 1) * 8 + 2)  # clock_getcpuclockid(p)
     return total
+
+
+def quiet(pid: int, idle: float = 0.01, every: float = 0.25, bound: float = 60.0) -> None:
+    """Return once the process tree of `pid` takes under `idle` of a core over `every`
+    seconds (a feeder done opening its stores), or after `bound` seconds."""
+    end, was = time.monotonic() + bound, cpu_seconds(pid)
+    while time.monotonic() < end:
+        time.sleep(every)  # a sample of the CPU clock, not a wait for an event
+        now = cpu_seconds(pid)
+        if now - was < idle * every:
+            return
+        was = now
 
 
 def children_cpu() -> float:
@@ -272,6 +287,21 @@ def interleaved(cases: dict[str, Callable[[int], float]], repeats: int) -> dict[
         for k, f in cases.items():
             got[k].append(f(r))
     return {k: statistics.median(v) for k, v in got.items()}
+
+
+@contextmanager
+def grpc_floor(workers: int = 2) -> Iterator[tuple[str, int]]:
+    """servers/grpc_floor.py serving on `workers` processes: (its address, its pid)."""
+    with tempfile.TemporaryDirectory(prefix="grpc-floor-") as d:
+        port_file = Path(d) / "port"
+        script = str(Path(__file__).with_name("servers") / "grpc_floor.py")
+        argv = [sys.executable, script, "--workers", str(workers), "--port-file", str(port_file)]
+        with subprocess.Popen(argv) as proc:
+            try:
+                port = wait_for_port(proc, port_file, 30.0)
+                yield f"127.0.0.1:{port}", proc.pid
+            finally:
+                proc.terminate()
 
 
 @contextmanager
