@@ -388,7 +388,7 @@ class MessageBuilder:
     def _pin_heads(self, chunks: list[int], spans: list[Span]) -> Pinned | None:
         """The burst's chunks pinned but those it needs only the head of (a row crossing
         into them: rounds.spans_heads), whose heads are read from their files instead of
-        loading them whole; None unless every chunk missing from the cache is one."""
+        loading them whole; None if there is no such chunk missing from the cache."""
         keys = self.ds.chunk_keys
         heads = spans_heads(self.ds.store, spans)
         read = [c for c in chunks if c in heads and keys[c] not in self.cache]
@@ -396,8 +396,16 @@ class MessageBuilder:
             return None
         rest = [c for c in chunks if c not in read]
         entries = self.cache.pin_resident([keys[c] for c in rest])
-        if entries is None:
-            return None
+        if entries is None:  # loaded one at a time first (pinning none while waiting)
+            store = self.ds.store
+            for c in (c for c in rest if keys[c] not in self.cache):
+                with self.cache.pinned(
+                    keys[c], store.chunk_nbytes(c), partial(store.read_chunk, c)
+                ):
+                    pass
+            entries = self.cache.pin_resident([keys[c] for c in rest])
+            if entries is None:  # evicted meanwhile (a cache of a few chunks): chunk by chunk
+                return None
         try:
             got = {c: memoryview(inplace.read_head(self.ds.store, c, heads[c])) for c in read}
         except BaseException:
