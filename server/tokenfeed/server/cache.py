@@ -37,7 +37,7 @@ loads into, until it lands: with GETs in flight the memory stays within the boun
 
 A load that takes the room of chunks it evicted reuses one's memory map when the store
 reads into one (core/store/memory.py: a new map's pages are faulted in and zeroed, in a
-virtual machine supplied again by the host, ~8x the CPU of reading into a used one):
+virtual machine supplied again by the host, 4-10x the CPU of reading into a used one):
 only a map no view of the evicted chunk still refers to, and only within the operation
 that evicted it, so memory stays within the bounds above.
 

@@ -13,7 +13,7 @@ random places in the chunks. With 4 KiB pages nearly every row misses the TLB; w
 
 Reuse: a new map's first touch faults in and zeroes every page, and in a virtual
 machine that hands freed memory back to its host (free page reporting, ballooning) the
-host must supply the pages again: a 32 MiB chunk read into a new map cost ~50 ms of
+host must supply the pages again: a 32 MiB chunk read into a new map cost 27-58 ms of
 CPU there, into a map it had used before ~6 ms. So the chunk cache hands the map of a
 chunk it evicts to the load that takes its room (`spare_map`, `hand`): no page is
 faulted, zeroed or given back on the way.
