@@ -334,7 +334,7 @@ class MessageBuilder:
         elif pinned is None and self._first and self.ds.store.in_place:
             # a first burst's files, read in place (see __init__)
             pinned = inplace.ChunkFiles(self.ds, self.pool, attach=False).burst(order)
-        elif pinned is None and self.ds.store.in_place:
+        elif pinned is None and self.ds.store.in_place and self.readahead.shuffle:
             pinned = self._pin_heads(order, [s for spans in messages for s in spans])
         try:
             burst = [self._message(spans, pinned) for spans in messages]
@@ -388,7 +388,10 @@ class MessageBuilder:
     def _pin_heads(self, chunks: list[int], spans: list[Span]) -> Pinned | None:
         """The burst's chunks pinned but those it needs only the head of (a row crossing
         into them: rounds.spans_heads), whose heads are read from their files instead of
-        loading them whole; None if there is no such chunk missing from the cache."""
+        loading them whole; None if there is no such chunk missing from the cache.
+        Shuffled streams only: a stream in window order reads the next chunk whole
+        right after its head, and a head is read without the chunk's checksum, which
+        its load checks before any more of it is sent."""
         keys = self.ds.chunk_keys
         heads = spans_heads(self.ds.store, spans)
         read = [c for c in chunks if c in heads and keys[c] not in self.cache]
