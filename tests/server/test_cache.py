@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import random
 import threading
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from tokenfeed.core.errors import ChecksumMismatch, DataLoss, FailedPrecondition
+from tokenfeed.core.store import memory
 from tokenfeed.server.cache import ChunkCache, count_by_dataset
 from tokenfeed.server.metrics import ServerMetrics
 
 from support import wait_until
+from support.stores import make_positional_store
 
 
 def chunk(key: int, nbytes: int) -> np.ndarray:
@@ -520,4 +524,62 @@ def test_a_pin_counts_its_hits_by_dataset_given_or_counted() -> None:
     assert hits("a") == 4
     assert hits("b") == 2
     assert reg.get_sample_value("tokenfeed_cache_hits_total") == 8
+    cache.close()
+
+
+def _map_of(data: np.ndarray) -> object:
+    return memory.spare_map(data)
+
+
+def test_a_load_reads_into_the_map_of_the_chunk_it_evicted(tmp_path: Path) -> None:
+    # Real chunk files: each load reads into its own anonymous map, except when it takes
+    # the room of an evicted chunk nothing refers to any more: then into that one's map.
+    store = make_positional_store(tmp_path / "s", 4_000, 1_000)
+    cache = ChunkCache(2 * 4_000)  # two chunks of uint32
+    maps = []
+    for c in (0, 1, 2):
+        with cache.pinned(c, 4_000, partial(store.read_chunk, c)) as data:
+            maps.append(_map_of(data))
+            assert np.array_equal(data, np.arange(c * 1_000, (c + 1) * 1_000))
+    assert maps[0] is not None
+    assert maps[1] is not maps[0]
+    assert maps[2] is maps[0]  # chunk 2 evicted chunk 0 and took its map
+    assert 0 not in cache
+    assert cache.resident_bytes == 2 * 4_000
+    cache.close()
+
+
+def test_a_map_a_view_still_refers_to_is_never_reused(tmp_path: Path) -> None:
+    store = make_positional_store(tmp_path / "s", 4_000, 1_000)
+    cache = ChunkCache(2 * 4_000)
+    with cache.pinned(0, 4_000, partial(store.read_chunk, 0)) as data:
+        kept = data[10:20]  # a view outliving the pin (and the chunk's eviction)
+        first = _map_of(data)
+    del data
+    for c in (1, 2, 3):
+        with cache.pinned(c, 4_000, partial(store.read_chunk, c)) as data:
+            assert _map_of(data) is not first
+            assert np.array_equal(data, np.arange(c * 1_000, (c + 1) * 1_000))
+    assert np.array_equal(kept, np.arange(10, 20))  # not overwritten
+    cache.close()
+
+
+def test_a_spare_map_unused_by_the_load_is_dropped(tmp_path: Path) -> None:
+    # A load of another size, or one that fails, maps anew; the spare is not kept.
+    store = make_positional_store(tmp_path / "s", 3_500, 1_000)  # chunk 3: 500 tokens
+    cache = ChunkCache(2 * 4_000)
+    for c in (0, 1):
+        with cache.pinned(c, 4_000, partial(store.read_chunk, c)):
+            pass
+    with cache.pinned(3, 2_000, partial(store.read_chunk, 3)) as data:
+        assert np.array_equal(data, np.arange(3_000, 3_500))
+    assert cache._spares == []
+    assert memory._given.spare is None
+
+    def broken() -> np.ndarray:
+        raise DataLoss("chunk 9 is gone")
+
+    with pytest.raises(DataLoss, match="chunk 9"), cache.pinned(9, 4_000, broken):
+        pass
+    assert memory._given.spare is None
     cache.close()

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenfeed.core.errors import DataLoss
 from tokenfeed.core.request import SamplingSpec
-from tokenfeed.server import assembly, inplace, service
+from tokenfeed.server import assembly, inplace, rounds, service
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog
@@ -534,3 +534,48 @@ def test_a_feeder_keeps_a_mixtures_files_between_streams_then_closes_them(
         assert stream(1) == 30
         assert all(pool._files.get(key) is row for key, row in rows.items())
         wait_until(lambda: len(pool) == 0, 10, "the kept files closed")
+
+
+def test_a_small_job_reads_the_head_a_row_crosses_into_instead_of_loading_the_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block's last windows run a token past its chunk: a stream loading whole chunks
+    reads that head from the next chunk's file instead of loading it: through a cache
+    smaller than the store it loads fewer chunks, and sends the same bytes."""
+    make_positional_store(tmp_path / "s", 16 << 18, 1 << 18)  # 16 chunks of 1 MiB
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(dataset="s", seq_len=1024, batch_size=8, shuffle=True, seed=3)
+    sampler = sampler_for(spec, ds)
+
+    def stream() -> tuple[list[bytes], int]:
+        cache = ChunkCache(10 << 20)  # 10 of the 16 chunks
+        pipe = MessageBuilder(
+            ds, sampler, sampler.rounds(0, 0), 4, cache, ServerMetrics(CollectorRegistry())
+        )
+        try:
+            out = []
+            while burst := pipe.next_burst():
+                out += [data for data, _, _, _ in burst]
+                wait_until(lambda: cache.loading == 0, 30, "read-aheads")
+            return out, cache.stats.loads
+        finally:
+            pipe.close()
+            cache.close()
+
+    heads, loads = stream()
+    monkeypatch.setattr(rounds, "HEAD_BYTES", 0)
+    whole, whole_loads = stream()
+    assert heads == whole
+    assert len(heads) > 100
+    assert loads < whole_loads  # 22 against 28 here
+
+
+def test_a_head_of_a_cut_or_missing_chunk_file_is_data_loss_naming_it(tmp_path: Path) -> None:
+    store = make_positional_store(tmp_path / "s", 4_000, 1_000)
+    assert inplace.read_head(store, 1, 64) == np.arange(1_000, 1_016, dtype=np.uint32).tobytes()
+    os.truncate(tmp_path / "s" / "chunk_000001.bin", 100)
+    with pytest.raises(DataLoss, match=r"chunk_000001\.bin has 100 bytes"):
+        inplace.read_head(store, 1, 64)
+    os.unlink(tmp_path / "s" / "chunk_000002.bin")
+    with pytest.raises(DataLoss, match=r"chunk_000002\.bin is missing"):
+        inplace.read_head(store, 2, 64)

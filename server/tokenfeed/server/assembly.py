@@ -33,7 +33,13 @@ from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.documents import BatchEnds
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.readahead import ReadaheadPolicy
-from tokenfeed.server.rounds import LocatedRound, RoundQueue, Span, spans_chunks
+from tokenfeed.server.rounds import (
+    LocatedRound,
+    RoundQueue,
+    Span,
+    spans_chunks,
+    spans_heads,
+)
 
 # A burst is built in one go: one pin of its chunks, one thread-pool round trip, which
 # costs more than building one small message. Past a few messages a burst saves no
@@ -328,6 +334,8 @@ class MessageBuilder:
         elif pinned is None and self._first and self.ds.store.in_place:
             # a first burst's files, read in place (see __init__)
             pinned = inplace.ChunkFiles(self.ds, self.pool, attach=False).burst(order)
+        elif pinned is None and self.ds.store.in_place and self.readahead.shuffle:
+            pinned = self._pin_heads(order, [s for spans in messages for s in spans])
         try:
             burst = [self._message(spans, pinned) for spans in messages]
         finally:
@@ -376,6 +384,42 @@ class MessageBuilder:
             memo = self._pins = (chunks, keys, count_by_dataset(keys), ids)
         entries = self.cache.pin_resident(memo[1], memo[2])
         return None if entries is None else Pinned.cached(self.cache, entries, memo[3])
+
+    def _pin_heads(self, chunks: list[int], spans: list[Span]) -> Pinned | None:
+        """The burst's chunks pinned but those it needs only the head of (a row crossing
+        into them: rounds.spans_heads), whose heads are read from their files instead of
+        loading them whole; None if there is no such chunk missing from the cache.
+        Shuffled streams only: a stream in window order reads the next chunk whole
+        right after its head, and a head is read without the chunk's checksum, which
+        its load checks before any more of it is sent."""
+        keys = self.ds.chunk_keys
+        heads = spans_heads(self.ds.store, spans)
+        read = [c for c in chunks if c in heads and keys[c] not in self.cache]
+        if not read:
+            return None
+        rest = [c for c in chunks if c not in read]
+        entries = self.cache.pin_resident([keys[c] for c in rest])
+        if entries is None:  # loaded one at a time first (pinning none while waiting)
+            store = self.ds.store
+            for c in (c for c in rest if keys[c] not in self.cache):
+                with self.cache.pinned(
+                    keys[c], store.chunk_nbytes(c), partial(store.read_chunk, c)
+                ):
+                    pass
+            entries = self.cache.pin_resident([keys[c] for c in rest])
+            if entries is None:  # evicted meanwhile (a cache of a few chunks): chunk by chunk
+                return None
+        try:
+            got = {c: memoryview(inplace.read_head(self.ds.store, c, heads[c])) for c in read}
+        except BaseException:
+            self.cache.release_all(entries)
+            raise
+        views = iter([e.view for e in entries])
+        return Pinned(
+            chunks,
+            [got[c] if c in got else next(views) for c in chunks],
+            partial(self.cache.release_all, entries),
+        )
 
     def _message(self, spans: list[Span], pinned: Pinned | inplace.InPlace | None) -> Message:
         batches = sum(j - i for _, i, j in spans)

@@ -360,6 +360,30 @@ class ChunkFiles:
             self.pool.detach()
 
 
+def read_head(store: Any, chunk: int, nbytes: int) -> bytes:
+    """The first `nbytes` of chunk `chunk`, read from its file (a stream loading whole
+    chunks takes only a head from a chunk its rows cross into: rounds.spans_heads);
+    DataLoss naming the chunk if its file is missing, short or unreadable."""
+    path, base = store.chunk_file(chunk)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        store.check_chunk_file(chunk, None)
+        raise
+    except OSError as e:
+        raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
+    try:
+        store.check_chunk_file(chunk, os.fstat(fd).st_size)
+        data = os.pread(fd, nbytes, base)
+    except OSError as e:
+        raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if len(data) != nbytes:  # cut between the check and the read
+        raise DataLoss(f"{store.location}: chunk {chunk} was cut short")
+    return data
+
+
 class WouldBlock(Exception):
     """A row read without waiting is not in the page cache: the burst is left to a
     worker thread."""

@@ -10,7 +10,9 @@ than the cache holds.
 - **Near**: the chunks of the next `batches` batches (the next burst's at least), so
   the next burst usually finds them resident and is built on the event loop; in
   window order (no shuffle) the chunk after them too, as a stream reads a store
-  front to back.
+  front to back. Shuffled, not a local chunk those batches need only the head of (a
+  row crossing into it from a block's chunk: rounds.spans_heads): the burst reads
+  that from its file.
 - **Deep look** (stores whose chunks come over the network, s3://): every DEEP_EVERY
   bursts, the chunks of the next DEEP_GROUPS shuffle groups' worth of batches (into
   the next epoch's first batches when this one ends within reach), in order of first
@@ -39,7 +41,14 @@ from tokenfeed.core import sampling
 from tokenfeed.core.mixture.sampler import MixtureSampler
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Dataset
-from tokenfeed.server.rounds import Reach, RoundQueue, Span, reach, spans_chunks
+from tokenfeed.server.rounds import (
+    Reach,
+    RoundQueue,
+    Span,
+    reach,
+    spans_chunks,
+    spans_heads,
+)
 
 # Near: at least this many batches past the last burst. A burst is 4 messages, so at
 # one batch a message this is the next two bursts: a chunk from local disk (a few ms)
@@ -194,7 +203,9 @@ class ReadaheadPolicy:
             self._needed = {c: self._at + b for c, b in last.items()}
             self.look = warm = list(chunks)
         else:
-            chunks = sorted(near)
+            # a chunk only a row's tail crosses into is read from its file (assembly.py)
+            heads = spans_heads(store, spans) if store.in_place and self.shuffle else {}
+            chunks = sorted(near.difference(heads))
         if used:
             past = [c for c in used - near if self._needed.get(c, -1) < self._at]
             self.cache.cool([self.ds.chunk_key(c) for c in past])

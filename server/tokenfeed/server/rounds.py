@@ -21,6 +21,7 @@ from functools import cached_property
 import numpy as np
 
 from tokenfeed.core import sampling
+from tokenfeed.core.store.reader import StoreReader
 from tokenfeed.server import splice, wire
 from tokenfeed.server.datasets import Dataset
 
@@ -126,6 +127,37 @@ def spans_chunks(spans: list[Span]) -> set[int]:
         chunks.update(lr.program[lr.piece_lo[i] : lr.piece_lo[j], 0].tolist())
     chunks.discard(-1)
     return chunks
+
+
+# A chunk a stream loading whole chunks needs only within its first HEAD_BYTES (the
+# head its rows cross into from the chunk before), and within a HEAD_SHARE of it, has
+# those bytes read from its file instead of being loaded whole: one row's tail, not 32
+# MiB read, copied and checked. A small chunk is loaded whole as before.
+HEAD_BYTES = 64 << 10
+HEAD_SHARE = 16
+
+
+def spans_heads(store: StoreReader, spans: list[Span]) -> dict[int, int]:
+    """The chunks `spans` need only a head of (HEAD_BYTES), each with the bytes from its
+    start they reach. A block's last windows run a token or a row past its chunk into
+    the next one (docs/sampling.md, "Block shuffle"): a shuffle group's rows need its
+    blocks' chunks and the heads of as many others."""
+    parts = [lr.program[lr.piece_lo[i] : lr.piece_lo[j]] for lr, i, j in spans]
+    if not parts:
+        return {}
+    pieces = np.concatenate(parts)
+    pieces = pieces[pieces[:, 0] >= 0]
+    if not pieces.size:
+        return {}
+    chunks, which = np.unique(pieces[:, 0], return_inverse=True)
+    reach = np.zeros(chunks.size, dtype=np.int64)
+    np.maximum.at(reach, which, pieces[:, 1] + pieces[:, 2])
+    small = reach <= HEAD_BYTES
+    return {
+        c: r
+        for c, r in zip(chunks[small].tolist(), reach[small].tolist(), strict=True)
+        if r * HEAD_SHARE <= store.chunk_nbytes(c)
+    }
 
 
 class RoundQueue:

@@ -103,7 +103,7 @@ class LocalFiles(StoreFiles):
             return None
 
     def read(self, name: str, nbytes: int) -> memoryview:
-        buf = anonymous(nbytes)
+        buf = anonymous(nbytes, whole=True)
         try:
             with open(self.path / name, "rb") as f:
                 got = f.readinto(buf)

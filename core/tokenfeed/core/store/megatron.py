@@ -262,7 +262,7 @@ class MegatronStore(StoreReader):
     def read_chunk(self, index: int, verify: bool = True) -> np.ndarray:
         a, b = int(self.chunk_starts[index]), int(self.chunk_starts[index + 1])
         n = b - a
-        buf = anonymous(n * self.dtype.itemsize)
+        buf = anonymous(n * self.dtype.itemsize, whole=True)  # filled below
         out = np.frombuffer(buf, dtype=self.dtype, count=n)
         src = self.source_dtype
         if src.itemsize == self.dtype.itemsize:  # uint16, int16, int32: read in place
