@@ -259,8 +259,19 @@ def test_a_file_cut_while_kept_open_is_data_loss_naming_it(tmp_path: Path) -> No
         cache.close()
 
 
-def _fds() -> set[int]:
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+def _open_under(root: Path) -> list[str]:
+    """What this process's descriptors have open under `root`. Only those: a test's
+    other descriptors come and go meanwhile (a collected object's, a thread's), and a
+    number closed and opened again would make a set of numbers lie."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (or the listing's own descriptor)
+            continue
+        if target.startswith(f"{root}/"):
+            out.append(target)
+    return sorted(out)
 
 
 def _open_counter(tmp_path: Path, n: int) -> tuple[list[Path], Callable[[list[Path]], object]]:
@@ -285,7 +296,6 @@ def test_the_pool_keeps_its_bound_and_closes_least_recently_taken_first(
     monkeypatch.setattr(inplace, "POOL_FILES", 4)
     monkeypatch.setattr(inplace, "KEEP_FILES", 3)
     _, opener = _open_counter(tmp_path, 12)
-    before = _fds()
     pool = inplace.FilePool()
     assert pool.capacity == 0
     pool.attach()
@@ -316,7 +326,7 @@ def test_the_pool_keeps_its_bound_and_closes_least_recently_taken_first(
     pool.give_back([2, 3])  # `held`'s
     pool.detach()
     assert len(pool) == 0
-    assert _fds() == before
+    assert _open_under(tmp_path) == []
 
 
 def test_a_failed_open_holds_nothing(tmp_path: Path) -> None:
@@ -345,7 +355,6 @@ def test_streams_share_the_pools_files_and_leave_none_open(tmp_path: Path) -> No
         dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
     )
     sampler = sampler_for(spec, ds)
-    before = _fds()
     pool = inplace.FilePool()
     cache = ChunkCache(1 << 22)
     pipes = [
@@ -363,12 +372,12 @@ def test_streams_share_the_pools_files_and_leave_none_open(tmp_path: Path) -> No
     out = [drive(p)[0] for p in pipes]
     opened = len(pool)
     assert 0 < opened <= ds.store.num_chunks  # each chunk's file once, for both ranks
-    assert len(_fds() - before) == opened
+    assert len(_open_under(tmp_path)) == opened
     for p in pipes:
         p.close()
     cache.close()
     assert len(pool) == 0
-    assert _fds() == before
+    assert _open_under(tmp_path) == []
     for r, got in zip((3, 4), out, strict=True):
         assert got == build(ds, sampler, rank=r)[0]
 
@@ -419,7 +428,6 @@ def test_the_last_stream_leaves_pool_files_open_for_keep_seconds(
         return open_file
 
     now = [0.0]
-    before = _fds()
     pool = inplace.FilePool(keep_seconds=30, clock=lambda: now[0])
     assert pool.expire() is None
     pool.attach()
@@ -448,7 +456,7 @@ def test_the_last_stream_leaves_pool_files_open_for_keep_seconds(
     now[0] = 40.0
     assert pool.expire() is None
     assert len(pool) == 0
-    assert _fds() == before
+    assert _open_under(tmp_path) == []
 
 
 def _replace(path: Path, data: bytes) -> None:
@@ -468,7 +476,6 @@ def test_a_file_changed_while_kept_for_no_stream_is_what_an_open_finds(
     ds = Catalog(tmp_path).get("s")
     spec = SamplingSpec(dataset="s", seq_len=90, batch_size=2, world_size=16, split_rate=1.0)
     sampler = sampler_for(spec, ds)
-    before = _fds()
     pool = inplace.FilePool(keep_seconds=30)
     cache = ChunkCache(1 << 22)
 
@@ -500,7 +507,7 @@ def test_a_file_changed_while_kept_for_no_stream_is_what_an_open_finds(
     finally:
         pool.close()
         cache.close()
-    assert _fds() == before
+    assert _open_under(tmp_path) == []
 
 
 def test_a_feeder_keeps_a_mixtures_files_between_streams_then_closes_them(
@@ -519,7 +526,6 @@ def test_a_feeder_keeps_a_mixtures_files_between_streams_then_closes_them(
     with running_feeder(tmp_path) as f, grpc.insecure_channel(f.address) as channel:
         stub = pb_grpc.FeederStub(channel)
         pool = f.server.service.files
-        before = _fds()
 
         def stream(rank: int) -> int:
             request = pb.StreamBatchesRequest(params=params, rank=rank)
@@ -529,7 +535,7 @@ def test_a_feeder_keeps_a_mixtures_files_between_streams_then_closes_them(
         wait_until(lambda: f.server.service.active_streams == 0, 10, "the stream's end")
         kept = len(pool)
         assert kept >= 20  # a file of each source at least
-        assert len(_fds() - before) >= kept
+        assert len(_open_under(tmp_path)) >= kept
         rows = dict(pool._files)  # a file closed and opened again would be a new row
         assert stream(1) == 30
         assert all(pool._files.get(key) is row for key, row in rows.items())
