@@ -360,3 +360,31 @@ def test_a_deep_look_at_an_epochs_end_reaches_into_the_next_epoch(tmp_path: Path
         assert set(want) > set(by_rows(ds, tail)[0])  # the next epoch adds chunks
     finally:
         cache.close()
+
+
+def test_chunk_heads_are_looked_for_only_when_a_near_chunk_is_missing(
+    small: Dataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding the chunks a shuffled stream needs only the head of (rounds.spans_heads)
+    costs more than a burst of cached chunks: the near look does it only when one of
+    its chunks is not in the cache, the only time it changes what is asked for."""
+    calls: list[int] = []
+
+    def counted(*args: Any) -> dict[int, int]:
+        calls.append(1)
+        return rounds.spans_heads(*args)
+
+    monkeypatch.setattr(readahead, "spans_heads", counted)
+    cache = ChunkCache(64 * small.store.chunk_nbytes(0))
+    spec = SamplingSpec(dataset="s", seq_len=300, batch_size=4, shuffle=True, seed=2)
+    queue, policy = policy_over(small, spec, cache)
+    try:
+        near = sorted(set(by_rows(small, queue.spans(policy.batches, queue.start)[0])[0]))
+        load(cache, small, near[1:])
+        policy.look_ahead()  # one near chunk missing
+        assert calls == [1]
+        load(cache, small, near[:1])
+        policy.look_ahead()  # every near chunk cached
+        assert calls == [1]
+    finally:
+        cache.close()

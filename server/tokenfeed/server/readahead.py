@@ -203,9 +203,13 @@ class ReadaheadPolicy:
             self._needed = {c: self._at + b for c, b in last.items()}
             self.look = warm = list(chunks)
         else:
-            # a chunk only a row's tail crosses into is read from its file (assembly.py)
-            heads = spans_heads(store, spans) if store.in_place and self.shuffle else {}
-            chunks = sorted(near.difference(heads))
+            chunks = sorted(near)
+            key, cache = self.ds.chunk_key, self.cache
+            if store.in_place and self.shuffle and any(key(c) not in cache for c in chunks):
+                # a chunk only a row's tail crosses into is read from its file
+                # (assembly.py); looked for only when a chunk is missing: finding heads
+                # costs more than a burst of cached chunks saves by it
+                chunks = sorted(near.difference(spans_heads(store, spans)))
         if used:
             past = [c for c in used - near if self._needed.get(c, -1) < self._at]
             self.cache.cool([self.ds.chunk_key(c) for c in past])
