@@ -16,10 +16,11 @@ from prometheus_client import CollectorRegistry
 
 from tokenfeed.core.errors import DataLoss
 from tokenfeed.core.request import SamplingSpec
+from tokenfeed.core.sampling import DatasetSampler
 from tokenfeed.server import assembly, inplace, rounds, service
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
-from tokenfeed.server.datasets import Catalog
+from tokenfeed.server.datasets import Catalog, Dataset
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.mixtures import MixtureSpace
 from tokenfeed.server.service import mixture_sampler_for, sampler_for
@@ -29,6 +30,17 @@ from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 from support import wait_until
 from support.feeders import feeder_params, running_feeder
 from support.stores import make_positional_store
+
+
+def _job_of_16(tmp_path: Path, tokens: int) -> tuple[Dataset, DatasetSampler]:
+    """A uint16 store of `tokens` in chunks of 10,000 and the sampler of a shuffled job
+    of 16 ranks over it (a rank of it reads in place)."""
+    make_positional_store(tmp_path / "s", tokens, 10_000, dtype="uint16")
+    ds = Catalog(tmp_path).get("s")
+    spec = SamplingSpec(
+        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
+    )
+    return ds, sampler_for(spec, ds)
 
 
 def drive(pipe: MessageBuilder, limit: int = 10**9) -> tuple[list[bytes], float]:
@@ -69,12 +81,7 @@ def test_bursts_read_in_place_on_the_event_loop_are_the_bytes_loaded_chunks_give
     """A rank of a job of 16 reads its rows in place; once its files are open, its bursts
     are built on the event loop (the files were just written: in the page cache), and
     every message is the one the whole-chunk path builds."""
-    make_positional_store(tmp_path / "s", 200_000, 10_000, dtype="uint16")
-    ds = Catalog(tmp_path).get("s")
-    spec = SamplingSpec(
-        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
-    )
-    sampler = sampler_for(spec, ds)
+    ds, sampler = _job_of_16(tmp_path, 200_000)
     in_place, inline, pipe = build(ds, sampler, rank=5)
     assert pipe.files is not None
     monkeypatch.setattr(inplace, "IN_PLACE_WORLD_SIZE", 1 << 40)
@@ -92,12 +99,7 @@ def test_a_stream_reading_in_place_grows_its_bursts_within_the_byte_bound(
     """Bursts of a stream reading in place: one message, then BURST_MESSAGES doubling to
     IN_PLACE_BURST_MESSAGES, fewer where BURST_BYTES binds; a stream loading whole
     chunks keeps BURST_MESSAGES. Either way every message is the same."""
-    make_positional_store(tmp_path / "s", 400_000, 10_000, dtype="uint16")
-    ds = Catalog(tmp_path).get("s")
-    spec = SamplingSpec(
-        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
-    )
-    sampler = sampler_for(spec, ds)
+    ds, sampler = _job_of_16(tmp_path, 400_000)
 
     def sizes(pipe: MessageBuilder) -> tuple[list[int], list[bytes]]:
         got: list[int] = []
@@ -136,12 +138,7 @@ def test_a_stream_reading_in_place_grows_its_bursts_within_the_byte_bound(
 def test_a_paced_stream_reading_in_place_goes_back_to_small_bursts(tmp_path: Path) -> None:
     """A burst that waited to be written (`paced`): the next is BURST_MESSAGES, and the
     bursts grow again from there while none waits."""
-    make_positional_store(tmp_path / "s", 400_000, 10_000, dtype="uint16")
-    ds = Catalog(tmp_path).get("s")
-    spec = SamplingSpec(
-        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
-    )
-    sampler = sampler_for(spec, ds)
+    ds, sampler = _job_of_16(tmp_path, 400_000)
     cache = ChunkCache(1 << 22)
     metrics = ServerMetrics(CollectorRegistry())
     pipe = MessageBuilder(ds, sampler, sampler.rounds(0, 5), 1, cache, metrics)
@@ -186,12 +183,7 @@ def test_a_streams_first_burst_opens_only_its_own_files(tmp_path: Path) -> None:
     """A stream's first batch waits for its own rows only: the files of the bursts
     ahead are opened after its next burst built on a worker thread, not before the
     first batch goes out (a storm of starts would open them for every rank first)."""
-    make_positional_store(tmp_path / "s", 400_000, 10_000, dtype="uint16")
-    ds = Catalog(tmp_path).get("s")
-    spec = SamplingSpec(
-        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
-    )
-    sampler = sampler_for(spec, ds)
+    ds, sampler = _job_of_16(tmp_path, 400_000)
     pool = inplace.FilePool()
     cache = ChunkCache(1 << 22)
     pipe = MessageBuilder(
@@ -200,7 +192,7 @@ def test_a_streams_first_burst_opens_only_its_own_files(tmp_path: Path) -> None:
     try:
         assert len(pipe.next_burst()) == 1
         own = len(pool)
-        assert 1 <= own <= 2 * spec.batch_size  # a row crossing chunks reads two files
+        assert 1 <= own <= 2 * sampler.spec.batch_size  # a row crossing chunks reads two files
         assert len(pipe.next_burst()) == assembly.BURST_MESSAGES
         assert len(pool) > 2 * own  # the next bursts' files, opened ahead
     finally:
@@ -349,12 +341,7 @@ def test_streams_share_the_pools_files_and_leave_none_open(tmp_path: Path) -> No
     """Two ranks of a job of 16 on one feeder's pool: the second opens no file the first
     has open, both read the bytes the whole-chunk path builds, and once both end no
     descriptor is left."""
-    make_positional_store(tmp_path / "s", 200_000, 10_000, dtype="uint16")
-    ds = Catalog(tmp_path).get("s")
-    spec = SamplingSpec(
-        dataset="s", seq_len=90, batch_size=2, world_size=16, shuffle=True, seed=3, split_rate=1.0
-    )
-    sampler = sampler_for(spec, ds)
+    ds, sampler = _job_of_16(tmp_path, 200_000)
     pool = inplace.FilePool()
     cache = ChunkCache(1 << 22)
     pipes = [
