@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +24,13 @@ from typing import Any
 import grpc
 
 from tokenfeed.core.atomic import write_atomic
-from tokenfeed.core.limits import MAX_REQUEST_BYTES
-from tokenfeed.server.app import new_event_loop
+from tokenfeed.server.app import new_event_loop, server_options
+from tokenfeed.server.config import ServerConfig
 from tokenfeed.server.service import SERVICE_NAME
+from tokenfeed.server.supervisor import reserve_port
 from tokenfeed.v1 import feeder_pb2 as pb
 
 ROWS, COLS = 8, 2049  # one batch of 8 x 2,048-token windows and their shifted targets
-MAX_BATCH_BYTES = 64 << 20  # ServerConfig's default max_batch_bytes
 
 
 def one_batch() -> bytes:
@@ -48,15 +47,7 @@ async def serve_one(port: int, messages: int) -> None:
             await context.write(message)
         await asyncio.get_running_loop().create_future()  # until the client cancels
 
-    server = grpc.aio.server(
-        options=[  # FeederServer.start's
-            ("grpc.max_send_message_length", MAX_BATCH_BYTES + (1 << 20)),
-            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-            ("grpc.so_reuseport", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ]
-    )
+    server = grpc.aio.server(options=server_options(ServerConfig.max_batch_bytes, True))
     handler: Any = grpc.unary_stream_rpc_method_handler(stream_batches)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE_NAME, {"StreamBatches": handler}),)
@@ -81,10 +72,7 @@ def main() -> int:
         loop = new_event_loop()
         loop.run_until_complete(serve_one(args.worker_port, args.messages))
         return 0
-    held = socket.socket()  # the port, reserved as the supervisor reserves it
-    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    held.bind(("127.0.0.1", 0))
-    port = held.getsockname()[1]
+    held, port = reserve_port("127.0.0.1", 0)  # as a `--workers N` feeder holds its port
     workers = [
         subprocess.Popen(
             [

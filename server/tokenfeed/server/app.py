@@ -123,6 +123,22 @@ class TokenAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is un
         )
 
 
+def server_options(max_batch_bytes: int, reuse_port: bool) -> list[tuple[str, int]]:
+    """The gRPC server options of a feeder (benchmarks/servers/grpc_floor.py serves with
+    them too, to be gRPC's floor under the same settings)."""
+    return [
+        ("grpc.max_send_message_length", max_batch_bytes + (1 << 20)),
+        ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+        # a second feeder on a busy port must fail, except the worker processes of one
+        # `--workers N` feeder, which share it
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
+        # Accept the clients' keepalive pings (every 20 s, also while a slow trainer's
+        # stream is paused by flow control) instead of a GOAWAY.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
 class FeederServer:
     """One feeder: the gRPC server and everything it owns.
 
@@ -193,17 +209,7 @@ class FeederServer:
         interceptors = [TokenAuth(self.service.access, self.metrics)] if cfg.authenticates else []
         server = grpc.aio.server(
             interceptors=interceptors,
-            options=[
-                ("grpc.max_send_message_length", cfg.max_batch_bytes + (1 << 20)),
-                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
-                # a second feeder on a busy port must fail, except the worker processes
-                # of one `--workers N` feeder, which share it
-                ("grpc.so_reuseport", 1 if self.reuse_port else 0),
-                # Accept the clients' keepalive pings (every 20 s, also while a slow
-                # trainer's stream is paused by flow control) instead of a GOAWAY.
-                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-            ],
+            options=server_options(cfg.max_batch_bytes, self.reuse_port),
         )
         server.add_generic_rpc_handlers((self.service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
