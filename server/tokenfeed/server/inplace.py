@@ -336,21 +336,13 @@ class ChunkFiles:
 
     def _open(self, chunk: int) -> Opened:
         """Chunk `chunk`'s file opened and checked: (fd, base, size, path)."""
-        path, base = self.store.chunk_file(chunk)
+        fd, base, path = _open_chunk_file(self.store, chunk)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            self.store.check_chunk_file(chunk, None)
-            raise
-        except OSError as e:
-            raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
-        try:
-            self.store.check_chunk_file(chunk, os.fstat(fd).st_size)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         except BaseException:
             os.close(fd)
             raise
-        return fd, base, self.store.chunk_nbytes(chunk), str(path)
+        return fd, base, self.store.chunk_nbytes(chunk), path
 
     def close(self) -> None:
         """The stream ended (once; the files stay in the pool, within its capacity)."""
@@ -364,6 +356,22 @@ def read_head(store: Any, chunk: int, nbytes: int) -> bytes:
     """The first `nbytes` of chunk `chunk`, read from its file (a stream loading whole
     chunks takes only a head from a chunk its rows cross into: rounds.spans_heads);
     DataLoss naming the chunk if its file is missing, short or unreadable."""
+    fd, base, path = _open_chunk_file(store, chunk)
+    try:
+        data = os.pread(fd, nbytes, base)
+    except OSError as e:
+        raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if len(data) != nbytes:  # cut between the check and the read
+        raise DataLoss(f"{store.location}: chunk {chunk} was cut short")
+    return data
+
+
+def _open_chunk_file(store: Any, chunk: int) -> tuple[int, int, str]:
+    """Chunk `chunk`'s file opened and its size checked against the store's: (fd, the
+    chunk's byte offset in it, path); DataLoss naming the chunk if the file is missing,
+    of another size or unreadable."""
     path, base = store.chunk_file(chunk)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -373,15 +381,16 @@ def read_head(store: Any, chunk: int, nbytes: int) -> bytes:
     except OSError as e:
         raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
     try:
-        store.check_chunk_file(chunk, os.fstat(fd).st_size)
-        data = os.pread(fd, nbytes, base)
+        size = os.fstat(fd).st_size
     except OSError as e:
-        raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
-    finally:
         os.close(fd)
-    if len(data) != nbytes:  # cut between the check and the read
-        raise DataLoss(f"{store.location}: chunk {chunk} was cut short")
-    return data
+        raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
+    try:
+        store.check_chunk_file(chunk, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, base, str(path)
 
 
 class WouldBlock(Exception):
