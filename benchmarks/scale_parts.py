@@ -107,10 +107,10 @@ def process_tree(pid: int) -> list[int]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU seconds of a process and its children (workers), in nanoseconds: each one's
-    process CPU clock, which keeps its ended threads' time (a sum of its threads'
-    /proc schedstat loses a thread's time when it ends; /proc/PID/stat counts 10 ms
-    ticks)."""
+    """CPU seconds of a process and its children (workers): each one's process CPU
+    clock, nanosecond-resolved, which keeps its ended threads' time (a sum of its
+    threads' /proc schedstat loses a thread's time when it ends; /proc/PID/stat counts
+    10 ms ticks)."""
     total = 0.0
     for p in process_tree(pid):
         with contextlib.suppress(OSError):  # it ended
