@@ -94,13 +94,15 @@ def healthy() -> tuple[bool, str]:
 
 def make_bucket(name: str, proc: subprocess.Popen[bytes], deadline: float) -> None:
     """PUT and DELETE a marker under /buckets/NAME/ until the filer takes it: right after
-    start it fails until the master has a volume server to allocate on."""
+    start it fails until the master has a volume server to allocate on. The marker has
+    bytes: an empty file lives in the filer's metadata alone and would prove nothing of
+    the bucket's volumes, which S3's first PUT needs."""
     marker = f"{FILER}/buckets/{name}/.seaweedfs-demo"
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"weed exited with {proc.returncode} before bucket {name}")
         try:
-            status = request("PUT", marker, b"")
+            status = request("PUT", marker, b"ready")
             if status in (200, 201):
                 request("DELETE", marker)
                 return

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         f"in {elapsed:.0f} s {'=' * 20}"
     )
     for check, detail in results.failed:
-        print(f"FAILED {check}: {detail[:500]}")
+        print(f"FAILED {check}: {detail[:1500]}")
     return 1 if results.failed else 0
 
 

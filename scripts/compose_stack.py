@@ -254,10 +254,13 @@ class Stack:
         name, r = self.profile.name, self.results
         for job in self.profile.jobs:
             state = self.container(job)["State"]
+            ok = state["Status"] == "exited" and state["ExitCode"] == 0
+            # a failed job's last lines first: CI shows the summary's end, not the logs
+            tail = "" if ok else " | ".join(self.compose_logs(job).splitlines()[-6:]) + " | "
             r.check(
                 f"[{name}] {job} exited 0",
-                state["Status"] == "exited" and state["ExitCode"] == 0,
-                f"status {state['Status']}, exit code {state['ExitCode']}",
+                ok,
+                f"{tail}status {state['Status']}, exit code {state['ExitCode']}",
             )
         for service in (*self.profile.services, *self.profile.feeders):
             ok, detail = until(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from tokenfeed.cli import main
-from tokenfeed.core.errors import DataLoss, NotFound, PermissionDenied
+from tokenfeed.core.errors import DataLoss, NotFound, PermissionDenied, StorageUnavailable
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.store import META_NAME, TokenStore, open_store
 from tokenfeed.core.store.objects import ObjectStore, RetryPolicy
@@ -101,6 +102,17 @@ def test_object_store_round_trip_and_safe_errors(
     assert WRONG_SECRET not in text
     assert s3.secret_key not in text
     assert bad.retries == 0  # 403 is not retried
+
+
+def test_a_refused_connection_is_retried_and_named(s3_env) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    store = ObjectStore("s3://b/p", policy=FAST, env=s3_env | {"AWS_ENDPOINT_URL": closed})
+    with pytest.raises(StorageUnavailable) as ei:
+        store.check_access()
+    assert ei.value.message == "s3://b/p/: LIST failed after 5 attempt(s): connection refused"
+    assert store.retries == 4
 
 
 def test_feeder_serves_native_stores_from_s3(s3_root: str) -> None:

@@ -1,7 +1,7 @@
 """A feeder whose data root is on S3 behind a fault proxy: latency, 503 SlowDown,
 connection resets. Every epoch must still come exactly once with the right tokens;
 when the retries run out, only the streams that need the object fail (UNAVAILABLE
-naming it) and the others keep going.
+naming it) and the others keep going. A store's writer outlasts a longer outage.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 
 from tokenfeed.client import Backoff, FeederClient
+from tokenfeed.core.errors import StorageUnavailable
+from tokenfeed.core.store import META_NAME
+from tokenfeed.core.store.objects import ObjectStore
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
@@ -96,3 +99,23 @@ def test_retries_run_out_unavailable_for_that_stream_only(
         assert len(first_b.batches) > 0
         ch_a.close()
         ch_b.close()
+
+
+def test_a_store_writer_outlasts_an_outage_that_fails_a_read(
+    s3,
+    s3_root: str,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    # 7 SlowDowns in a row: one more than a request's default attempts, within a writer's
+    with S3FaultProxy(("127.0.0.1", s3.ports.s3), seed=3, methods=("PUT",)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        proxy.fail_next(7, "slowdown")
+        with pytest.raises(StorageUnavailable, match=r"PUT failed after 6 attempt\(s\)"):
+            ObjectStore(f"{s3_root}/refused").put("a.bin", b"x")
+        proxy.heal()
+        proxy.fail_next(7, "slowdown")
+        store = make_positional_store(f"{s3_root}/written", 2_000, 1_000)  # type: ignore[arg-type]
+        assert proxy.faults["slowdown"] == 6 + 7
+        assert store.meta.total_tokens == 2_000
+        keys = {o.key for o in ObjectStore(f"{s3_root}/written").list()}
+        assert keys == {META_NAME, "chunk_000000.bin", "chunk_000001.bin"}

@@ -48,7 +48,7 @@ from tokenfeed.core.store import (
     is_url,
     open_files,
 )
-from tokenfeed.core.store.objects import S3Url
+from tokenfeed.core.store.objects import WRITER_POLICY, S3Url
 from tokenfeed.prepare import output as out
 from tokenfeed.prepare.tokenize import (
     Encoder,
@@ -228,7 +228,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     info = describe_tokenizer(cfg.tokenizer, tok)
     source = describe(cfg, info)
     path = cfg.store_path
-    files = open_files(path)
+    files = open_files(path, WRITER_POLICY)
     claim = out.claim_output(files, source, cfg.overwrite, "prepare")
     if claim.complete is not None:
         return PrepareResult(

@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenfeed.core.atomic import write_atomic
 from tokenfeed.core.errors import DataLoss, InvalidArgument
 from tokenfeed.core.store.memory import anonymous
-from tokenfeed.core.store.objects import ObjectStore, S3Url, etag_generation, is_url
+from tokenfeed.core.store.objects import ObjectStore, RetryPolicy, S3Url, etag_generation, is_url
 
 
 class StoreFiles(ABC):
@@ -199,10 +199,11 @@ class ObjectFiles(StoreFiles):
         return {o.key: o.size for o in self.store.list("")}
 
 
-def open_files(location: str | os.PathLike[str]) -> StoreFiles:
-    """LocalFiles for a path, ObjectFiles for `s3://bucket/prefix`."""
+def open_files(location: str | os.PathLike[str], policy: RetryPolicy | None = None) -> StoreFiles:
+    """LocalFiles for a path, ObjectFiles for `s3://bucket/prefix` (its requests retried
+    by `policy`, ObjectStore's default if None)."""
     if is_url(location):
-        return ObjectFiles(ObjectStore(str(location)))
+        return ObjectFiles(ObjectStore(str(location), policy=policy))
     text = os.fspath(location)
     if text.startswith(("s3:/", "S3://")) or "://" in text:
         raise InvalidArgument(

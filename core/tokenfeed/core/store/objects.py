@@ -138,6 +138,13 @@ class RetryPolicy:
         return rng.uniform(0.0, min(self.max_delay, self.base_delay * (2.0 ** min(retry, 60))))
 
 
+# A job that writes a store (prepare, import) outlives a short outage of object storage
+# or of the name lookup before it: 10 attempts, waits of up to 40 s in all (the default
+# policy: 6 and 3.1 s). A feeder's reads keep the default, so that the streams that
+# need an object hear of an outage soon and their clients reconnect.
+WRITER_POLICY = RetryPolicy(attempts=10, max_delay=15.0)
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str  # relative to the store's prefix
@@ -285,9 +292,14 @@ def _classify(e: BaseException) -> tuple[str, str]:
         if status >= 500 or status in (408, 429):
             return "retry", what or f"HTTP {status}"
         return "fatal", what or f"HTTP {status}"
-    low = text.lower()
+    # obstore's message carries its settings ("retry_timeout: 180s"): not a cause
+    low = re.sub(r"retry_timeout: \S+", "", text.lower())
     if "timed out" in low or "timeout" in low:
         return "retry", "timeout"
+    if "dns error" in low or "failed to lookup address" in low:
+        return "retry", "name lookup failed"
+    if "connection refused" in low or "tcp connect error" in low:
+        return "retry", "connection refused"
     if any(w in low for w in ("body error", "connection", "reset", "broken pipe", "cut short")):
         return "retry", "connection reset or body cut short"
     if isinstance(e, (OSError, oe.GenericError)):

@@ -27,6 +27,7 @@ from tokenfeed.core.store.meta import (
     checksum,
     chunk_name,
 )
+from tokenfeed.core.store.objects import WRITER_POLICY
 
 
 def write_meta(path: Path | StoreFiles, meta: StoreMeta) -> None:
@@ -56,7 +57,7 @@ class StoreWriter:
     ) -> None:
         if tokens_per_chunk <= 0:
             raise InvalidArgument(f"tokens_per_chunk must be positive, got {tokens_per_chunk}")
-        self.files = path if isinstance(path, StoreFiles) else open_files(path)
+        self.files = path if isinstance(path, StoreFiles) else open_files(path, WRITER_POLICY)
         if isinstance(self.files, LocalFiles):
             self.files.path.mkdir(parents=True, exist_ok=True)
         self.dtype = numpy_dtype(dtype)
