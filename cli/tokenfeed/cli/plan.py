@@ -31,12 +31,11 @@ from typing import Any
 
 from tokenfeed.core.dtypes import DTYPES, itemsize
 
-# Wire tokens per server CPU-second at ~256 KiB messages (16 x 1024 uint16 rows,
-# shuffled; the client's default ~1 MiB costs the feeder less) on the benchmark
-# machine: benchmarks/serve_throughput.py measured 1.61-1.63 CPU-s per 1e9 tokens in
-# --workers-rows and 1.73 (median) in --cpu on the same quiet machine; this is the
-# dearer figure, 1e9 / 1.73 (benchmarks/README.md).
-# Re-measure when the hot path changes.
+# Wire tokens per server CPU-second (16 x 1024 uint16 rows, shuffled) on the benchmark
+# machine: benchmarks/serve_throughput.py --workers-rows measured 1.61-1.63 CPU-s per
+# 1e9 tokens per worker (benchmarks/README.md); 1e9 / 1.73 keeps ~6 % in hand. Its
+# --cpu form reads more on a busy machine: `--measure` on the real node is the better
+# figure. Re-measure when the hot path changes.
 BUILD_PER_CORE_TOKENS_S = 5.8e8
 # What a stream costs a feeder (docs/serving.md, "Limits"; benchmarks/scale.py measures
 # them): `serve --max-streams`' default per worker, descriptors and memory per stream,

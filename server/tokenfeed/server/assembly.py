@@ -52,12 +52,11 @@ BURST_BYTES = 1 << 20
 # A stream reading in place (inplace.py) pays more per burst: its files taken from the
 # pool and given back, the try on the event loop, and the thread hop when that fails.
 # Its bursts grow (BURST_MESSAGES, then doubling) to this many messages, within
-# BURST_BYTES: a rank of a job of 1,024 built its batches with about half the CPU
-# (benchmarks/README.md, "scale.py"). Its first bursts stay small, so that streams
-# starting together get their first batches as soon as before. A stream whose client
-# reads slower than its bursts come (`paced`) does not grow them: a burst's messages
-# wait in memory until written, and for 1,024 paced streams bursts of 16 held 3-4
-# times the memory of bursts of 4.
+# BURST_BYTES, so that more batches share those costs. Its first bursts stay small, so
+# that streams starting together get their first batches as soon as before. A stream
+# whose client reads slower than its bursts come (`paced`) does not grow them: a
+# burst's messages wait in memory until written, and for 1,024 paced streams bursts of
+# 16 held 3-4 times the memory of bursts of 4.
 IN_PLACE_BURST_MESSAGES = 16
 
 # A stream reading in place opens the files of this many bursts ahead after a burst
