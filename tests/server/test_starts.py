@@ -180,6 +180,31 @@ def test_a_starting_stream_goes_before_the_bursts_of_one_already_sending(feeder)
         wait_until(lambda: sending.batches > at_hold + 4 * BURST_MESSAGES, GUARD, "it going on")
 
 
+def test_in_a_storm_a_starting_stream_sends_its_first_batch_alone(feeder) -> None:
+    """Every rank's first batch goes before any rank's second: while a storm is held, a
+    stream that has sent its first batch waits, and goes on once the storm is over."""
+    service = feeder.server.service
+    held = [service.starts.preparing_one() for _ in range(STORM_STARTS)]
+
+    async def hold() -> None:
+        for h in held:
+            h.__enter__()
+        assert service.starts.holding
+
+    async def release() -> None:
+        for h in held:
+            h.__exit__(None, None, None)
+
+    feeder.call(hold())
+    with _reading(feeder.address, params()) as got:
+        wait_until(lambda: service.starts.waiting == 1, GUARD, "the stream waiting")
+        wait_until(lambda: got[0], GUARD, "its first batch")
+        (entry,) = service.streams.entries.values()
+        assert entry.batches == got[0] == 1
+        feeder.call(release())
+        wait_until(lambda: got[0] > 1, GUARD, "its next batches")
+
+
 def test_the_first_requests_of_an_epoch_start_list_a_store_once(tmp_path, monkeypatch) -> None:
     """Telling a store's format lists its folder (60,000 chunk files at 10^12 tokens):
     requests that come in together while nothing is known of it list it once."""
