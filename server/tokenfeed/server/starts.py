@@ -12,12 +12,14 @@ batches came tens of seconds late.
 
 So when streams start in numbers (STORM_STARTS, each begun within `quiet_seconds` of
 the one before: the ranks of a job starting together), a stream that has sent its
-first two bursts (its first batch alone, then up to 4 messages) waits before building
-its next one, until no stream has been prepared for `quiet_seconds` (the next call of
-a storm comes in within that). A start or a few (the next epoch opened ahead, a
-reconnect) hold nobody: a consumer that reads as fast as batches come would wait for
-each. A hold lasts at most `hold_seconds` (a trickle of starts that never pauses, a
-preparation waiting on object storage): after that none waits until the starts pause.
+first burst (its first batch alone) waits before building its next one, until no
+stream has been prepared for `quiet_seconds` (the next call of a storm comes in within
+that). Only the first batch: a second burst (up to 4 messages) built for every rank
+during the storm was a third of a start's cost, and the last ranks' first batches
+waited for it. A start or a few (the next epoch opened ahead, a reconnect) hold
+nobody: a consumer that reads as fast as batches come would wait for each. A hold
+lasts at most `hold_seconds` (a trickle of starts that never pauses, a preparation
+waiting on object storage): after that none waits until the starts pause.
 In a data-parallel job no rank takes its second step before every rank has its first
 batch, so the wait costs the job nothing.
 
@@ -30,9 +32,8 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
-# Bursts a stream sends before it gives way: its first batch (a burst of one message)
-# and one burst more, so a consumer that started early has a few batches to go on with.
-GIVES_WAY_AFTER = 2
+# Bursts a stream sends before it gives way: its first batch (a burst of one message).
+GIVES_WAY_AFTER = 1
 # Starts in a row, each within QUIET_SECONDS of the one before, that make a storm.
 STORM_STARTS = 16
 # On a loaded machine a process waits tens of ms for a core: a shorter quiet moment or
@@ -55,6 +56,7 @@ class Starts:
         self.storm_starts = storm_starts
         self.preparing = 0
         self.begun = 0  # starts since the last quiet moment
+        self.waiting = 0  # streams waiting for the hold to end
         self._go: asyncio.Event | None = None  # clear while the streams sending wait
         self._quiet: asyncio.TimerHandle | None = None
         self._bound: asyncio.TimerHandle | None = None
@@ -84,7 +86,11 @@ class Starts:
     async def give_way(self) -> None:
         """Return once no storm of starts is being prepared (or its hold is over)."""
         if self.holding:
-            await self._go.wait()  # type: ignore[union-attr]
+            self.waiting += 1
+            try:
+                await self._go.wait()  # type: ignore[union-attr]
+            finally:
+                self.waiting -= 1
 
     def _hold(self) -> None:
         if self._go is None:  # made on the loop's thread

@@ -133,9 +133,17 @@ class StreamEntry:
         return rec
 
 
-def _text(rec: dict[str, Any]) -> str:
-    """The record as `key=value` pairs; strings quoted (a name cannot break the line)."""
-    return " ".join(f"{k}={v!r}" for k, v in rec.items() if k != "event")
+class _Text:
+    """The record as `key=value` pairs, strings quoted (a name cannot break the line);
+    formatted only by a handler that shows the message (the JSON log shows the fields)."""
+
+    __slots__ = ("rec",)
+
+    def __init__(self, rec: dict[str, Any]) -> None:
+        self.rec = rec
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v!r}" for k, v in self.rec.items() if k != "event")
 
 
 class OpenStreams:
@@ -197,4 +205,4 @@ class OpenStreams:
 
     @staticmethod
     def _log(rec: dict[str, Any]) -> None:
-        audit.info("%s %s", rec["event"], _text(rec), extra={"audit": rec})
+        audit.info("%s %s", rec["event"], _Text(rec), extra={"audit": rec})
