@@ -267,16 +267,19 @@ def _open_under(root: Path) -> list[str]:
 
 
 def _open_counter(tmp_path: Path, n: int) -> tuple[list[Path], Callable[[list[Path]], object]]:
-    """`n` files, and an opener for FilePool keyed by path index (fd, 0, size)."""
+    """`n` files, and an opener for FilePool keyed by path index (fd, 0, size, ...)."""
     paths = []
     for i in range(n):
         path = tmp_path / f"f{i}"
         path.write_bytes(bytes([i]) * 10)
         paths.append(path)
-    return (
-        paths,
-        lambda keys: lambda i: (os.open(paths[keys[i]], os.O_RDONLY), 0, 10, str(paths[keys[i]])),
-    )
+
+    def opened(path: Path) -> inplace.Opened:
+        fd = os.open(path, os.O_RDONLY)
+        st = os.fstat(fd)
+        return fd, 0, 10, str(path), (st.st_dev, st.st_ino, st.st_size)
+
+    return paths, lambda keys: lambda i: opened(paths[keys[i]])
 
 
 def test_the_pool_keeps_its_bound_and_closes_least_recently_taken_first(
@@ -326,7 +329,7 @@ def test_a_failed_open_holds_nothing(tmp_path: Path) -> None:
     pool = inplace.FilePool()
     pool.attach()
 
-    def failing(i: int) -> tuple[int, int, int]:
+    def failing(i: int) -> inplace.Opened:
         if i == 2:
             raise DataLoss("s: chunk chunk_000002.bin is missing")
         return opener([0, 1, 2])(i)
@@ -335,6 +338,32 @@ def test_a_failed_open_holds_nothing(tmp_path: Path) -> None:
         pool.take([0, 1, 2], failing)
     pool.detach()
     assert len(pool) == 0  # 0 and 1 were given back, then closed
+
+
+def test_a_chunk_file_is_opened_with_one_stat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone rank of a large job opens about a chunk file per batch: the one fstat that
+    checks a file's size also gives the identity the pool keeps it by (`_same`)."""
+    ds, _ = _job_of_16(tmp_path, 200_000)
+    stats: list[int] = []
+    fstat = os.fstat
+
+    def counted(fd: int) -> os.stat_result:
+        stats.append(fd)
+        return fstat(fd)
+
+    monkeypatch.setattr(os, "fstat", counted)
+    pool = inplace.FilePool()
+    files = inplace.ChunkFiles(ds, pool)
+    chunks = list(range(ds.store.num_chunks))
+    files.ahead(chunks)
+    held = files.kept(chunks)
+    assert held is not None
+    assert len(stats) == len(chunks) == len(set(held.fds.tolist()))
+    held.release()
+    files.close()
+    assert _open_under(tmp_path) == []
 
 
 def test_streams_share_the_pools_files_and_leave_none_open(tmp_path: Path) -> None:
@@ -407,8 +436,8 @@ def test_the_last_stream_leaves_pool_files_open_for_keep_seconds(
     _, opener = _open_counter(tmp_path, 8)
     opens: list[int] = []
 
-    def counted(keys: list[int]) -> Callable[[int], tuple[int, int, int, str]]:
-        def open_file(i: int) -> tuple[int, int, int, str]:
+    def counted(keys: list[int]) -> Callable[[int], inplace.Opened]:
+        def open_file(i: int) -> inplace.Opened:
             opens.append(keys[i])
             return opener(keys)(i)  # type: ignore[operator,no-any-return]
 

@@ -82,7 +82,8 @@ FILES_PER_STREAM = 1 + KEEP_FILES  # its connection, and its share of the pool
 # before it is read again (`_same`), so one replaced or cut meanwhile is opened anew.
 KEEP_SECONDS = 30.0
 
-Opened = tuple[int, int, int, str]  # an opened chunk file: fd, base, size, path
+Identity = tuple[int, int, int]  # a file's (device, inode, size): `_same`
+Opened = tuple[int, int, int, str, Identity]  # an opened chunk file: fd, base, size, path, identity
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ class _Kept:
     holds: int
     mark: int  # the idle time it was last known good before (`_idles`), -1: only while none
     path: str
-    identity: tuple[int, int, int]  # (device, inode, size) when opened: `_same`
+    identity: Identity  # when opened: `_same`
 
     def trusted(self, idles: int) -> bool:
         """Held, or known good since the last stream ended (`idles` times so far)."""
@@ -178,42 +179,47 @@ class FilePool:
         open is opened by `open_file(i)` (keys[i]'s; its DataLoss raised, nothing held),
         or without `open_file`, None (nothing held). A file kept while no stream was
         attached is checked first (`_same`), so only where `open_file` is given."""
-        rows: list[_Kept] = []
+        with self._lock:  # a burst's files are usually all open: held in one go
+            rows = self._hold(keys)
+        if len(rows) < len(keys) and open_file is None:
+            self.give_back(keys[: len(rows)])
+            return None
         try:
-            for i, key in enumerate(keys):
+            for i in range(len(rows), len(keys)):
+                assert open_file is not None
                 with self._lock:
-                    row = self._files.get(key)
-                    if row is not None and row.trusted(self._idles):
-                        row.holds += 1
-                        self._files.move_to_end(key)
-                        kept = None
-                    else:
-                        kept, row = row, None
-                if kept is not None:
-                    if open_file is None:
-                        break
-                    row = self._checked(key, kept)
-                if row is None:
-                    if open_file is None:
-                        break
-                    row = self._add(key, open_file(i), 1)
-                rows.append(row)
+                    held = self._hold(keys[i : i + 1])
+                    kept = self._files.get(keys[i])
+                row = held[0] if held else None if kept is None else self._checked(keys[i], kept)
+                rows.append(row if row is not None else self._add(keys[i], open_file(i), 1))
         except BaseException:
             self.give_back(keys[: len(rows)])
             raise
-        if len(rows) < len(keys):
-            self.give_back(keys[: len(rows)])
-            return None
         return np.array([(r.fd, r.base, r.size) for r in rows], dtype=np.int64).reshape(-1, 3)
+
+    def _hold(self, keys: list[Any]) -> list[_Kept]:
+        """The files of `keys` held, up to the first not open or not trusted. (Called
+        holding the lock.)"""
+        rows = []
+        files, idles = self._files, self._idles
+        for key in keys:
+            row = files.get(key)
+            if row is None or not row.trusted(idles):
+                break
+            row.holds += 1
+            files.move_to_end(key)
+            rows.append(row)
+        return rows
 
     def open(self, keys: list[Any], open_file: Callable[[int], Opened]) -> None:
         """Open the files of `keys` not open yet, held by no burst (read-ahead of opens);
         stops quietly at one that fails (the burst that needs it says why)."""
-        for i, key in enumerate(keys):
-            with self._lock:
-                row = self._files.get(key)
-                if row is not None and row.trusted(self._idles):
-                    continue
+        with self._lock:  # what to open, in one look
+            idles, files = self._idles, self._files
+            wanted = [(i, files.get(key)) for i, key in enumerate(keys)]
+            wanted = [(i, row) for i, row in wanted if row is None or not row.trusted(idles)]
+        for i, row in wanted:
+            key = keys[i]
             if row is not None and self._checked(key, row, hold=0) is not None:
                 continue
             try:
@@ -228,16 +234,10 @@ class FilePool:
         return self._idles if self._streams else -1
 
     def _add(self, key: Any, opened: Opened, holds: int) -> _Kept:
-        try:
-            st = os.fstat(opened[0])
-        except BaseException:
-            os.close(opened[0])
-            raise
         with self._lock:
             row = self._files.get(key)
             if row is None:
-                fd, base, size, path = opened
-                identity = (st.st_dev, st.st_ino, st.st_size)
+                fd, base, size, path, identity = opened
                 row = _Kept(fd, base, size, holds, self._mark(), path, identity)
                 self._files[key] = row
                 return row
@@ -282,7 +282,7 @@ class FilePool:
             os.close(self._files.pop(key).fd)
 
 
-def _same(path: str, identity: tuple[int, int, int]) -> bool:
+def _same(path: str, identity: Identity) -> bool:
     """Whether `path` is still the file kept open, (device, inode, size)."""
     try:
         st = os.stat(path)
@@ -335,14 +335,14 @@ class ChunkFiles:
         return InPlace(self, keys, np.asarray(chunks, dtype=np.int64), table)
 
     def _open(self, chunk: int) -> Opened:
-        """Chunk `chunk`'s file opened and checked: (fd, base, size, path)."""
-        fd, base, path = _open_chunk_file(self.store, chunk)
+        """Chunk `chunk`'s file opened and checked: (fd, base, size, path, identity)."""
+        fd, base, path, identity = _open_chunk_file(self.store, chunk)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         except BaseException:
             os.close(fd)
             raise
-        return fd, base, self.store.chunk_nbytes(chunk), path
+        return fd, base, self.store.chunk_nbytes(chunk), path, identity
 
     def close(self) -> None:
         """The stream ended (once; the files stay in the pool, within its capacity)."""
@@ -356,7 +356,7 @@ def read_head(store: Any, chunk: int, nbytes: int) -> bytes:
     """The first `nbytes` of chunk `chunk`, read from its file (a stream loading whole
     chunks takes only a head from a chunk its rows cross into: rounds.spans_heads);
     DataLoss naming the chunk if its file is missing, short or unreadable."""
-    fd, base, path = _open_chunk_file(store, chunk)
+    fd, base, path, _ = _open_chunk_file(store, chunk)
     try:
         data = os.pread(fd, nbytes, base)
     except OSError as e:
@@ -368,10 +368,10 @@ def read_head(store: Any, chunk: int, nbytes: int) -> bytes:
     return data
 
 
-def _open_chunk_file(store: Any, chunk: int) -> tuple[int, int, str]:
+def _open_chunk_file(store: Any, chunk: int) -> tuple[int, int, str, Identity]:
     """Chunk `chunk`'s file opened and its size checked against the store's: (fd, the
-    chunk's byte offset in it, path); DataLoss naming the chunk if the file is missing,
-    of another size or unreadable."""
+    chunk's byte offset in it, path, the file's identity); DataLoss naming the chunk if
+    the file is missing, of another size or unreadable."""
     path, base = store.chunk_file(chunk)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -381,16 +381,16 @@ def _open_chunk_file(store: Any, chunk: int) -> tuple[int, int, str]:
     except OSError as e:
         raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
     except OSError as e:
         os.close(fd)
         raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
     try:
-        store.check_chunk_file(chunk, size)
+        store.check_chunk_file(chunk, st.st_size)
     except BaseException:
         os.close(fd)
         raise
-    return fd, base, str(path)
+    return fd, base, str(path), (st.st_dev, st.st_ino, st.st_size)
 
 
 class WouldBlock(Exception):
@@ -415,7 +415,7 @@ class InPlace:
         self.store = files.store
         self._files, self._held = files, held
         self.keys = keys  # ascending chunk ids
-        self.fds, self.bases, self.sizes = (np.ascontiguousarray(table[:, i]) for i in range(3))
+        self.fds, self.bases, self.sizes = table.T.copy()  # each a contiguous row
         self.nowait = nowait
 
     def release(self) -> None:
