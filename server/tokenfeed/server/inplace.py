@@ -189,9 +189,9 @@ class FilePool:
                 assert open_file is not None
                 with self._lock:
                     held = self._hold(keys[i : i + 1])
-                    kept = self._files.get(keys[i])
-                row = held[0] if held else None if kept is None else self._checked(keys[i], kept)
-                rows.append(row if row is not None else self._add(keys[i], open_file(i), 1))
+                    kept = None if held else self._files.get(keys[i])
+                row = held[0] if held else kept and self._checked(keys[i], kept)
+                rows.append(row or self._add(keys[i], open_file(i), 1))
         except BaseException:
             self.give_back(keys[: len(rows)])
             raise
