@@ -17,7 +17,8 @@ random ones each run) appear in no log and no metric; in `tenants` also: the fee
 /status.json shows both jobs' streams, a job asking for a dataset outside its grant is
 refused (PERMISSION_DENIED), and the jobs' tokens (fresh ones each run) appear in no
 log, metric or status page. Then `compose down -v`. Prints
-"N passed, M failed" and exits 1 on any failure.
+"N passed, M failed" and exits 1 on any failure. A profile with a failed check has its
+feeders dump their threads and streams first (SIGUSR1), printed before the logs' tails.
 
 Engine `podman` (the default; CI): there is no Docker engine and no registry, so this
 installs Debian's podman with apt, runs it rootful with its own containers.conf and
@@ -49,7 +50,7 @@ import time
 from pathlib import Path
 
 from compose_engines import ROOT, Docker, Engine, Podman, log, run
-from compose_stack import Profile, Results, Stack
+from compose_stack import Profile, Results, Stack, until
 
 # variables it needs and the services it adds.
 PROFILES = [
@@ -114,6 +115,29 @@ def compose_command(engine: str) -> list[str]:
     return [str(binary)]
 
 
+# the last part of a feeder's dump on SIGUSR1 (none comes while its event loop is stuck)
+DUMPED = "tasks on the event loop"
+
+
+def dump_feeders(stack: Stack) -> None:
+    """A failed profile's feeders write down what every thread and stream waits for
+    (docs/serving.md, "A feeder that stops serving"), printed whole: what a hang needs."""
+    for feeder in stack.profile.feeders:
+        try:
+            before = stack.compose_logs(feeder).splitlines()
+            seen = sum(DUMPED in line for line in before)
+            stack.engine.podman_like("kill", "--signal", "USR1", stack.container(feeder)["Id"])
+            until(
+                time.monotonic() + 10,
+                lambda f=feeder, n=seen: (stack.compose_logs(f).count(DUMPED) > n, ""),
+                every=1,
+            )
+            dump = stack.compose_logs(feeder).splitlines()[len(before) :]
+            print(f"[{stack.profile.name}] {feeder} on SIGUSR1:", *dump[-400:], sep="\n")
+        except Exception as e:  # a help for the failure above, not a check of its own
+            log(f"[{stack.profile.name}] no dump of {feeder}: {type(e).__name__}: {e}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -172,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.check(f"[{name}] checks", False, f"{type(e).__name__}: {e}")
                 finally:
                     if len(results.failed) > failed_before:
+                        dump_feeders(stack)
                         stack.logs()
                     stack.down()
                 log(f"[{name}] {time.monotonic() - t:.0f} s")

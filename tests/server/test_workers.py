@@ -8,6 +8,7 @@ looks at the sockets each worker process owns (/proc), never at timing.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import urllib.request
@@ -237,6 +238,28 @@ def test_sigterm_drains_every_worker_and_exits_zero(tmp_path: Path) -> None:
         assert log.count("[worker 1]: stopped") == 1
         for pid in pids:
             assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+
+
+def test_sigusr1_is_forwarded_and_every_worker_dumps_its_stacks(node) -> None:  # type: ignore[no-untyped-def]
+    """A stuck node is diagnosed by one signal to the process its operator knows: each
+    worker dumps its threads and its tasks, and serves on."""
+    assert node.proc is not None
+    before = node.log()
+    node.proc.send_signal(signal.SIGUSR1)
+
+    def dumped() -> list[str]:
+        text = node.log()[len(before) :]
+        return re.findall(
+            r"\[worker (\d)\]: SIGUSR1: threads .*\n\d+ tasks on the event loop", text
+        )
+
+    wait_until(lambda: len(dumped()) == 2, 30, "both workers' task lists")
+    assert sorted(dumped()) == ["0", "1"]
+    after = node.log()[len(before) :]
+    assert "SIGUSR1: forwarded to 2 workers" in after
+    assert after.count("Thread 0x") >= 2 * 2  # faulthandler's: every thread of both
+    with grpc.insecure_channel(node.address) as ch:
+        assert pb_grpc.FeederStub(ch).Info(pb.InfoRequest(), timeout=30).datasets
 
 
 def _state(pid: int) -> str:

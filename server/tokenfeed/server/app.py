@@ -7,8 +7,9 @@ graceful stop (health NOT_SERVING, no new streams, open ones get `grace_seconds`
 `serve(config)` runs one until SIGTERM/SIGINT, then drains: the single-process
 `tokenfeed serve` (main.py) and each worker process of `--workers N` (worker.py).
 SIGHUP, or a change to their files, reloads the TLS certificate, key and client CA and
-the jobs (credentials.py), all or nothing. Auth and TLS, limits: docs/serving.md; jobs,
-rotation and the status page: docs/tenants.md.
+the jobs (credentials.py), all or nothing; SIGUSR1 dumps what every thread and stream
+waits for (stacks.py). Auth and TLS, limits: docs/serving.md; jobs, rotation and the
+status page: docs/tenants.md.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tokenfeed.server.credentials import Credentials, CredentialWatcher, load_cr
 from tokenfeed.server.datasets import Catalog
 from tokenfeed.server.metrics import ServerMetrics
 from tokenfeed.server.service import SERVICE_NAME, FeederService
+from tokenfeed.server.stacks import dump_on_signal
 from tokenfeed.server.status import serve_http
 from tokenfeed.v1 import feeder_pb2
 
@@ -358,11 +360,13 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, server.reload)
+    undo_dumps = dump_on_signal(loop)  # SIGUSR1: what every thread and stream waits for
     if on_serving is not None:
         on_serving(server)
     await stop.wait()
     log.info("draining: no new streams, %.1f s for open ones", config.grace_seconds)
     await server.drain()
+    undo_dumps()
     log.info("stopped")
     return 0
 

@@ -34,7 +34,8 @@ FeederServer, and stays out of the data path:
   dying young). Its clients see their stream break, reconnect to the same address (the
   kernel picks a live worker) and resume at the offset they had reached.
 * **Reload.** SIGHUP is forwarded to every worker, which reloads its TLS files and
-  jobs (credentials.py; each also watches the files itself).
+  jobs (credentials.py; each also watches the files itself). So is SIGUSR1, on which
+  each worker dumps its threads' stacks and its streams' tasks (stacks.py).
 * **Status.** Each worker writes its status (status.py) to the state directory every
   STATUS_SECONDS; the metrics port's /status and /status.json merge the live workers'.
 * **Stop.** SIGTERM or SIGINT: every worker gets SIGTERM and drains (--grace-seconds
@@ -73,6 +74,7 @@ from tokenfeed.core.atomic import write_atomic
 from tokenfeed.server.config import ServerConfig
 from tokenfeed.server.credentials import load_credentials
 from tokenfeed.server.metrics import SupervisorMetrics
+from tokenfeed.server.stacks import DUMP_SIGNAL
 from tokenfeed.server.status import merge, serve_http
 from tokenfeed.server.worker import STATUS_DIR, encode_config
 
@@ -154,7 +156,8 @@ class Supervisor:
         self.config = config
         self.n = config.workers
         self._stop = threading.Event()
-        self._hup = threading.Event()
+        # signals forwarded to every worker, set by their handlers
+        self._forwarded = {sig: threading.Event() for sig in (signal.SIGHUP, DUMP_SIGNAL)}
         self._workers: list[_Worker | None] = [None] * self.n
         self._respawn_at = [0.0] * self.n
         self._young_deaths = [0] * self.n
@@ -167,7 +170,8 @@ class Supervisor:
         load_credentials(self.config)  # a bad TLS or tokens file fails here, before any worker
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self._stop.set())
-        signal.signal(signal.SIGHUP, lambda *_: self._hup.set())
+        for sig, event in self._forwarded.items():
+            signal.signal(sig, lambda *_, e=event: e.set())
         state = Path(tempfile.mkdtemp(prefix="tokenfeed-workers-"))
         http = None
         try:
@@ -214,9 +218,10 @@ class Supervisor:
                 )
                 while not self._stop.wait(0.1):
                     self._supervise()
-                    if self._hup.is_set():
-                        self._hup.clear()
-                        self._forward(signal.SIGHUP)
+                    for sig, event in self._forwarded.items():
+                        if event.is_set():
+                            event.clear()
+                            self._forward(sig)
                 return self._drain()
         finally:
             if http is not None:
