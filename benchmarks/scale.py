@@ -256,16 +256,16 @@ def world_size(
             f"{shown} ({spread:.2f}x)",
             spread <= 1.2,
         )
-        idle_clients(proc.address, 64, repeats, baseline_client)
+        idle_clients(proc, 64, repeats, baseline_client)
 
 
-def idle_clients(address: str, n: int, repeats: int, baseline: Path | None = None) -> None:
+def idle_clients(proc: FeederProcess, n: int, repeats: int, baseline: Path | None = None) -> None:
     """`n` FeederClients in a child process, each with a full buffer: its CPU per second.
     With `baseline` (another revision's client/ folder) its clients take turns with
     these, `repeats` times each."""
     clients = {"": None} | ({"@base": baseline} if baseline else {})
     cores = interleaved(
-        {k: partial(idle_cores, address, n, c) for k, c in clients.items()},
+        {k: partial(idle_cores, proc, n, c) for k, c in clients.items()},
         repeats if baseline else 1,
     )
     shown = f"{cores['']:.4f}"
@@ -274,29 +274,44 @@ def idle_clients(address: str, n: int, repeats: int, baseline: Path | None = Non
     row("4 world size", f"{n} idle clients < 0.02 of a core", shown, cores[""] < 0.02)
 
 
-def idle_cores(address: str, n: int, client: Path | None, _: int, seconds: float = 5.0) -> float:
+def idle_cores(
+    proc: FeederProcess, n: int, client: Path | None, _: int, seconds: float = 5.0
+) -> float:
+    """The CPU per second of `n` clients in a child process once their buffers are full:
+    the feeder then has nothing left to send (every stream waits for its client's flow
+    control window), which `quiet` waits for before the child measures."""
     code = f"""
-import time
+import sys, time
 from tokenfeed.client import FeederClient
-cs = [FeederClient({address!r}, dataset="ds", seq_len={SEQ}, batch_size={B}, rank=r,
+cs = [FeederClient({proc.address!r}, dataset="ds", seq_len={SEQ}, batch_size={B}, rank=r,
                    world_size={n}, prefetch=4) for r in range({n})]
 its = [iter(c) for c in cs]
 for it in its:
     next(it)
-time.sleep(5.0)  # the buffers fill
+print("started", flush=True)
+sys.stdin.readline()  # the buffers are full
 c0, t0 = time.process_time(), time.monotonic()
 time.sleep({seconds})
-print((time.process_time() - c0) / (time.monotonic() - t0))
+print((time.process_time() - c0) / (time.monotonic() - t0), flush=True)
 for c in cs:
     c.close()
 """
     env = dict(os.environ)
     if client is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(client.resolve()), env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
-    )
-    return float(out.stdout.split()[-1])
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    with subprocess.Popen([sys.executable, "-c", code], text=True, env=env, **pipes) as child:
+        assert child.stdin is not None
+        assert child.stdout is not None
+        if child.stdout.readline().strip() != "started":
+            raise RuntimeError(f"the idle clients did not start (exit {child.wait()})")
+        quiet(proc.proc.pid)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        out = child.stdout.read()
+    if child.returncode:
+        raise RuntimeError(f"the idle clients exited {child.returncode}")
+    return float(out.split()[-1])
 
 
 # ----------------------------------------------------------------------------- 5-6. one node
