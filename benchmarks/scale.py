@@ -54,6 +54,7 @@ from scale_parts import (
     feeder,
     feeder_cpu_per_batch,
     first_batch_seconds,
+    first_batch_seconds_p99,
     grpc_floor,
     interleaved,
     load,
@@ -389,12 +390,11 @@ def one_node(root: Path, streams: int, batches: int) -> None:
         f"{peak[2]} ({peak[2] / streams:.2f}/stream)",
         peak[2] <= 64 + 9 * streams,
     )
-    firsts = sorted(s.times[0] - s.opened for s in got if s.times)
-    p99 = firsts[min(len(firsts) - 1, int(0.99 * len(firsts)))]
+    p99, median = first_batch_seconds_p99(got)
     row(
         "6 storm",
         "p99 first batch <= 2 s",
-        f"{p99:.2f} s (median {statistics.median(firsts):.2f} s)",
+        f"{p99:.2f} s (median {median:.2f} s)",
         p99 <= 2,
     )
     row(
@@ -429,8 +429,7 @@ def storm_cost(root: Path, streams: int) -> None:
 
         got = run(main())
         served, generated = cpu_seconds(pid) - before, time.process_time() - mine
-        firsts = sorted(s.times[0] - s.opened for s in got if s.times)
-        p99 = firsts[min(len(firsts) - 1, int(0.99 * len(firsts)))]
+        p99, _ = first_batch_seconds_p99(got)
         failed = sum(bool(s.failures) for s in got)
         return (
             f"{served / streams * 1e3:.2f} ms (load generator {generated / streams * 1e3:.2f} ms;"

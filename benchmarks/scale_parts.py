@@ -251,6 +251,12 @@ async def raw_stream(address: str, req: pb.StreamBatchesRequest, batches: int) -
                 return
 
 
+def first_batch_seconds_p99(streams: list[Stream]) -> tuple[float, float]:
+    """(p99, median) of the seconds from each stream's open to its first batch."""
+    firsts = sorted(s.times[0] - s.opened for s in streams if s.times)
+    return firsts[min(len(firsts) - 1, int(0.99 * len(firsts)))], statistics.median(firsts)
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
