@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Executor
 
 import grpc
 
@@ -203,6 +204,52 @@ def test_in_a_storm_a_starting_stream_sends_its_first_batch_alone(feeder) -> Non
         assert entry.batches == got[0] == 1
         feeder.call(release())
         wait_until(lambda: got[0] > 1, GUARD, "its next batches")
+
+
+class _Counted(Executor):
+    """The feeder's thread pool, with the functions it was handed recorded."""
+
+    def __init__(self, pool: Executor) -> None:
+        self.pool, self.names = pool, []
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.names.append(fn.__name__)
+        return self.pool.submit(fn, *args, **kwargs)
+
+
+def test_in_a_storm_a_first_batch_read_in_place_is_built_on_the_loop(feeder) -> None:
+    """A storm's first batches are what its ranks wait for: one whose chunk files are
+    open already is built without a hop to the thread pool, while streams are being
+    prepared there (later bursts wait for the preparations: the GIL is theirs)."""
+    service = feeder.server.service
+    p = params(world_size=16)  # rows read in place from the chunk files
+    request = pb.StreamBatchesRequest(params=p, rank=1)
+    held = [service.starts.preparing_one() for _ in range(STORM_STARTS)]
+
+    async def hold() -> None:
+        for h in held:
+            h.__enter__()
+
+    async def release() -> None:
+        for h in held:
+            h.__exit__(None, None, None)
+
+    with grpc.insecure_channel(feeder.address) as ch:
+        # a rank that started first: the files of rank 1's first batch open, in use
+        started = pb_grpc.FeederStub(ch).StreamBatches(request)
+        first = next(started).batches[0].starts
+        feeder.call(hold())
+        pool = service.executor
+        service.executor = counted = _Counted(pool)
+        try:
+            call = pb_grpc.FeederStub(ch).StreamBatches(request)
+            assert next(call).batches[0].starts == first
+            call.cancel()
+        finally:
+            service.executor = pool
+            feeder.call(release())
+            started.cancel()
+    assert counted.names == ["_prepare_stream"]
 
 
 def test_the_first_requests_of_an_epoch_start_list_a_store_once(tmp_path, monkeypatch) -> None:

@@ -538,14 +538,12 @@ class FeederService:
                     if building is not None:
                         burst, building = await building, None
                     else:
-                        # rows read in place on the loop only while no stream is being
-                        # prepared: a busy loop holds the GIL, which the preparations
-                        # on worker threads wait for (an epoch-start storm's first batches)
-                        burst = (
-                            pipe.next_burst(inline=True, read_files=not self.starts.preparing)
-                            if small
-                            else []
-                        )
+                        # rows read in place on the loop: a first batch always (what a
+                        # storm's ranks wait for; a hop costs more than its reads), later
+                        # ones only while no stream is being prepared (a busy loop holds
+                        # the GIL, which the preparations on worker threads wait for)
+                        reads = not bursts or not self.starts.preparing
+                        burst = pipe.next_burst(inline=True, read_files=reads) if small else []
                         if not burst and not pipe.finished:
                             burst = await loop.run_in_executor(self.executor, pipe.next_burst)
                     if not burst:
