@@ -46,6 +46,8 @@ def test_a_process_that_chose_its_own_malloc_keeps_it(environ: dict[str, str]) -
     assert allocator.settings(environ, GLIBC) == {}
 
 
+DEFAULTS = {"GLIBC_TUNABLES": "glibc.malloc.perturb=0"}  # glibc's own: a tunable named
+
 # One process streaming 1 MiB messages: its page faults per batch after a first epoch.
 STREAM = """
 import json, resource, sys
@@ -88,9 +90,13 @@ def test_the_client_keeps_its_message_buffers_out_of_page_faults(tmp_path: Path)
             assert run.returncode == 0, run.stderr
             return json.loads(run.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
-        tuned = stream({})
-        default = stream({"GLIBC_TUNABLES": "glibc.malloc.perturb=0"})
-    assert tuned["tuned"]
-    assert not default["tuned"]
-    assert tuned["batches"] == default["batches"] > 1000
-    assert tuned["faults"] < default["faults"] / 2, (tuned, default)
+        # each twice, in turns: a process that loses its core mid-stream (the other
+        # tests' workers) faults more, with either setting
+        runs = [stream(extra) for _ in range(2) for extra in ({}, DEFAULTS)]
+    tuned, default = runs[0::2], runs[1::2]
+    assert all(r["tuned"] for r in tuned)
+    assert not any(r["tuned"] for r in default)
+    assert {r["batches"] for r in runs} == {tuned[0]["batches"]}
+    assert tuned[0]["batches"] > 1000
+    fewest = [min(r["faults"] for r in rs) for rs in (tuned, default)]
+    assert fewest[0] < fewest[1] / 2, (tuned, default)
