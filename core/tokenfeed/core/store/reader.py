@@ -204,7 +204,7 @@ class TokenStore(StoreReader):
         return os.path.join(self.files.location, "")
 
     def chunk_file(self, index: int) -> tuple[str, int]:
-        # a lone rank of a large job opens a chunk file per batch: a string's sum
+        # a lone rank of a large job opens a chunk file per batch: one concatenation
         return self._local_prefix + self.meta.chunks[index].file, 0
 
     def check_chunk_file(self, index: int, size: int | None) -> None:
