@@ -70,9 +70,9 @@ print(json.dumps({"tuned": allocator.tune(), "faults": (after - before) / n, "ba
     not allocator.settings({}, allocator._libc_version()), reason="glibc's malloc only"
 )
 def test_the_client_keeps_its_message_buffers_out_of_page_faults(tmp_path: Path) -> None:
-    """~5 page faults per batch (a message's memory handed back to the kernel and
-    faulted in again) with glibc's defaults; well under one with the client's
-    thresholds. The process that names a malloc tunable of its own keeps the defaults
+    """5-14 page faults per batch (a message's memory handed back to the kernel and
+    faulted in again) with glibc's defaults; one or two with the client's thresholds
+    (docs/client.md). The process that names a malloc tunable of its own keeps the defaults
     (perturb=0 is glibc's default: the same malloc as no tunable)."""
     make_positional_store(tmp_path / "big", 400_000, 40_000)  # uint32: ~1 MiB messages
     env = {k: v for k, v in os.environ.items() if k not in allocator.USERS_OWN}
