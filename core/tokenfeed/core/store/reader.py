@@ -208,12 +208,11 @@ class TokenStore(StoreReader):
         return self._local_prefix + self.meta.chunks[index].file, 0
 
     def check_chunk_file(self, index: int, size: int | None) -> None:
-        c = self.meta.chunks[index]
-        if size != c.tokens * self.dtype.itemsize:
-            self._check_size(c, {} if size is None else {c.file: size})
+        self._check_size(self.meta.chunks[index], size)
 
-    def _check_size(self, c: Chunk, sizes: dict[str, int] | None = None) -> None:
-        size = sizes.get(c.file) if sizes is not None else self.files.size(c.file)
+    def _check_size(self, c: Chunk, size: int | None) -> None:
+        """DataLoss naming chunk `c` unless its file has `size` bytes as meta.json says
+        (None: the file is missing)."""
         if size is None:
             raise DataLoss(f"{self.location}: chunk {c.file} is missing")
         if size != c.tokens * self.dtype.itemsize:
@@ -235,7 +234,8 @@ class TokenStore(StoreReader):
         try:
             buf = self.files.read(c.file, nbytes)
         except (DataLoss, NotFound) as e:
-            self._check_size(c)  # missing, or not the size meta.json gives: say which
+            # missing, or not the size meta.json gives: say which
+            self._check_size(c, self.files.size(c.file))
             raise DataLoss(e.message) from None
         data = np.frombuffer(buf, dtype=self.dtype, count=c.tokens)
         if verify:
@@ -247,7 +247,8 @@ class TokenStore(StoreReader):
         sizes = self.files.names() if self.files.remote else None
 
         def read(i: int) -> np.ndarray:
-            self._check_size(self.meta.chunks[i], sizes)
+            c = self.meta.chunks[i]
+            self._check_size(c, sizes.get(c.file) if sizes is not None else self.files.size(c.file))
             return self.read_chunk(i)
 
         return self._problems(read, DataLoss)  # unreachable storage is not a finding
