@@ -300,8 +300,9 @@ for c in cs:
     env = dict(os.environ)
     if client is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(client.resolve()), env.get("PYTHONPATH", "")])
-    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    with subprocess.Popen([sys.executable, "-c", code], text=True, env=env, **pipes) as child:
+    argv = [sys.executable, "-c", code]
+    pipe = subprocess.PIPE
+    with subprocess.Popen(argv, stdin=pipe, stdout=pipe, text=True, env=env) as child:
         assert child.stdin is not None
         assert child.stdout is not None
         if child.stdout.readline().strip() != "started":
