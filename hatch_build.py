@@ -1,7 +1,8 @@
-"""Build hook: compile the package's four C extensions, seven loops in all.
+"""Build hook: compile the package's four C extensions, nine loops in all.
 
 * tokenfeed.server._native: the server's three loops over rows and batches: splice and
-  program (splice.py), frames (wire.py);
+  program (splice.py), frames (wire.py); and its two over chunk files, opened and closed
+  many at a time (descriptors.py);
 * tokenfeed.core._keyed: the sampling's two: the keyed bijection (keyed.permute) and a
   mixture step's rows (mixture/steps.py step_rows);
 * tokenfeed.core._documents: a batch's recorded document ends, searched in a store's

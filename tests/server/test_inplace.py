@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tokenfeed.core import native
 from tokenfeed.core.errors import DataLoss
 from tokenfeed.core.request import SamplingSpec
 from tokenfeed.core.sampling import DatasetSampler
-from tokenfeed.server import assembly, inplace, rounds, service
+from tokenfeed.server import assembly, descriptors, inplace, rounds, service
 from tokenfeed.server.assembly import MessageBuilder
 from tokenfeed.server.cache import ChunkCache
 from tokenfeed.server.datasets import Catalog, Dataset
@@ -279,7 +280,7 @@ def _open_counter(tmp_path: Path, n: int) -> tuple[list[Path], Callable[[list[Pa
         st = os.fstat(fd)
         return fd, 0, 10, str(path), (st.st_dev, st.st_ino, st.st_size)
 
-    return paths, lambda keys: lambda i: opened(paths[keys[i]])
+    return paths, lambda keys: lambda at: [opened(paths[keys[i]]) for i in at]
 
 
 def test_the_pool_keeps_its_bound_and_closes_least_recently_taken_first(
@@ -329,37 +330,48 @@ def test_a_failed_open_holds_nothing(tmp_path: Path) -> None:
     pool = inplace.FilePool()
     pool.attach()
 
-    def failing(i: int) -> inplace.Opened:
-        if i == 2:
-            raise DataLoss("s: chunk chunk_000002.bin is missing")
-        return opener([0, 1, 2])(i)
+    def failing(at: list[int]) -> list[inplace.Opened | DataLoss]:
+        opened = opener([0, 1, 2])([i for i in at if i != 2])  # type: ignore[operator]
+        return [*opened, DataLoss("s: chunk chunk_000002.bin is missing")]
 
     with pytest.raises(DataLoss, match="chunk_000002"):
         pool.take([0, 1, 2], failing)
+    assert pool.take([0, 1], None) is not None  # opened with it, kept: held by none
+    pool.give_back([0, 1])
     pool.detach()
-    assert len(pool) == 0  # 0 and 1 were given back, then closed
+    assert len(pool) == 0  # given back, then closed
 
 
-def test_a_chunk_file_is_opened_with_one_stat(
+def test_a_bursts_chunk_files_are_opened_in_one_call_with_one_stat_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A lone rank of a large job opens about a chunk file per batch: the one fstat that
-    checks a file's size also gives the identity the pool keeps it by (`_same`)."""
+    """A lone rank of a large job opens about a chunk file per batch: a burst's files are
+    opened in one call (the GIL let go once, descriptors.py), each with the one fstat
+    that checks its size and gives the identity the pool keeps it by (`_same`)."""
     ds, _ = _job_of_16(tmp_path, 200_000)
+    calls: list[list[str]] = []
     stats: list[int] = []
-    fstat = os.fstat
+    open_files, fstat = descriptors.open_files, os.fstat
 
-    def counted(fd: int) -> os.stat_result:
+    def counted_open(paths: list[str], advise_random: bool = False) -> list[descriptors.Opened]:
+        calls.append(list(paths))
+        return open_files(paths, advise_random)
+
+    def counted_stat(fd: int) -> os.stat_result:
         stats.append(fd)
         return fstat(fd)
 
-    monkeypatch.setattr(os, "fstat", counted)
+    monkeypatch.setattr(descriptors, "open_files", counted_open)
+    monkeypatch.setattr(os, "fstat", counted_stat)
     pool = inplace.FilePool()
     files = inplace.ChunkFiles(ds, pool)
     chunks = list(range(ds.store.num_chunks))
-    files.ahead(chunks)
+    assert len(chunks) > 1
+    with native.disabled():  # the reference, whose system calls Python sees
+        files.ahead(chunks)
     held = files.kept(chunks)
     assert held is not None
+    assert [len(c) for c in calls] == [len(chunks)]
     assert len(stats) == len(chunks) == len(set(held.fds.tolist()))
     held.release()
     files.close()
@@ -436,12 +448,12 @@ def test_the_last_stream_leaves_pool_files_open_for_keep_seconds(
     _, opener = _open_counter(tmp_path, 8)
     opens: list[int] = []
 
-    def counted(keys: list[int]) -> Callable[[int], inplace.Opened]:
-        def open_file(i: int) -> inplace.Opened:
-            opens.append(keys[i])
-            return opener(keys)(i)  # type: ignore[operator,no-any-return]
+    def counted(keys: list[int]) -> inplace.OpenFiles:
+        def open_files(at: list[int]) -> list[inplace.Opened | DataLoss]:
+            opens.extend(keys[i] for i in at)
+            return opener(keys)(at)  # type: ignore[operator,no-any-return]
 
-        return open_file
+        return open_files
 
     now = [0.0]
     pool = inplace.FilePool(keep_seconds=30, clock=lambda: now[0])

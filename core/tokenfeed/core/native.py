@@ -11,6 +11,8 @@ arguments, runs the C loop when the extension is built and this switch is on, el
     splice.splice           splice.splice_py            server/_native.c
     splice.program          splice.program_py           server/_native.c
     wire.frames             wire.frames_py              server/_native.c
+    descriptors.open_files  descriptors.open_files_py   server/_native.c
+    descriptors.close_files descriptors.close_files_py  server/_native.c
     responses.scan          responses.scan_py           client/_responses.c
 
 `TOKENFEED_PURE_PYTHON=1` at install builds no extension; at run time, read once at

@@ -11,8 +11,10 @@
  *   batches (wire.py), a mixture's `sources` field included. It knows varints and the
  *   order of Batch's fields, not their numbers: wire.py passes the tags, read from the
  *   generated descriptors.
+ * - open_files, close_files: many chunk files opened (and stat'ed) or closed with the
+ *   GIL released once, not once per system call (descriptors.py).
  *
- * splice.py and wire.py call each through a public function that falls back to its
+ * splice.py, wire.py and descriptors.py call each through a public function that falls back to its
  * pure-Python reference beside it (splice_py, program_py, frames_py) when this module
  * is not built or the compiled loops are off (tokenfeed.core.native); the tests
  * compare them, and wire's with protobuf.
@@ -20,8 +22,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -244,7 +249,7 @@ done:
 /* splice(parts, keys, views): piece (key, offset, count) is `count` bytes at `offset` of
  * views[j] (keys[j] == key). */
 static PyObject *
-splice(PyObject *module, PyObject *args)
+splice_views(PyObject *module, PyObject *args)
 {
     (void)module;
     PyObject *parts_obj, *keys_obj, *views_obj;
@@ -654,8 +659,127 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ descriptors */
+
+/* One file opened for reading and stat'ed: out = (fd, dev, ino, size), or (-errno, 0,
+ * 0, 0) with nothing left open. Touches no Python object. */
+static void
+open_one(const char *path, int advise, long long out[4])
+{
+    struct stat st;
+    int fd;
+    do
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+    while (fd < 0 && errno == EINTR);
+    memset(out, 0, 4 * sizeof(long long));
+    if (fd < 0) {
+        out[0] = -errno;
+        return;
+    }
+    if (fstat(fd, &st) < 0) {
+        out[0] = -errno;
+        close(fd);
+        return;
+    }
+#ifdef POSIX_FADV_RANDOM
+    if (advise)
+        (void)posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM); /* advice: its failure is no error */
+#else
+    (void)advise;
+#endif
+    out[0] = fd, out[1] = (long long)st.st_dev, out[2] = (long long)st.st_ino;
+    out[3] = (long long)st.st_size;
+}
+
+static PyObject *
+open_files(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *paths_obj, *seq, *result = NULL;
+    int advise;
+    if (!PyArg_ParseTuple(args, "Op:open_files", &paths_obj, &advise))
+        return NULL;
+    seq = PySequence_Fast(paths_obj, "open_files: paths must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), got = 0;
+    PyObject **encoded = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
+    long long (*out)[4] = PyMem_Calloc(n ? n : 1, sizeof(*out));
+    if (encoded == NULL || out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++)
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, got), &encoded[got]))
+            goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        open_one(PyBytes_AS_STRING(encoded[i]), advise, out[i]);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *row = Py_BuildValue("(LLLL)", out[i][0], out[i][1], out[i][2], out[i][3]);
+        if (row == NULL) {
+            for (Py_ssize_t j = i; j < n; j++) /* not handed over: not left open */
+                if (out[j][0] >= 0)
+                    close((int)out[j][0]);
+            Py_CLEAR(result);
+            break;
+        }
+        PyList_SET_ITEM(result, i, row);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        Py_DECREF(encoded[i]);
+    PyMem_Free(encoded);
+    PyMem_Free(out);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyObject *
+close_files(PyObject *module, PyObject *args)
+{
+    (void)module;
+    PyObject *fds_obj, *seq;
+    if (!PyArg_ParseTuple(args, "O:close_files", &fds_obj))
+        return NULL;
+    seq = PySequence_Fast(fds_obj, "close_files: fds must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int *fds = PyMem_Malloc((n ? n : 1) * sizeof(int)), first = 0;
+    if (fds == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if ((fd == -1 && PyErr_Occurred()) || fd < 0 || fd > INT_MAX) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "close_files: %ld is not a file descriptor", fd);
+            PyMem_Free(fds);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        fds[i] = (int)fd;
+    }
+    Py_DECREF(seq);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) /* every one closed; the first failure reported */
+        if (close(fds[i]) < 0 && !first && errno != EINTR)
+            first = errno;
+    Py_END_ALLOW_THREADS
+    PyMem_Free(fds);
+    if (first) {
+        errno = first;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
-    {"splice", splice, METH_VARARGS,
+    {"splice", splice_views, METH_VARARGS,
      "splice(parts, keys, views) -> bytes: see tokenfeed.server.splice."},
     {"splice_files", splice_files, METH_VARARGS,
      "splice_files(parts, keys, fds, bases, sizes, nowait=False) -> bytes | None: see "
@@ -665,6 +789,11 @@ static PyMethodDef methods[] = {
      "tokenfeed.server.splice."},
     {"frames", frames, METH_VARARGS,
      "frames(...) -> (bytes, int64 sizes as bytes): see tokenfeed.server.wire."},
+    {"open_files", open_files, METH_VARARGS,
+     "open_files(paths, advise_random) -> [(fd or -errno, dev, ino, size)]: see "
+     "tokenfeed.server.descriptors."},
+    {"close_files", close_files, METH_VARARGS,
+     "close_files(fds) -> None: see tokenfeed.server.descriptors."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -43,6 +43,7 @@ chunks as any other.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -55,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from tokenfeed.core.errors import DataLoss
-from tokenfeed.server import splice
+from tokenfeed.server import descriptors, splice
 from tokenfeed.server.datasets import Dataset
 from tokenfeed.server.rounds import LocatedRound, Span
 
@@ -84,6 +85,9 @@ KEEP_SECONDS = 30.0
 
 Identity = tuple[int, int, int]  # a file's (device, inode, size): `_same`
 Opened = tuple[int, int, int, str, Identity]  # an opened chunk file: fd, base, size, path, identity
+# the files of some of a call's keys (their indices) opened in one go: each Opened, or the
+# DataLoss that names its chunk (`ChunkFiles._open`)
+OpenFiles = Callable[[list[int]], list[Opened | DataLoss]]
 
 
 @dataclass(slots=True)
@@ -112,7 +116,8 @@ class FilePool:
     it: least recently taken first, once the pool holds more than its capacity
     (KEEP_FILES per attached stream, at least POOL_FILES; POOL_FILES for `keep_seconds`
     after the last stream ends, then none). Files are opened outside the lock (a cold
-    disk would hold every stream up).
+    disk would hold every stream up), those a call needs in one go, and closed in one
+    go (descriptors.py: the GIL let go once, not per system call).
 
     A file that stayed in the pool while no stream was attached is not read again
     before its path is found to be the same file of the same size (`_same`): a file
@@ -174,27 +179,39 @@ class FilePool:
             self._idle_since = None
             self._trim()
 
-    def take(self, keys: list[Any], open_file: Callable[[int], Opened] | None) -> np.ndarray | None:
-        """(fd, base, size) of each key's file, held until `give_back(keys)`; a file not
-        open is opened by `open_file(i)` (keys[i]'s; its DataLoss raised, nothing held),
-        or without `open_file`, None (nothing held). A file kept while no stream was
-        attached is checked first (`_same`), so only where `open_file` is given."""
+    def take(self, keys: list[Any], open_files: OpenFiles | None) -> np.ndarray | None:
+        """(fd, base, size) of each key's file, held until `give_back(keys)`; the files
+        not open are opened by `open_files` (their indices in `keys`; the first one's
+        DataLoss raised, nothing held), or without `open_files`, None (nothing held). A
+        file kept while no stream was attached is checked first (`_same`), so only
+        where `open_files` is given."""
         with self._lock:  # a burst's files are usually all open: held in one go
             rows = self._hold(keys)
-        if len(rows) < len(keys) and open_file is None:
+        if len(rows) < len(keys) and open_files is None:
             self.give_back(keys[: len(rows)])
             return None
+        got: list[_Kept | None] = list(rows)
         try:
-            for i in range(len(rows), len(keys)):
-                assert open_file is not None
+            for key in keys[len(rows) :]:
                 with self._lock:
-                    held = self._hold(keys[i : i + 1])
-                    kept = None if held else self._files.get(keys[i])
-                row = held[0] if held else kept and self._checked(keys[i], kept)
-                rows.append(row or self._add(keys[i], open_file(i), 1))
+                    held = self._hold([key])
+                    kept = None if held else self._files.get(key)
+                got.append(held[0] if held else kept and self._checked(key, kept))
+            missing = [i for i, row in enumerate(got) if row is None]
+            if missing:
+                assert open_files is not None
+                opened = list(zip(missing, open_files(missing), strict=True))
+                good = [(i, o) for i, o in opened if not isinstance(o, DataLoss)]
+                added = self._add([(keys[i], o) for i, o in good], 1)
+                for (i, _), row in zip(good, added, strict=True):
+                    got[i] = row
+                failed = [o for _, o in opened if isinstance(o, DataLoss)]
+                if failed:
+                    raise failed[0]
         except BaseException:
-            self.give_back(keys[: len(rows)])
+            self.give_back([key for key, row in zip(keys, got, strict=False) if row is not None])
             raise
+        rows = [row for row in got if row is not None]
         return np.array([(r.fd, r.base, r.size) for r in rows], dtype=np.int64).reshape(-1, 3)
 
     def _hold(self, keys: list[Any]) -> list[_Kept]:
@@ -211,40 +228,44 @@ class FilePool:
             rows.append(row)
         return rows
 
-    def open(self, keys: list[Any], open_file: Callable[[int], Opened]) -> None:
-        """Open the files of `keys` not open yet, held by no burst (read-ahead of opens);
-        stops quietly at one that fails (the burst that needs it says why)."""
+    def open(self, keys: list[Any], open_files: OpenFiles) -> None:
+        """Open the files of `keys` not open yet, in one go, held by no burst
+        (read-ahead of opens); one that fails is left out (the burst that needs it
+        says why)."""
         with self._lock:  # what to open, in one look
             idles, files = self._idles, self._files
             wanted = [(i, files.get(key)) for i, key in enumerate(keys)]
             wanted = [(i, row) for i, row in wanted if row is None or not row.trusted(idles)]
-        for i, row in wanted:
-            key = keys[i]
-            if row is not None and self._checked(key, row, hold=0) is not None:
-                continue
-            try:
-                opened = open_file(i)
-            except (DataLoss, OSError):
-                return
-            self._add(key, opened, 0)
+        todo = [
+            i for i, row in wanted if row is None or self._checked(keys[i], row, hold=0) is None
+        ]
+        if todo:
+            opened = zip(todo, open_files(todo), strict=True)
+            self._add([(keys[i], o) for i, o in opened if not isinstance(o, DataLoss)], 0)
         with self._lock:
             self._trim()
 
     def _mark(self) -> int:
         return self._idles if self._streams else -1
 
-    def _add(self, key: Any, opened: Opened, holds: int) -> _Kept:
+    def _add(self, opened: list[tuple[Any, Opened]], holds: int) -> list[_Kept]:
+        """The files just opened, by key, in the pool, each held `holds` times: a key
+        another stream opened meanwhile keeps that file (this one is closed)."""
+        rows, twins = [], []
         with self._lock:
-            row = self._files.get(key)
-            if row is None:
-                fd, base, size, path, identity = opened
-                row = _Kept(fd, base, size, holds, self._mark(), path, identity)
-                self._files[key] = row
-                return row
-            row.holds += holds
-            self._files.move_to_end(key)
-        os.close(opened[0])  # opened meanwhile by another stream
-        return row
+            mark = self._mark()
+            for key, (fd, base, size, path, identity) in opened:
+                row = self._files.get(key)
+                if row is None:
+                    row = self._files[key] = _Kept(fd, base, size, holds, mark, path, identity)
+                else:
+                    row.holds += holds
+                    self._files.move_to_end(key)
+                    twins.append(fd)
+                rows.append(row)
+        if twins:
+            descriptors.close_files(twins)
+        return rows
 
     def _checked(self, key: Any, row: _Kept, hold: int = 1) -> _Kept | None:
         """`row`, kept while no stream was attached, held `hold` more times if its path
@@ -278,8 +299,7 @@ class FilePool:
         if over <= 0:
             return
         idle = list(islice((k for k, row in self._files.items() if not row.holds), over))
-        for key in idle:
-            os.close(self._files.pop(key).fd)
+        descriptors.close_files([self._files.pop(key).fd for key in idle])
 
 
 def _same(path: str, identity: Identity) -> bool:
@@ -314,7 +334,7 @@ class ChunkFiles:
         so that it can be read on the event loop. A file that fails to open is left to
         the burst that needs it (its error names it)."""
         self._use()
-        self.pool.open([self.keys[c] for c in chunks], lambda i: self._open(chunks[i]))
+        self.pool.open([self.keys[c] for c in chunks], lambda at: self._open(chunks, at))
 
     def kept(self, chunks: list[int]) -> InPlace | None:
         """The files of `chunks` (ascending) if all are open already, to be read without
@@ -330,19 +350,19 @@ class ChunkFiles:
         missing, cut short or unreadable."""
         self._use()
         keys = [self.keys[c] for c in chunks]
-        table = self.pool.take(keys, lambda i: self._open(chunks[i]))
+        table = self.pool.take(keys, lambda at: self._open(chunks, at))
         assert table is not None
         return InPlace(self, keys, np.asarray(chunks, dtype=np.int64), table)
 
-    def _open(self, chunk: int) -> Opened:
-        """Chunk `chunk`'s file opened and checked: (fd, base, size, path, identity)."""
-        fd, base, path, identity = _open_chunk_file(self.store, chunk)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, base, self.store.chunk_nbytes(chunk), path, identity
+    def _open(self, chunks: list[int], at: list[int]) -> list[Opened | DataLoss]:
+        """The files of chunks[i] for i in `at`, opened and checked in one go."""
+        wanted = [chunks[i] for i in at]
+        where = [self.store.chunk_file(c) for c in wanted]
+        got = descriptors.open_files([path for path, _ in where], advise_random=True)
+        return [
+            _opened(self.store, c, path, base, o)
+            for c, (path, base), o in zip(wanted, where, got, strict=True)
+        ]
 
     def close(self) -> None:
         """The stream ended (once; the files stay in the pool, within its capacity)."""
@@ -356,7 +376,11 @@ def read_head(store: Any, chunk: int, nbytes: int) -> bytes:
     """The first `nbytes` of chunk `chunk`, read from its file (a stream loading whole
     chunks takes only a head from a chunk its rows cross into: rounds.spans_heads);
     DataLoss naming the chunk if its file is missing, short or unreadable."""
-    fd, base, path, _ = _open_chunk_file(store, chunk)
+    path, base = store.chunk_file(chunk)
+    opened = _opened(store, chunk, path, base, descriptors.open_files([path])[0])
+    if isinstance(opened, DataLoss):
+        raise opened
+    fd = opened[0]
     try:
         data = os.pread(fd, nbytes, base)
     except OSError as e:
@@ -368,29 +392,24 @@ def read_head(store: Any, chunk: int, nbytes: int) -> bytes:
     return data
 
 
-def _open_chunk_file(store: Any, chunk: int) -> tuple[int, int, str, Identity]:
-    """Chunk `chunk`'s file opened and its size checked against the store's: (fd, the
-    chunk's byte offset in it, path, the file's identity); DataLoss naming the chunk if
-    the file is missing, of another size or unreadable."""
-    path, base = store.chunk_file(chunk)
+def _opened(
+    store: Any, chunk: int, path: str, base: int, got: descriptors.Opened
+) -> Opened | DataLoss:
+    """Chunk `chunk`'s file as `descriptors.open_files` opened it, its size checked
+    against the store's: (fd, base, size, path, identity), or the DataLoss naming the
+    chunk (the file missing, of another size or unreadable; nothing left open)."""
+    fd, dev, ino, size = got
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        store.check_chunk_file(chunk, None)
-        raise
-    except OSError as e:
-        raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        os.close(fd)
-        raise DataLoss(f"{path}: unreadable ({e.strerror or e})") from None
-    try:
-        store.check_chunk_file(chunk, st.st_size)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, base, str(path), (st.st_dev, st.st_ino, st.st_size)
+        if fd < 0:
+            if -fd == errno.ENOENT:
+                store.check_chunk_file(chunk, None)  # says which chunk is missing
+            raise DataLoss(f"{path}: unreadable ({os.strerror(-fd)})")
+        store.check_chunk_file(chunk, size)
+    except DataLoss as e:
+        if fd >= 0:
+            os.close(fd)
+        return e
+    return fd, base, store.chunk_nbytes(chunk), str(path), (dev, ino, size)
 
 
 class WouldBlock(Exception):
