@@ -70,6 +70,7 @@ from scale_parts import (
 )
 
 from tokenfeed.core.request import DEFAULT_SHUFFLE_BLOCKS
+from tokenfeed.server.config import ServerConfig
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
 
@@ -183,8 +184,10 @@ def mixture(tmp: Path, sources: int, segments: int, batches: int, group: int, re
             return q
 
         # One dataset over a shuffle group's batches, as item 4's W = 1, so its chunk
-        # loads count; the mixture reads in place and opens a stream every `batches`,
-        # each open counted (a job re-opens at reconnects, resumes, epochs).
+        # loads count, and after the feeder's cache is full, as item 4's (FILL_CHUNKS);
+        # the mixture reads in place and opens a stream every `batches`, each open
+        # counted (a job re-opens at reconnects, resumes, epochs).
+        fill_cache(proc, "one")
         cpu = interleaved(
             {
                 "mixture": lambda r: feeder_cpu_per_batch(proc, seeded(mix, r), batches, epoch=0),
@@ -228,6 +231,14 @@ def mixture(tmp: Path, sources: int, segments: int, batches: int, group: int, re
 # each batch's rows. A window of a few hundred batches at W = 1 falls inside the chunks
 # its warm-up loaded and counts no read at all (benchmarks/README.md, "scale.py").
 GROUP_BATCHES = DEFAULT_SHUFFLE_BLOCKS * CHUNK // SEQ // B
+# Before them the feeder's cache is filled (its default 2 GiB, and a group more for what
+# its streams pin meanwhile) by a W = 1 stream of an epoch of its own: measured in steady
+# state, as a feeder serves for days, a chunk loaded whole is read into the memory of one
+# it evicted. A fresh feeder's first 2 GiB of loads land in memory new to the process,
+# ~100-190 ms a 32 MiB chunk on a fresh VM here, ~13 ms into a map used before: that
+# cost is reported on its own row.
+FILL_CHUNKS = ServerConfig(".").cache_bytes // (2 * CHUNK) + DEFAULT_SHUFFLE_BLOCKS
+FILL_EPOCH = 1_000
 
 
 def world_size(
@@ -242,6 +253,7 @@ def world_size(
     `warm`; then the idle clients, `repeats` times."""
     print(f"4. the world size ({load()})", flush=True)
     with feeder(root) as proc:
+        fill = fill_cache(proc)
 
         def case(w: int, r: int) -> float:
             p = params("ds", world=w)
@@ -257,7 +269,25 @@ def world_size(
             f"{shown} ({spread:.2f}x)",
             spread <= 1.2,
         )
+        row(
+            "4 world size",
+            "reported: W = 1 filling a fresh feeder's cache",
+            f"{fill * 1e3:.1f} ms CPU per chunk loaded, its 1,024 batches included",
+            True,
+        )
         idle_clients(proc, 64, repeats, baseline_client)
+
+
+def fill_cache(proc: FeederProcess, dataset: str = "ds") -> float:
+    """Fill the feeder's cache (FILL_CHUNKS chunks of `dataset` at W = 1, in packed
+    messages): its CPU seconds per chunk loaded."""
+    batches = FILL_CHUNKS * CHUNK // SEQ // B
+    before = cpu_seconds(proc.proc.pid)
+    p = params(dataset)
+    s = run(stream([proc.address], p, 0, batches, FILL_EPOCH, message_bytes=MiB))
+    if s.failures:
+        raise RuntimeError(s.error)
+    return (cpu_seconds(proc.proc.pid) - before) / FILL_CHUNKS
 
 
 def idle_clients(proc: FeederProcess, n: int, repeats: int, baseline: Path | None = None) -> None:
@@ -307,7 +337,9 @@ for c in cs:
         assert child.stdout is not None
         if child.stdout.readline().strip() != "started":
             raise RuntimeError(f"the idle clients did not start (exit {child.wait()})")
-        quiet(proc.proc.pid)
+        # over whole seconds: CPU clocks tick every 10 ms, and while 64 streams still fill
+        # their clients' windows a quarter of a second can pass without a tick
+        quiet(proc.proc.pid, every=1.0)
         child.stdin.write("\n")
         child.stdin.flush()
         out = child.stdout.read()

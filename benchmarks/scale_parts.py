@@ -200,16 +200,23 @@ async def stream(
     first: int = 0,
     progress: list[int] | None = None,
     start: int = 0,
+    message_bytes: int = 0,
 ) -> Stream:
     """Read `batches` batches of `rank` from step `start` of `epoch`; `pace` s after
     each is a consumer's rate; on a status FeederClient retries, the next address takes
-    over at the first batch not received (what FeederClient does)."""
+    over at the first batch not received (what FeederClient does). `message_bytes`:
+    as many batches a message as fit (FeederClient's packing), else one."""
     s = Stream(rank, [], [], time.monotonic())
     at = first
     while len(s.starts) < batches * p.batch_size:
         step = start + len(s.times)
         req = pb.StreamBatchesRequest(
-            params=p, rank=rank, epoch=epoch, step=step, offset=step * p.batch_size * p.world_size
+            params=p,
+            rank=rank,
+            epoch=epoch,
+            step=step,
+            offset=step * p.batch_size * p.world_size,
+            message_bytes=message_bytes,
         )
         options = [("grpc.use_local_subchannel_pool", 1)]
         try:
