@@ -78,3 +78,10 @@ def test_close_files_closes_every_one_and_reports_the_first_failure(
 def test_a_path_with_a_nul_is_a_value_error(way: str) -> None:
     with pytest.raises(ValueError, match="null"):
         descriptors.open_files(["a\0b"])
+
+
+def test_close_files_takes_what_os_close_takes(way: str) -> None:
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        descriptors.close_files([-5])
+    with pytest.raises(OverflowError):
+        descriptors.close_files([2**40])

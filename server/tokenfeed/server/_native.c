@@ -717,10 +717,12 @@ open_files(PyObject *module, PyObject *args)
         open_one(PyBytes_AS_STRING(encoded[i]), advise, out[i]);
     Py_END_ALLOW_THREADS
     result = PyList_New(n);
-    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
-        PyObject *row = Py_BuildValue("(LLLL)", out[i][0], out[i][1], out[i][2], out[i][3]);
-        if (row == NULL) {
-            for (Py_ssize_t j = i; j < n; j++) /* not handed over: not left open */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = NULL;
+        if (result != NULL)
+            row = Py_BuildValue("(LLLL)", out[i][0], out[i][1], out[i][2], out[i][3]);
+        if (row == NULL) { /* out of memory: nothing handed over, nothing left open */
+            for (Py_ssize_t j = 0; j < n; j++)
                 if (out[j][0] >= 0)
                     close((int)out[j][0]);
             Py_CLEAR(result);
@@ -755,9 +757,9 @@ close_files(PyObject *module, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
-        if ((fd == -1 && PyErr_Occurred()) || fd < 0 || fd > INT_MAX) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError, "close_files: %ld is not a file descriptor", fd);
+        if ((fd == -1 && PyErr_Occurred()) || fd < INT_MIN || fd > INT_MAX) {
+            if (!PyErr_Occurred()) /* what os.close says */
+                PyErr_SetString(PyExc_OverflowError, "fd is out of range");
             PyMem_Free(fds);
             Py_DECREF(seq);
             return NULL;
