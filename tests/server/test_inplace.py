@@ -613,3 +613,22 @@ def test_a_head_of_a_cut_or_missing_chunk_file_is_data_loss_naming_it(tmp_path: 
     os.unlink(tmp_path / "s" / "chunk_000002.bin")
     with pytest.raises(DataLoss, match=r"chunk_000002\.bin is missing"):
         inplace.read_head(store, 2, 64)
+
+
+def test_a_head_is_read_from_a_file_advised_random_access(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head is a token or a row: without the advice the kernel reads ahead up to the
+    device's read_ahead_kb around it (8 MiB on some VMs)."""
+    store = make_positional_store(tmp_path / "s", 4_000, 1_000)
+    advice: list[int] = []
+    fadvise = os.posix_fadvise
+
+    def recorded(fd: int, offset: int, length: int, what: int) -> None:
+        advice.append(what)
+        fadvise(fd, offset, length, what)
+
+    monkeypatch.setattr(os, "posix_fadvise", recorded)
+    with native.disabled():  # the reference, whose system calls Python sees
+        assert inplace.read_head(store, 1, 4) == np.arange(1_000, 1_001, dtype="<u4").tobytes()
+    assert advice == [os.POSIX_FADV_RANDOM]
