@@ -258,3 +258,21 @@ def test_megatron_writer_layout_is_searched_in_place(tmp_path: Path) -> None:
     starts = np.arange(0, store.total_tokens - 16)
     want = D.offset_ends(starts, 17, D.recorded_ends(store.document_ends()))
     np.testing.assert_array_equal(store.end_search().ends(starts, 17), want)
+
+
+def test_the_searched_index_is_mapped_for_random_access(tmp_path: Path) -> None:
+    """A search's probes land on random pages of the index: the mapping is advised
+    random access (VM_RAND_READ, "rr" in /proc/self/smaps), so a page not in the page
+    cache reads itself, not the device's read_ahead_kb around it."""
+    prefix = write_megatron(tmp_path / "ds", [[np.arange(5, dtype=np.uint16)]] * 3000)
+    store = MegatronStore.open(prefix)
+    idx = str(store.idx_path)
+
+    def flags() -> list[str]:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        at = next(i for i, line in enumerate(lines) if line.endswith(idx))
+        return next(line for line in lines[at:] if line.startswith("VmFlags:")).split()[1:]
+
+    assert "rr" not in flags()
+    store.end_search()
+    assert "rr" in flags()
