@@ -593,7 +593,7 @@ def main() -> int:
         elif items & {4, 5, 6, 7}:
             sparse_store(tmp / "big" / "ds", big_tokens)  # the store the other items read
         if 2 in items:
-            megatron(tmp, 10**6 if q else 10**8, 100 if q else 2_000, repeats)
+            megatron(tmp, 4 * 10**6 if q else 10**8, 100 if q else 2_000, 3 if q else 9)
         if 4 in items:
             world_size(
                 tmp / "big", 100 if q else 400, group, repeats, 1 if q else 3, args.baseline_client
