@@ -274,5 +274,6 @@ def test_the_searched_index_is_mapped_for_random_access(tmp_path: Path) -> None:
         return next(line for line in lines[at:] if line.startswith("VmFlags:")).split()[1:]
 
     assert "rr" not in flags()
-    store.end_search()
+    search = store.end_search()
     assert "rr" in flags()
+    assert store.end_search() is search  # made, and the mapping advised, once a store

@@ -225,7 +225,13 @@ class MegatronStore(StoreReader):
 
     def end_search(self) -> EndSearch:
         """The documents' ends searched in the memory-mapped index, batch by batch:
-        nothing per document, in memory or in time (documents.indexed_ends)."""
+        nothing per document, in memory or in time (documents.indexed_ends). One per
+        store: a mixture asks each source at every request, and the index's mapping is
+        advised once."""
+        return self._index_ends
+
+    @cached_property
+    def _index_ends(self) -> _IndexEnds:
         return _IndexEnds(self)
 
     @property
