@@ -14,10 +14,10 @@
  * - open_files, close_files: many chunk files opened (and stat'ed) or closed with the
  *   GIL released once, not once per system call (descriptors.py).
  *
- * splice.py, wire.py and descriptors.py call each through a public function that falls back to its
- * pure-Python reference beside it (splice_py, program_py, frames_py) when this module
- * is not built or the compiled loops are off (tokenfeed.core.native); the tests
- * compare them, and wire's with protobuf.
+ * splice.py, wire.py and descriptors.py call each through a public function that falls
+ * back to its pure-Python reference beside it (splice_py, program_py, frames_py,
+ * open_files_py, close_files_py) when this module is not built or the compiled loops
+ * are off (tokenfeed.core.native); the tests compare them, and wire's with protobuf.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
