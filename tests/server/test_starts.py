@@ -234,14 +234,16 @@ def test_in_a_storm_a_first_batch_read_in_place_is_built_on_the_loop(feeder) -> 
         for h in held:
             h.__exit__(None, None, None)
 
+    pool = service.executor
+    feeder.call(hold())
     with grpc.insecure_channel(feeder.address) as ch:
-        # a rank that started first: the files of rank 1's first batch open, in use
+        # a rank that started first: the files of rank 1's first batch open, in use (it
+        # waits after its first batch: no later burst of its own opens other files)
         started = pb_grpc.FeederStub(ch).StreamBatches(request)
-        first = next(started).batches[0].starts
-        feeder.call(hold())
-        pool = service.executor
-        service.executor = counted = _Counted(pool)
         try:
+            first = next(started).batches[0].starts
+            wait_until(lambda: service.starts.waiting == 1, GUARD, "the first stream waiting")
+            service.executor = counted = _Counted(pool)
             call = pb_grpc.FeederStub(ch).StreamBatches(request)
             assert next(call).batches[0].starts == first
             call.cancel()
