@@ -7,6 +7,7 @@ looks at the sockets each worker process owns (/proc), never at timing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -332,3 +333,42 @@ def test_killed_worker_is_replaced_and_its_clients_finish_exactly_once(tmp_path:
         assert m[("tokenfeed_server_streams_active", ())] == 0  # the dead worker's gauge went
         assert f"worker {pids.index(victim)} (pid {victim}) was killed by SIGKILL" in node.log()
         assert node.terminate() == 0
+
+
+@pytest.mark.slow
+def test_a_killed_supervisors_state_folder_is_removed_once_its_workers_are_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A supervisor killed outright leaves its state folder (metric files, status) in
+    $TMPDIR; the next supervisor to start removes it, but not while one of its workers
+    still runs (drains), and never the folder of a supervisor that runs."""
+    root = tmp_path / "data"
+    make_positional_store(root / FEEDER_DATASET, 10_000, 1_000)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # the supervisors' temporary directory
+
+    def folders() -> set[Path]:
+        return set(tmp.glob("tokenfeed-workers-*"))
+
+    killed = FeederProcess(root, workers=2)
+    (left,) = folders()
+    pids = worker_pids(killed)
+    try:
+        os.kill(pids[0], signal.SIGSTOP)  # a worker that has not finished draining
+        killed.kill()
+        with FeederProcess(root, workers=2) as second:
+            (own,) = folders() - {left}  # the stopped worker holds `left`'s lock
+            os.kill(pids[0], signal.SIGKILL)
+            wait_until(lambda: _state(pids[0]) in ("Z", "gone"), 30, "the worker gone")
+            with FeederProcess(root, workers=2) as third:
+                assert left not in folders()
+                assert own in folders()  # a running supervisor's is kept
+                assert f"removing {left}, left by a supervisor that was killed" in third.log()
+                assert second.terminate() == 0
+                assert third.terminate() == 0
+        assert folders() == set()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[0], signal.SIGKILL)
+        killed.stop()

@@ -38,6 +38,11 @@ FeederServer, and stays out of the data path:
   each worker dumps its threads' stacks and its streams' tasks (stacks.py).
 * **Status.** Each worker writes its status (status.py) to the state directory every
   STATUS_SECONDS; the metrics port's /status and /status.json merge the live workers'.
+* **State.** The workers' metric files, status and verified chunks live in a folder
+  of the temporary directory ($TMPDIR), removed at the drain. A supervisor killed
+  outright (SIGKILL, the OOM killer) cannot remove its own, so it and its workers hold
+  a lock on the folder (one open file, inherited), and the next supervisor to start
+  removes the folders whose lock nobody holds.
 * **Stop.** SIGTERM or SIGINT: every worker gets SIGTERM and drains (--grace-seconds
   for open streams); exit 0 once all have stopped. A worker still running grace + 15
   seconds later is killed and the exit code is 1. If the supervisor itself dies, each
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -147,6 +153,42 @@ class _Worker:
         self.ready_fd = self.parent_fd = -1
 
 
+STATE_PREFIX = "tokenfeed-workers-"
+STATE_LOCK = "lock"
+
+
+def new_state_dir() -> tuple[Path, int]:
+    """A new state folder and the descriptor of its lock (flock: held until every copy
+    of the descriptor is closed); the folders of supervisors that died without
+    removing theirs, and whose workers are gone too, are removed first."""
+    for old in Path(tempfile.gettempdir()).glob(STATE_PREFIX + "*"):
+        _remove_if_orphaned(old)
+    state = Path(tempfile.mkdtemp(prefix=STATE_PREFIX))
+    lock = os.open(state / ".lock", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.rename(state / ".lock", state / STATE_LOCK)  # no other start ever finds it free
+    return state, lock
+
+
+def _remove_if_orphaned(state: Path) -> None:
+    """Remove `state` if no process holds its lock. A folder without a lock (one being
+    made, or by an older version) or whose lock cannot be opened (another user's) is
+    left."""
+    try:
+        fd = os.open(state / STATE_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # its supervisor runs
+    else:
+        log.info("removing %s, left by a supervisor that was killed", state)
+        shutil.rmtree(state, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
 class Supervisor:
     """Runs `config.workers` worker processes on one port until SIGTERM/SIGINT."""
 
@@ -172,12 +214,12 @@ class Supervisor:
             signal.signal(sig, lambda *_: self._stop.set())
         for sig, event in self._forwarded.items():
             signal.signal(sig, lambda *_, e=event: e.set())
-        state = Path(tempfile.mkdtemp(prefix="tokenfeed-workers-"))
+        state, lock = new_state_dir()
         http = None
         try:
             (state / "metrics").mkdir()
             (state / STATUS_DIR).mkdir()
-            self._state = state
+            self._state, self._lock = state, lock
             registry = CollectorRegistry()
             NodeCollector(registry, path=str(state / "metrics"))
             self.metrics = SupervisorMetrics(registry)
@@ -231,6 +273,7 @@ class Supervisor:
                 if w is not None:
                     w.close_fds()
             shutil.rmtree(state, ignore_errors=True)
+            os.close(lock)
             # Drained: a repeated SIGTERM during the last teardown must not turn exit 0
             # into "killed by signal".
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -282,7 +325,8 @@ class Supervisor:
         ]
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self._state / "metrics")}
         try:
-            proc = subprocess.Popen(argv, env=env, pass_fds=(ready_w, parent_r))
+            # the lock's descriptor too: the folder is in use while a worker drains
+            proc = subprocess.Popen(argv, env=env, pass_fds=(ready_w, parent_r, self._lock))
         finally:
             os.close(ready_w)
             os.close(parent_r)
