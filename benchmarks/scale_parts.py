@@ -293,6 +293,21 @@ def feeder_cpu_per_batch(
     return (cpu_seconds(proc.proc.pid) - before) / batches
 
 
+def batches_sent(metrics_port: int) -> float:
+    """The feeder's tokenfeed_server_batches_sent, every series summed (its workers')."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+        if s.name == "tokenfeed_server_batches_sent_total"
+    )
+
+
 def interleaved(cases: dict[str, Callable[[int], float]], repeats: int) -> dict[str, float]:
     """The median of `repeats` runs of each case, the cases taking turns."""
     got: dict[str, list[float]] = {k: [] for k in cases}
@@ -303,12 +318,14 @@ def interleaved(cases: dict[str, Callable[[int], float]], repeats: int) -> dict[
 
 
 @contextmanager
-def grpc_floor(workers: int = 2) -> Iterator[tuple[str, int]]:
-    """servers/grpc_floor.py serving on `workers` processes: (its address, its pid)."""
+def grpc_floor(workers: int = 2, messages: int = 1) -> Iterator[tuple[str, int]]:
+    """servers/grpc_floor.py serving on `workers` processes, `messages` messages of one
+    batch a stream: (its address, its pid)."""
     with tempfile.TemporaryDirectory(prefix="grpc-floor-") as d:
         port_file = Path(d) / "port"
         script = str(Path(__file__).with_name("servers") / "grpc_floor.py")
         argv = [sys.executable, script, "--workers", str(workers), "--port-file", str(port_file)]
+        argv += ["--messages", str(messages)]
         with subprocess.Popen(argv) as proc:
             try:
                 port = wait_for_port(proc, port_file, 30.0)
