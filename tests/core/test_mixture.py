@@ -316,6 +316,29 @@ def all_rank_items(mix, offset, steps, B, W, seed, shuffle):
     ]
 
 
+def test_the_ranks_of_a_job_share_the_step_boundaries_of_their_round(monkeypatch) -> None:
+    """Every rank of a job opens its stream at the same step, and each asks for the
+    same boundaries: computed once (an epoch-start storm of 1,024 ranks on 1,000
+    sources computed them per rank), kept read-only, and as a fresh mixture's."""
+    base, schedule = {"a": 0.5, "b": 0.3, "c": 0.2}, [(5_000, {"a": 0.1, "b": 0.1, "c": 0.8})]
+    mix = Mixture(base, schedule, seq_len=8)
+    app = mix.apportionment
+    calls = []
+    compute = app._counts_every
+    monkeypatch.setattr(app, "_counts_every", lambda *a: calls.append(a) or compute(*a))
+    kw = {"batch_size": 4, "world_size": 16, "seed": 3, "shuffle": True}
+    rows = [rank_steps(mix, r, 640, 5, **kw) for r in range(16)]
+    assert calls == [(640, 64, 5)]
+    fresh = Mixture(base, schedule, seq_len=8)
+    for r, (src, item) in enumerate(rows):
+        want_src, want_item = rank_steps(fresh, r, 640, 5, **kw)
+        assert np.array_equal(src, want_src)
+        assert np.array_equal(item, want_item)
+    assert not app.counts_every(640, 64, 5).flags.writeable
+    rank_steps(mix, 0, 640 + 64 * 5, 5, **kw)  # the next round: its own boundaries
+    assert calls[-1] == (960, 64, 5)
+
+
 def delivered(rows):
     out = Counter()
     for src, item in rows:
