@@ -453,6 +453,19 @@ def one_node(root: Path, streams: int, batches: int) -> None:
     )
 
 
+async def job_streams(
+    address: str, p: pb.SamplingParams, batches: int, pace: float = 0.0
+) -> list[Stream]:
+    """Every rank of `p`'s job reads `batches` batches (`pace`: stream()'s), the
+    streams all opened within one second: the storm of a job starting."""
+    streams, tasks = p.world_size, []
+    for r in range(streams):
+        tasks.append(asyncio.ensure_future(stream([address], p, r, batches, pace=pace)))
+        if r % 64 == 63:
+            await asyncio.sleep(64 / streams)
+    return list(await asyncio.gather(*tasks))
+
+
 def paced_job(
     address: str, pid: int, streams: int, batches: int, watch: Callable[[], None] | None = None
 ) -> tuple[list[Stream], float]:
@@ -469,15 +482,10 @@ def paced_job(
     async def main() -> list[Stream]:
         done = asyncio.Event()
         sampling = asyncio.ensure_future(sample(done))
-        tasks = []
-        for r in range(streams):  # all opened within one second: the storm
-            tasks.append(asyncio.ensure_future(stream([address], p, r, batches, pace=0.5)))
-            if r % 64 == 63:
-                await asyncio.sleep(64 / streams)
-        got = await asyncio.gather(*tasks)
+        got = await job_streams(address, p, batches, pace=0.5)
         done.set()
         await sampling
-        return list(got)
+        return got
 
     quiet(pid)
     before = cpu_seconds(pid)
@@ -492,16 +500,7 @@ def storm_starts(address: str, pid: int, p: pb.SamplingParams) -> str:
     streams = p.world_size
     quiet(pid)
     before, mine = cpu_seconds(pid), time.process_time()
-
-    async def main() -> list[Stream]:
-        tasks = []
-        for r in range(streams):
-            tasks.append(asyncio.ensure_future(stream([address], p, r, 1)))
-            if r % 64 == 63:
-                await asyncio.sleep(64 / streams)
-        return list(await asyncio.gather(*tasks))
-
-    got = run(main())
+    got = run(job_streams(address, p, 1))
     served, generated = cpu_seconds(pid) - before, time.process_time() - mine
     p99, _ = first_batch_seconds_p99(got)
     failed = sum(bool(s.failures) for s in got)
