@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +225,47 @@ def test_a_forked_child_dials_its_own_channel(root: Path) -> None:
     assert got["child"] != got["parent"]
     assert got["child_starts"] == expected(1)
     assert got["parent_starts"] == expected(0)
+
+
+def test_streams_whose_readers_wait_receive_a_bounded_window_on_a_shared_connection() -> None:
+    """64 streams on one of the client's channels, each read once and then left: a server
+    sending 1 MiB messages as fast as flow control lets it gets a few windows ahead per
+    stream and then waits. (With gRPC's default BDP-probed windows the connection took
+    ~1 GiB a second and the sends never stopped.)"""
+    from concurrent import futures
+
+    from tokenfeed.client import Security, Timeouts
+    from tokenfeed.client.transport import STREAM_WINDOW_BYTES, Endpoint, channel_options
+
+    streams, message = 64, bytes(1 << 20)
+    sent = [0] * streams
+    bound = streams * (STREAM_WINDOW_BYTES + 4 * len(message)) // len(message)
+
+    def send(request: bytes, context: grpc.ServicerContext) -> Any:
+        i = int(request)
+        while context.is_active():
+            sent[i] += 1
+            yield message
+
+    server = grpc.server(futures.ThreadPoolExecutor(streams + 4))
+    identity = lambda b: b  # noqa: E731
+    method = grpc.unary_stream_rpc_method_handler(send, identity, identity)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {"S": method})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    target = f"127.0.0.1:{port}"
+    options = channel_options(Timeouts(), Endpoint(target), Security())
+    try:
+        with grpc.insecure_channel(target, options) as ch:
+            call = ch.unary_stream("/t.T/S", identity, identity)
+            its = [iter(call(str(i).encode())) for i in range(streams)]
+            for it in its:
+                assert next(it) == message
+            last, still = -1, 0
+            while still < 5:  # unchanged for a second: every send waits for a window
+                time.sleep(0.2)
+                total = sum(sent)
+                assert total <= bound, f"{total} MiB sent to 64 waiting readers"
+                last, still = total, still + 1 if total == last else 0
+    finally:
+        server.stop(0)

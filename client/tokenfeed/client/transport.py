@@ -117,6 +117,12 @@ def expand(address: str, getaddrinfo: Callable[..., Any] = socket.getaddrinfo) -
 # The largest message this client accepts, sent with every stream request (the
 # server packs fewer batches per message to stay below it): gRPC's hard limit.
 MAX_RECEIVE_BYTES = (1 << 31) - 1
+# What a stream may receive ahead of its reader: a fixed HTTP/2 window, ~4 messages of
+# the ~1 MiB the feeder packs, instead of gRPC's BDP-probed one. The probe sizes every
+# stream's window from what the whole connection receives, and the clients of a process
+# share one: with 64 streams whose readers waited (full buffers) the windows grew with
+# what came in and the process buffered GiBs a second; 1 or 2 streams stay bounded.
+STREAM_WINDOW_BYTES = 4 << 20
 
 
 def channel_options(
@@ -126,6 +132,8 @@ def channel_options(
     dial = min(timeouts.attempt_timeout, timeouts.connect_timeout)
     opts: list[tuple[str, int | str]] = [
         ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         ("grpc.keepalive_time_ms", _ms(timeouts.keepalive_time)),
         ("grpc.keepalive_timeout_ms", _ms(timeouts.keepalive_timeout)),
         ("grpc.http2.max_pings_without_data", 0),
