@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tokenfeed.client import FeederClient
+from tokenfeed.client import FeederClient, handoff
 from tokenfeed.client.handoff import Handoff
 
 from support import wait_until
@@ -135,6 +135,41 @@ def test_the_loop_wakes_a_reader_waiting_for_room_only_when_the_ring_runs_dry() 
     with pytest.raises(queue.Empty):
         h.get_nowait()
     assert h._room.is_set()  # ran dry: a reader about to wait is woken at once
+
+
+class CountedEvent(threading.Event):
+    """An Event that records the timeout of every wait on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.timeouts.append(timeout)
+        return super().wait(timeout)
+
+
+def test_a_reader_whose_loop_is_away_sleeps_until_the_ring_runs_dry(monkeypatch) -> None:
+    """Once its polls for room would be longer than POLL_MAX, a reader on a full ring
+    stops polling (an idle client takes no CPU): the loop taking items wakes it only
+    when it finds the ring dry, and the reader's next wait for room polls again."""
+    monkeypatch.setattr(handoff, "POLL_MAX", 0.01)
+    h = Handoff(2)
+    h._room = room = CountedEvent()
+    h.put_all([0, 1], timeout=1)
+    t = threading.Thread(target=lambda: h.put_all([2, 3], timeout=120))
+    t.start()
+    wait_until(lambda: any(w > 1 for w in room.timeouts), 30, "the reader to stop polling")
+    polls = [w for w in room.timeouts if w is not None and w <= 1]
+    assert polls == [0.0002 * 2**k for k in range(len(polls))]
+    assert 0.005 < polls[-1] <= 0.01
+    assert h.get_nowait() == 0  # room, but the loop's fast path wakes nobody ...
+    assert h.qsize() == 1  # ... and the sleeping reader does not look
+    assert h.get_nowait() == 1
+    assert h.get(timeout=30) == 2  # the loop found the ring dry: woken, it refills
+    t.join(30)
+    assert h.get_nowait() == 3
+    assert h._poll == handoff.POLL_MIN  # it found room: its next wait polls again
 
 
 def test_a_message_reaches_a_waiting_loop_with_one_wake() -> None:

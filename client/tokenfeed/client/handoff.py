@@ -6,17 +6,25 @@ step's sleep (benchmarks/trainer_loop.py). That wake was most of the data-stall
 fraction at short steps, although the ring was full.
 
 So here the loop never wakes the reader on its fast path. A reader that finds the ring
-full waits for room on an Event with a timeout that starts at 0.2 ms and doubles up to
-POLL_MAX: while the loop trains, a refill within about twice the time the slot was
-free (the ring stays full), and a reader whose trainer is away wakes about once a
-second (benchmarks/scale.py measures 64 idle clients; waking the reader from the
-loop at a low mark instead put a futex wake and a burst of refills into `next()`).
-These polls cost the reader ~0.25 ms of CPU per 5 ms step, and they are worth it: a
-reader that waited for half the ring to drain (a few wake-ups per refill) used a sixth
-of that, but the loop's `next()` then resumed on a colder core, ~6 us slower, and the
-stall at 5 ms steps grew (benchmarks/README.md, peers.py). The loop sets that Event
-only when it finds the ring empty, and the reader wakes a waiting loop at once (a
-token on a SimpleQueue), so an empty ring is refilled with no delay.
+full waits for room on an Event with a timeout that starts at 0.2 ms and doubles while
+no room comes: while the loop trains, a refill within about twice the time the slot
+was free (the ring stays full). These polls cost the reader ~0.25 ms of CPU per 5 ms
+step, and they are worth it: a reader that waited for half the ring to drain (a few
+wake-ups per refill) used a sixth of that, but the loop's `next()` then resumed on a
+colder core, ~6 us slower, and the stall at 5 ms steps grew (benchmarks/README.md,
+peers.py). The loop sets that Event only when it finds the ring empty, and the reader
+wakes a waiting loop at once (a token on a SimpleQueue), so an empty ring is refilled
+with no delay.
+
+Once the next poll would be longer than POLL_MAX (the ring has stayed full ~1.6 s: the
+trainer is away, in an evaluation or a checkpoint, or its steps are that long), the
+reader stops polling and sleeps until the loop finds the ring dry, so an idle client
+costs next to nothing (benchmarks/scale.py measures 64 of them). Back from its
+absence, the loop waits for one refill once it has drained the ring, as it did when
+the reader still polled once a second and the ring drained faster than that. (Those
+polls cost 0.015-0.04 of a core per 64 idle clients here, more on a busy machine;
+waking the reader from the loop at a low mark put a futex wake and a burst of
+refills into `next()`.)
 
 A reader hands over a message's batches together (`put_all`): an idle loop wakes once
 per message, not once per batch.
@@ -35,7 +43,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-# A full ring's wait for room: 0.2 ms, doubling up to POLL_MAX while no room comes.
+# A full ring's wait for room: 0.2 ms, doubling while no room comes; a wait that would
+# be longer than POLL_MAX lasts until the loop finds the ring dry.
 POLL_MIN, POLL_MAX = 0.0002, 1.0
 
 
@@ -53,6 +62,7 @@ class Handoff:
         self._waiting = False
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._room = threading.Event()  # the loop -> a reader waiting for room (ring empty)
+        self._poll = POLL_MIN  # the reader's next wait for room: kept across put_all calls
         # The loop's fast path: the deque's own popleft, a C call with no Python frame
         # around it (after a training step's sleep each frame costs microseconds);
         # IndexError when the ring is empty, and then the loop calls get(), which wakes
@@ -80,14 +90,18 @@ class Handoff:
                     self._wake.put(None)
                 if deadline is None:
                     deadline = time.monotonic() + timeout
-                poll = POLL_MIN
                 while len(ring) >= maxsize:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return done
-                    self._room.wait(min(poll, left))
+                    poll = self._poll
+                    if poll > POLL_MAX:  # the trainer is away: sleep until the ring runs dry
+                        self._room.wait(left)
+                    else:
+                        self._room.wait(min(poll, left))
+                        self._poll = 2 * poll
                     self._room.clear()
-                    poll = min(2 * poll, POLL_MAX)
+                self._poll = POLL_MIN
             ring.append(item)
             done += 1
         if self._waiting:
