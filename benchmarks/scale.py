@@ -60,6 +60,7 @@ from scale_parts import (
     grpc_floor,
     interleaved,
     load,
+    page_touch_us,
     params,
     quiet,
     raw_stream,
@@ -617,6 +618,18 @@ def plan() -> None:
 # ----------------------------------------------------------------------------- main
 
 
+def machine(when: str) -> None:
+    """What a page new to a process costs here now, beside one just freed: the pages
+    rows read in place fill pay the first (benchmarks/README.md, "The machine")."""
+    new, again = page_touch_us()
+    row(
+        "machine",
+        f"reported: CPU to touch a new page, {when}",
+        f"{new:.1f} us ({again:.1f} us again)",
+        True,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller, for CI")
@@ -640,6 +653,7 @@ def main() -> int:
     # of one, whose W = 1 figure counts a load or none
     group = GROUP_BATCHES // 8 if q else GROUP_BATCHES
     print(f"tokenfeed scale ({'quick' if q else 'full'}), {os.cpu_count()} cores, {load()}")
+    machine("at the start")
     with tempfile.TemporaryDirectory(prefix="tokenfeed-scale-") as d:
         tmp = Path(d)
         if 1 in items:
@@ -662,6 +676,7 @@ def main() -> int:
             replicas(tmp / "big", 256 if q else 4_096, 3)
         if 8 in items:
             plan()
+    machine("at the end")
     print(f"\n{'item':<14} {'goal':<46} {'measured':<58} result   ({load()})")
     for r in ROWS:
         print(f"{r.item:<14} {r.goal:<46} {r.measured:<58} {'PASS' if r.ok else 'MISS'}")

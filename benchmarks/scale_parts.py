@@ -159,6 +159,24 @@ def load() -> str:
     return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def page_touch_us(mib: int = 256) -> tuple[float, float]:
+    """CPU us to touch a page of memory new to this process, then of the same amount
+    mapped again right after (pages the kernel just took back): on a VM whose memory
+    goes back to the host when free, the first is several times the second, and every
+    page the feeder fills (a row read in place, a chunk loaded) pays it."""
+    import mmap
+
+    costs = []
+    for _ in range(2):
+        m = mmap.mmap(-1, mib << 20)
+        t = time.process_time()
+        for i in range(0, mib << 20, mmap.PAGESIZE):
+            m[i] = 1
+        costs.append((time.process_time() - t) / ((mib << 20) // mmap.PAGESIZE) * 1e6)
+        m.close()
+    return costs[0], costs[1]
+
+
 # ----------------------------------------------------------------------------- the wire
 
 

@@ -31,7 +31,9 @@ ratios, not the digits (benchmarks/README.md has the latest).
 
 `--baseline-client DIR` also runs each feeder variant with the client package of
 another revision (DIR is its `client/` source root, e.g. from `git archive main client
-| tar -x -C /tmp/base`), named `<variant>@base`, in the same rounds.
+| tar -x -C /tmp/base`, with the built `client/tokenfeed/client/*.so` copied in: without
+it that client decodes with protobuf, ~2x its CPU), named `<variant>@base`, in the same
+rounds.
 """
 
 from __future__ import annotations

@@ -27,7 +27,11 @@ def test_scale_quick_runs_every_item_and_its_functional_checks_hold(tmp_path: Pa
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     rows = json.loads(out.read_text())
-    assert {r["item"].split()[0] for r in rows} == {"1", "2", "3", "4", "5", "6", "7", "8"}
+    items = {r["item"].split()[0] for r in rows}
+    assert items == {"machine", "1", "2", "3", "4", "5", "6", "7", "8"}
+    touch = [r["measured"] for r in rows if r["item"] == "machine"]
+    assert len(touch) == 2  # at the start and the end
+    assert all(" us (" in m for m in touch)
     functional = [r for r in rows if r["functional"]]
     assert [r for r in functional if not r["ok"]] == []
     checked = {r["goal"] for r in functional}
