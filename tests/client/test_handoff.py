@@ -149,27 +149,42 @@ class CountedEvent(threading.Event):
         return super().wait(timeout)
 
 
-def test_a_reader_whose_loop_is_away_sleeps_until_the_ring_runs_dry(monkeypatch) -> None:
+def test_a_reader_whose_loop_is_away_sleeps_until_the_loop_takes_an_item(monkeypatch) -> None:
     """Once its polls for room would be longer than POLL_MAX, a reader on a full ring
-    stops polling (an idle client takes no CPU): the loop taking items wakes it only
-    when it finds the ring dry, and the reader's next wait for room polls again."""
+    stops polling and says so (`asleep`; an idle client takes no CPU): room made by a
+    pop alone is not seen, the loop's wake() after it (next() calls it) refills at
+    once, and the reader's next wait for room polls again. A loop that finds the ring
+    dry wakes it too."""
     monkeypatch.setattr(handoff, "POLL_MAX", 0.01)
     h = Handoff(2)
     h._room = room = CountedEvent()
     h.put_all([0, 1], timeout=1)
-    t = threading.Thread(target=lambda: h.put_all([2, 3], timeout=120))
+    t = threading.Thread(target=lambda: h.put_all([2, 3, 4], timeout=120))
     t.start()
-    wait_until(lambda: any(w > 1 for w in room.timeouts), 30, "the reader to stop polling")
-    polls = [w for w in room.timeouts if w is not None and w <= 1]
+    wait_until(lambda: h.asleep, 30, "the reader to stop polling")
+    polls = list(room.timeouts)
     assert polls == [0.0002 * 2**k for k in range(len(polls))]
     assert 0.005 < polls[-1] <= 0.01
-    assert h.get_nowait() == 0  # room, but the loop's fast path wakes nobody ...
+    assert h.pop() == 0  # room, but a pop alone wakes nobody ...
     assert h.qsize() == 1  # ... and the sleeping reader does not look
-    assert h.get_nowait() == 1
-    assert h.get(timeout=30) == 2  # the loop found the ring dry: woken, it refills
+    h.took()  # what next() does after a pop that found the reader asleep: half free
+    wait_until(lambda: h.qsize() == 2, 30, "the woken reader to refill")
+    assert [h.pop(), h.get(timeout=30), h.get(timeout=30)] == [1, 2, 3]
     t.join(30)
-    assert h.get_nowait() == 3
     assert h._poll == handoff.POLL_MIN  # it found room: its next wait polls again
+    assert h.get_nowait() == 4
+
+
+def test_a_sleeping_reader_is_woken_by_a_loop_that_finds_the_ring_dry(monkeypatch) -> None:
+    monkeypatch.setattr(handoff, "POLL_MAX", 0.01)
+    h = Handoff(1)
+    h.put(0, timeout=1)
+    t = threading.Thread(target=lambda: h.put(1, timeout=120))
+    t.start()
+    wait_until(lambda: h.asleep, 30, "the reader to sleep")
+    assert h.get_nowait() == 0  # the loop's fast path through get_nowait: wakes nobody
+    assert h.get(timeout=30) == 1  # found the ring dry: woken, the reader refills
+    t.join(30)
 
 
 def test_a_message_reaches_a_waiting_loop_with_one_wake() -> None:
@@ -238,3 +253,23 @@ def test_a_next_that_finds_a_batch_is_one_python_frame(feeder) -> None:
             sys.setprofile(None)
         assert batch["step"] == 1
         assert calls == ["_Epoch.__next__"]
+
+
+def test_next_wakes_a_reader_that_slept_through_the_loops_absence(feeder, monkeypatch) -> None:
+    """A trainer back from an evaluation: once half the buffer is free, next() wakes
+    the sleeping reader, which refills it while the loop works, not once it is empty."""
+    monkeypatch.setattr(handoff, "POLL_MAX", 0.01)
+    kw = {"seq_len": 16, "batch_size": 4, "rank": 0, "world_size": 1, "prefetch": 4}
+    with FeederClient(feeder.address, dataset=FEEDER_DATASET, batches_per_message=1, **kw) as c:
+        it = iter(c)
+        next(it)
+        ring = c._epochs._queue
+        assert ring is not None
+        wait_until(lambda: ring.asleep, 30, "the reader to sleep on a full buffer")
+        assert ring.maxsize == 4
+        assert ring.qsize() == 4
+        assert next(it)["step"] == 1
+        assert ring.asleep  # 3 of 4 left: no wake-up in next() yet
+        assert next(it)["step"] == 2  # half the buffer free: woken
+        # woken, it refills at once; asleep, it would wait for its 10 s safety net
+        wait_until(lambda: ring.qsize() == ring.maxsize, 5, "the reader to refill")

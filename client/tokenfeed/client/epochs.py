@@ -381,6 +381,8 @@ class _Epoch:
             t0 = perf_counter()
             try:
                 item = q.pop()  # type: ignore[union-attr]
+                if q.asleep:  # type: ignore[union-attr]  # back from an absence: refill
+                    q.took()  # type: ignore[union-attr]
             except IndexError:  # the ring is empty: get() wakes the reader and waits
                 item = epochs._wait(q, reader, None if first else t0)  # type: ignore[arg-type]
             t1 = perf_counter()

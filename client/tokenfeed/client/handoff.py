@@ -12,30 +12,31 @@ was free (the ring stays full). These polls cost the reader ~0.25 ms of CPU per 
 step, and they are worth it: a reader that waited for half the ring to drain (a few
 wake-ups per refill) used a sixth of that, but the loop's `next()` then resumed on a
 colder core, ~6 us slower, and the stall at 5 ms steps grew (benchmarks/README.md,
-peers.py). The loop sets that Event only when it finds the ring empty, and the reader
-wakes a waiting loop at once (a token on a SimpleQueue), so an empty ring is refilled
-with no delay.
+peers.py). While the reader polls, the loop sets that Event only when it finds the
+ring empty, and the reader wakes a waiting loop at once (a token on a SimpleQueue), so
+an empty ring is refilled with no delay.
 
 Once the next poll would be longer than POLL_MAX (the ring has stayed full ~1.6 s: the
 trainer is away, in an evaluation or a checkpoint, or its steps are that long), the
-reader stops polling and sleeps until the loop finds the ring dry, so an idle client
-costs next to nothing (benchmarks/scale.py measures 64 of them). Back from its
-absence, the loop waits for one refill once it has drained the ring, as it did when
-the reader still polled once a second and the ring drained faster than that. (Those
-polls cost 0.015-0.04 of a core per 64 idle clients here, more on a busy machine;
-waking the reader from the loop at a low mark put a futex wake and a burst of
-refills into `next()`.)
+reader stops polling and sleeps (`asleep`), so an idle client costs next to nothing
+(benchmarks/scale.py measures 64 of them). Back from its absence, the loop wakes it
+once half the ring is free (`took`): one wake-up per absence, and the reader refills
+the ring while the loop works through the other half. (Polling once a second instead
+cost 0.015-0.04 of a core per 64 idle clients here, and a loop that drained the ring
+within that second waited 5-39 ms for a refill at its end; waking the reader at a
+low mark on every refill put a futex wake and a burst of refills into `next()`.)
 
 A reader hands over a message's batches together (`put_all`): an idle loop wakes once
 per message, not once per batch.
 
 Same subset of the `queue.Queue` interface the client uses: put(item, timeout),
 get(timeout), get_nowait(), qsize(), empty(); `queue.Full` / `queue.Empty` as there;
-and `pop()`, the loop's fast path.
+and `pop()`, the loop's fast path, after which the loop calls `took()` if `asleep`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -63,6 +64,14 @@ class Handoff:
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._room = threading.Event()  # the loop -> a reader waiting for room (ring empty)
         self._poll = POLL_MIN  # the reader's next wait for room: kept across put_all calls
+        # The reader sleeps until the loop makes room: took() after the loop's pops
+        # puts a token on `_alarm` (a C-level SimpleQueue: right after a long sleep an
+        # Event's set() cost the loop 1-3 ms here, a token 0.1-0.8 ms). Order
+        # makes it safe: the reader raises the flag, THEN looks at the ring once more
+        # before it sleeps; the loop pops, THEN reads the flag. A token left over (the
+        # reader woke at its deadline) only makes a later sleep look again.
+        self.asleep = False
+        self._alarm: queue.SimpleQueue[None] = queue.SimpleQueue()
         # The loop's fast path: the deque's own popleft, a C call with no Python frame
         # around it (after a training step's sleep each frame costs microseconds);
         # IndexError when the ring is empty, and then the loop calls get(), which wakes
@@ -95,12 +104,16 @@ class Handoff:
                     if left <= 0:
                         return done
                     poll = self._poll
-                    if poll > POLL_MAX:  # the trainer is away: sleep until the ring runs dry
-                        self._room.wait(left)
-                    else:
-                        self._room.wait(min(poll, left))
-                        self._poll = 2 * poll
+                    if poll > POLL_MAX:  # the trainer is away: sleep until it takes an item
+                        self.asleep = True
+                        if len(ring) >= maxsize:
+                            with contextlib.suppress(queue.Empty):
+                                self._alarm.get(timeout=left)
+                        self.asleep = False
+                        continue
+                    self._room.wait(min(poll, left))
                     self._room.clear()
+                    self._poll = 2 * poll
                 self._poll = POLL_MIN
             ring.append(item)
             done += 1
@@ -108,11 +121,26 @@ class Handoff:
             self._wake.put(None)
         return done
 
+    def took(self) -> None:
+        """The loop took an item while the reader sleeps (`asleep`): wake it once half
+        the ring is free. Not at the first item: right after the trainer's absence the
+        wake-up costs the loop ~1 ms here (the core is cold), a few items later ~10 us,
+        and half a ring is time enough for the refill."""
+        if len(self._items) <= self.maxsize // 2:
+            self.wake()
+
+    def wake(self) -> None:
+        """Wake a sleeping reader (`asleep`)."""
+        self.asleep = False
+        self._alarm.put(None)
+
     def get_nowait(self) -> Any:
         try:
             return self._items.popleft()  # atomic in CPython: no lock on the fast path
         except IndexError:
             self._room.set()  # the ring ran dry (or stop() emptied it): wake the reader
+            if self.asleep:
+                self.wake()
             raise queue.Empty from None
 
     def get(self, timeout: float) -> Any:
@@ -125,6 +153,8 @@ class Handoff:
             except IndexError:
                 pass
             self._room.set()  # the ring ran dry: wake a reader waiting for room
+            if self.asleep:
+                self.wake()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise queue.Empty
