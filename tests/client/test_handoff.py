@@ -152,9 +152,8 @@ class CountedEvent(threading.Event):
 def test_a_reader_whose_loop_is_away_sleeps_until_the_loop_takes_an_item(monkeypatch) -> None:
     """Once its polls for room would be longer than POLL_MAX, a reader on a full ring
     stops polling and says so (`asleep`; an idle client takes no CPU): room made by a
-    pop alone is not seen, the loop's wake() after it (next() calls it) refills at
-    once, and the reader's next wait for room polls again. A loop that finds the ring
-    dry wakes it too."""
+    pop alone is not seen, the loop's took() after it (next() calls it) wakes it once
+    half the ring is free, and the reader's next wait for room polls again."""
     monkeypatch.setattr(handoff, "POLL_MAX", 0.01)
     h = Handoff(2)
     h._room = room = CountedEvent()
