@@ -29,7 +29,7 @@ from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.feeders import FeederProcess
+from support.feeders import FeederProcess, scrape
 
 MiB = 1 << 20
 CHUNK = 1 << 24  # the default tokens per chunk
@@ -313,17 +313,8 @@ def feeder_cpu_per_batch(
 
 def batches_sent(metrics_port: int) -> float:
     """The feeder's tokenfeed_server_batches_sent, every series summed (its workers')."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text.decode())
-        for s in family.samples
-        if s.name == "tokenfeed_server_batches_sent_total"
-    )
+    samples = scrape(metrics_port).items()
+    return sum(v for (name, _), v in samples if name == "tokenfeed_server_batches_sent_total")
 
 
 def interleaved(cases: dict[str, Callable[[int], float]], repeats: int) -> dict[str, float]:

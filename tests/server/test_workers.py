@@ -12,19 +12,17 @@ import os
 import re
 import signal
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokenfeed.client import Backoff, FeederClient
 from tokenfeed.v1 import feeder_pb2 as pb
 from tokenfeed.v1 import feeder_pb2_grpc as pb_grpc
 
 from support import free_port, registered_series, wait_until
-from support.feeders import FEEDER_DATASET, FeederProcess, running_feeder
+from support.feeders import FEEDER_DATASET, FeederProcess, running_feeder, scrape
 from support.stores import make_positional_store
 
 FAST = Backoff(initial=0.05, maximum=0.5, deadline=60)
@@ -89,15 +87,6 @@ def connections(pid: int, port: int) -> int:
 
 def listeners(port: int) -> int:
     return len(_sockets(port, {"0A"}))
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def expected_starts(root: Path, dataset: str, world: int) -> list[list[int]]:

@@ -107,6 +107,20 @@ def running_feeder(data_root: Path, **config):
         f.stop()
 
 
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A feeder's /metrics on `port`: every sample by (name, sorted labels)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
 class FeederProcess:
     """`tokenfeed serve` in a subprocess: `--port 0 --port-file F`, waits until healthy.
 
