@@ -134,13 +134,17 @@ class Handoff:
         self.asleep = False
         self._alarm.put(None)
 
+    def _ran_dry(self) -> None:
+        """The loop found the ring empty: wake the reader, polling or asleep."""
+        self._room.set()
+        if self.asleep:
+            self.wake()
+
     def get_nowait(self) -> Any:
         try:
             return self._items.popleft()  # atomic in CPython: no lock on the fast path
         except IndexError:
-            self._room.set()  # the ring ran dry (or stop() emptied it): wake the reader
-            if self.asleep:
-                self.wake()
+            self._ran_dry()  # (or stop() emptied it)
             raise queue.Empty from None
 
     def get(self, timeout: float) -> Any:
@@ -152,9 +156,7 @@ class Handoff:
                 return items.popleft()
             except IndexError:
                 pass
-            self._room.set()  # the ring ran dry: wake a reader waiting for room
-            if self.asleep:
-                self.wake()
+            self._ran_dry()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise queue.Empty
